@@ -1,0 +1,107 @@
+"""Build the actor graph from a config: the public programmatic API.
+
+    import ray
+    from raytool.config import load_config
+    from actors.compose import build
+
+    ray.init()
+    graph = build(load_config(overrides=["model.path=tiny-random"]))
+    stats, trajs = graph.rollout(problems)        # or call any actor yourself:
+    out = ray.get(graph.manager.generate.remote(ids, SamplingParams(max_tokens=8), "req-0"))
+    graph.shutdown()
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import ray
+
+from actors.agent_worker import AgentLoopWorker
+from actors.common import actor_options
+from actors.llm_manager import LLMManager
+from actors.reward_worker import RewardWorker
+from actors.rollout_server import RolloutServer
+from actors.sandbox_pool import SandboxPool
+from actors.trainer import TrainerGroup
+from raytool.agent.loop import AgentLoopConfig
+from raytool.config import RunConfig
+from raytool.data.tool_arith import Problem, prompt_messages
+from raytool.models import resolve_model
+
+
+@dataclass
+class Graph:
+    cfg: RunConfig
+    model_path: str
+    servers: dict  # name -> RolloutServer
+    manager: object  # LLMManager
+    sandbox_pool: object  # SandboxPool
+    reward_workers: list
+    agent_workers: list
+    trainer: TrainerGroup | None
+    _next_worker: itertools.cycle = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._next_worker = itertools.cycle(self.agent_workers)
+
+    def submit_group(self, problem: Problem, group_id: str):
+        """Start one GRPO group on the next agent worker -> (trajectories ref, stats ref)."""
+        worker = next(self._next_worker)
+        return worker.run_group.remote(prompt_messages(problem, self.cfg.agent.system_prompt), problem.answer, group_id, self.cfg.rollout.n)
+
+    def rollout(self, problems: list[Problem], prefix: str = "g") -> tuple[list[dict], list]:
+        """Roll out every problem rollout.n times; returns (per-trajectory stats, trajectory refs)."""
+        refs = [self.submit_group(p, f"{prefix}{i}") for i, p in enumerate(problems)]
+        stats = ray.get([s for _, s in refs])
+        return [x for group in stats for x in group], [t for t, _ in refs]
+
+    def sync_weights(self, version: int) -> dict:
+        """Stream the trainer's weights to every rollout server; returns bytes and seconds."""
+        servers = list(self.servers.values())
+        addresses = ray.get([s.weight_address.remote() for s in servers])
+        receiving = [s.receive_weights.remote(version) for s in servers]
+        sent = ray.get(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20))
+        acks = ray.get(receiving)
+        return {"sent": sent[0], "acks": acks}
+
+    def shutdown(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()
+        for actor in [*self.agent_workers, *self.reward_workers, self.sandbox_pool, self.manager, *self.servers.values()]:
+            ray.kill(actor)
+
+
+def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = True) -> Graph:
+    """Start every actor of the run described by `cfg` (ray.init must have run)."""
+    model_path = model_path or resolve_model(cfg.model.path)
+    light = cfg.cluster.light_actor_cpus
+    r = cfg.rollout
+    servers = {
+        f"rollout-{i}": RolloutServer.options(**actor_options(r.num_cpus, r.num_gpus)).remote(
+            f"rollout-{i}", model_path, r.engine,
+            {"dtype": cfg.model.dtype, "max_batch_size": r.max_batch_size, "seed": cfg.trainer.seed + i},
+            cfg.cluster.torch_threads,
+        )
+        for i in range(r.num_servers)
+    }
+    manager = LLMManager.options(**actor_options(light)).remote(servers)
+    s = cfg.sandbox
+    sandbox_pool = SandboxPool.options(**actor_options(light)).remote(
+        s.backend, {"max_output_bytes": s.max_output_bytes}, s.max_concurrency, s.timeout_s, s.memory_mb
+    )
+    reward_workers = [RewardWorker.options(**actor_options(light)).remote(cfg.reward.fn) for _ in range(cfg.reward.num_workers)]
+    a = cfg.agent
+    loop_cfg = AgentLoopConfig(
+        max_turns=a.max_turns, max_response_tokens=a.max_response_tokens, max_tokens_per_turn=r.max_tokens_per_turn,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, tool_parser=a.tool_parser,
+    )
+    agent_workers = [
+        AgentLoopWorker.options(**actor_options(light)).remote(model_path, manager, sandbox_pool, reward_workers, loop_cfg, a.max_tool_output_chars)
+        for _ in range(a.num_workers)
+    ]
+    # Surface constructor failures (bad model path, bad reward fn ...) now, with their cause.
+    ray.get([srv.health.remote() for srv in servers.values()] + [w.__ray_ready__.remote() for w in [manager, sandbox_pool, *reward_workers, *agent_workers]])
+    trainer = TrainerGroup(cfg, model_path) if with_trainer else None
+    return Graph(cfg, model_path, servers, manager, sandbox_pool, reward_workers, agent_workers, trainer)

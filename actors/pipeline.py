@@ -1,0 +1,136 @@
+"""The driver: optional cold-start SFT, then the GRPO loop (rollout -> train -> weight sync -> log).
+
+`raytool train` runs `run()`; so does a `ray job submit ... -- raytool train ...` entrypoint, in
+which case RAY_ADDRESS points at the cluster and the driver attaches to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+
+import msgspec
+import ray
+from tqdm import tqdm
+
+from actors.compose import Graph, build
+from raytool.agent.render import ChatRenderer
+from raytool.config import RunConfig, to_yaml
+from raytool.data import PromptLoader, make_splits, sft_messages
+from raytool.models import resolve_model
+from raytool.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def connect(address: str | None) -> None:
+    """Attach to `address` (or RAY_ADDRESS), else start a private local Ray instance."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    ray.init(address=address or "local", log_to_driver=True)
+
+
+def rollout_metrics(stats: list[dict]) -> dict:
+    n = len(stats)
+    calls = sum(s["tool_calls"] for s in stats)
+    metrics = {
+        "reward/mean": sum(s["reward"] for s in stats) / n,
+        "acc/mean": sum(s["acc"] for s in stats) / n,
+        "response_length/mean": sum(s["response_length"] for s in stats) / n,
+        "generated_tokens/mean": sum(s["generated_tokens"] for s in stats) / n,
+        "num_turns/mean": sum(s["num_turns"] for s in stats) / n,
+        "tool/calls_per_traj": calls / n,
+        "tool/error_rate": sum(s["tool_errors"] for s in stats) / calls if calls else 0.0,
+        "rollout/trajectories": n,
+    }
+    for reason in sorted({s["finish_reason"] for s in stats}):
+        metrics[f"finish/{reason}"] = sum(s["finish_reason"] == reason for s in stats) / n
+    return metrics
+
+
+def _rollout(graph: Graph, problems, step: int, show_progress: bool) -> tuple[list[dict], list]:
+    refs = [graph.submit_group(p, f"s{step}g{i}") for i, p in enumerate(problems)]
+    stats_refs = [s for _, s in refs]
+    pending = list(stats_refs)
+    with tqdm(total=len(refs) * graph.cfg.rollout.n, desc=f"rollout step {step}", unit="traj", disable=not show_progress, leave=False) as bar:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            bar.update(graph.cfg.rollout.n * len(ready))
+    stats = [x for group in ray.get(stats_refs) for x in group]
+    return stats, [t for t, _ in refs]
+
+
+def run_sft(graph: Graph, cfg: RunConfig, train, tracker: Tracker) -> None:
+    from transformers import AutoTokenizer
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(graph.model_path))
+    rng = random.Random(cfg.trainer.seed)
+    t = cfg.trainer
+    for step in range(1, t.sft_warmup_steps + 1):
+        start = time.perf_counter()
+        batch = [renderer.sft_example(sft_messages(p, cfg.agent.system_prompt)) for p in rng.sample(train, t.sft_batch_size)]
+        metrics = graph.trainer.sft_step(batch, t.sft_lr)
+        metrics.update(step=step, **{"timing/step_s": time.perf_counter() - start})
+        tracker.log(metrics, phase="sft")
+
+
+def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None) -> Path:
+    """Train per `cfg`, writing config.yaml, metrics.jsonl, traces.jsonl and checkpoints to run_dir."""
+    run_dir = Path(run_dir) if run_dir else default_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    model_path = resolve_model(cfg.model.path)  # once, before any actor needs it
+    train, _val = make_splits(cfg.data.train_size, cfg.data.val_size, cfg.data.seed)
+    connect(address or cfg.cluster.address)
+    tracker = Tracker(run_dir, console=cfg.logging.console)
+    log.info("run directory: %s", run_dir.resolve())
+    graph = build(cfg, model_path)
+    try:
+        version = 0
+        if cfg.trainer.sft_warmup_steps:
+            run_sft(graph, cfg, train, tracker)
+            version += 1
+            graph.sync_weights(version)
+        loader = PromptLoader(train, cfg.data.prompts_per_step, seed=cfg.data.seed)
+        for step in range(1, cfg.trainer.total_steps + 1):
+            step_start = time.perf_counter()
+            stats, traj_refs = _rollout(graph, loader.next_batch(), step, cfg.logging.progress)
+            rollout_s = time.perf_counter() - step_start
+
+            train_start = time.perf_counter()
+            train_metrics = graph.trainer.rl_step(traj_refs)
+            train_s = time.perf_counter() - train_start
+
+            sync_start = time.perf_counter()
+            version += 1
+            sync = graph.sync_weights(version)
+            sync_s = time.perf_counter() - sync_start
+
+            metrics = {"step": step, **rollout_metrics(stats), **train_metrics}
+            metrics.update({
+                "timing/step_s": time.perf_counter() - step_start,
+                "timing/rollout_s": rollout_s,
+                "timing/train_s": train_s,
+                "timing/weight_sync_s": sync_s,
+                "weight_sync/bytes": sync["sent"]["bytes"],
+                "policy_version": version,
+            })
+            tracker.log(metrics)
+            if cfg.logging.trace_samples:
+                tracker.trace(step, ray.get(traj_refs[0])[: cfg.logging.trace_samples])
+        if cfg.trainer.save_final:
+            path = graph.trainer.save(str((run_dir / "checkpoints" / f"step_{cfg.trainer.total_steps}").resolve()))
+            log.info("final checkpoint: %s", path)
+    finally:
+        tracker.close()
+        graph.shutdown()
+    return run_dir

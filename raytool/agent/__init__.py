@@ -1,0 +1,1 @@
+"""The agent loop: tool-call parsers, token-exact chat rendering, and the multi-turn state machine."""

@@ -1,0 +1,51 @@
+"""The `raytool` command: train (GRPO with optional SFT warm-up) and config (print the resolved config)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from raytool.config import ConfigError, load_config, to_yaml
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="run config YAML (default: the embedded tiny CPU config)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=3 rollout.n=4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytool", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run SFT warm-up + GRPO on the configured task")
+    _config_args(train)
+    train.add_argument("--run-dir", help="where metrics, traces and checkpoints go (default: runs/<timestamp>)")
+    train.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local instance)")
+    show = sub.add_parser("config", help="print the resolved config as YAML")
+    _config_args(show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, OSError) as exc:
+        print(f"raytool: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        print(to_yaml(cfg), end="")
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from actors.pipeline import run  # lazy: the CLI's only import of the Ray layer
+
+    run_dir = run(cfg, args.run_dir, args.address)
+    print(f"run directory: {run_dir.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""The typed run config: every knob, its default and one line of help, in one place.
+
+A config is a YAML file whose sections mirror `RunConfig`; command-line overrides are dotted
+`section.key=value` pairs whose values are parsed as YAML scalars. The defaults below ARE the
+embedded default run (`examples/tiny_cpu.yaml` spells them out and a test keeps the two equal).
+Unknown keys and wrong types fail with one line naming the key and the expected type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and what was expected."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelConfig(_Section):
+    path: str = "smollm2-135m-instruct"  # built-in name (smollm2-135m-instruct, tiny-random) or HF checkpoint dir
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer and HF-engine weights
+
+
+class DataConfig(_Section):
+    task: Literal["tool_arith"] = "tool_arith"  # the dataset / task to train on
+    train_size: int = 2048  # generated problems in the train split
+    val_size: int = 64  # generated problems in the validation split
+    seed: int = 0  # task generation seed (train and val never overlap)
+    prompts_per_step: int = 4  # prompts per GRPO step (each sampled rollout.n times)
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf"] = "hf"  # rollout engine behind each RolloutServer
+    num_servers: int = 1  # RolloutServer replicas behind the LLMManager
+    n: int = 4  # samples per prompt (the GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    max_tokens_per_turn: int = 96  # generation budget of one assistant turn
+    max_batch_size: int = 64  # requests one engine batch may hold
+    num_cpus: float = 1.0  # Ray CPUs each server reserves
+    num_gpus: float = 0.0  # Ray GPUs each server reserves
+
+
+class AgentConfig(_Section):
+    max_turns: int = 3  # assistant turns per trajectory (a tool call + its output make one turn)
+    max_response_tokens: int = 384  # token budget of everything after the prompt
+    tool_parser: Literal["retool", "hermes"] = "retool"  # how tool calls are found in model text
+    max_tool_output_chars: int = 512  # longer tool output is cut (and marked) before the model sees it
+    num_workers: int = 1  # AgentLoopWorker actors
+    system_prompt: str | None = None  # None: the task's own system prompt
+
+
+class SandboxConfig(_Section):
+    backend: Literal["local"] = "local"  # where code runs
+    max_concurrency: int = 8  # cells running at once in one pool
+    timeout_s: float = 5.0  # wall-clock limit of one cell
+    memory_mb: int = 1024  # address-space limit of one cell
+    max_output_bytes: int = 8192  # stdout/stderr kept per cell
+
+
+class RewardConfig(_Section):
+    fn: str = "boxed_match"  # registered reward name or `path/to/file.py:function`
+    num_workers: int = 1  # RewardWorker actors
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: str = "grpo"  # registered advantage estimator
+    norm_adv_by_std: bool = True  # GRPO: divide by the group std (False: Dr. GRPO)
+    policy_loss: str = "ppo_clip"  # registered policy loss
+    clip_ratio_low: float = 0.2  # PPO epsilon below 1
+    clip_ratio_high: float = 0.28  # PPO epsilon above 1 (DAPO clip-higher)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches: int = 1  # optimizer steps per pass
+
+
+class TrainerConfig(_Section):
+    total_steps: int = 6  # GRPO steps
+    lr: float = 2e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 4096  # token budget of one forward/backward micro-batch
+    num_workers: int = 1  # TrainerWorker actors (data parallel, FSDP2 when > 1)
+    num_cpus: float = 1.0  # Ray CPUs each trainer worker reserves
+    num_gpus: float = 0.0  # Ray GPUs each trainer worker reserves
+    seed: int = 0
+    sft_warmup_steps: int = 24  # cold-start SFT steps on the task's traces before GRPO (0: none)
+    sft_batch_size: int = 8
+    sft_lr: float = 1e-4
+    save_final: bool = True  # write an HF checkpoint at the end of the run
+    weight_sync_bucket_mb: int = 64  # size of one ZMQ weight bucket
+
+
+class LoggingConfig(_Section):
+    console: bool = True  # one line per step on stderr
+    trace_samples: int = 2  # full trajectories written to traces.jsonl each step
+    progress: bool = True  # progress bar while rolling out
+
+
+class ClusterConfig(_Section):
+    address: str | None = None  # Ray address; None: RAY_ADDRESS if set, else a new local instance
+    torch_threads: int = 0  # intra-op threads of engine and trainer actors (0: the machine's cores)
+    light_actor_cpus: float = 0.0  # Ray CPUs of manager, agent, sandbox and reward actors
+
+
+class RunConfig(_Section):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
+    sandbox: SandboxConfig = msgspec.field(default_factory=SandboxConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+
+
+def _error_from_msgspec(err: msgspec.ValidationError, source: str) -> ConfigError:
+    # msgspec says e.g. "Expected `int`, got `str` - at `$.trainer.total_steps`".
+    text = str(err)
+    msg, _, where = text.rpartition(" - at `")
+    if not msg:
+        return ConfigError(f"{source}: {text}")
+    key = where.rstrip("`").removeprefix("$").lstrip(".") or "<root>"
+    if msg.startswith("Object contains unknown field"):
+        field = msg.split("`")[1]
+        full = f"{key}.{field}" if key != "<root>" else field
+        return ConfigError(f"{source}: unknown config key '{full}'")
+    return ConfigError(f"{source}: config key '{key}': {msg[0].lower()}{msg[1:]}")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`trainer.total_steps=3` -> (["trainer", "total_steps"], 3); the value is a YAML scalar."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}': expected section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{item}': value is not valid YAML ({exc.problem})") from None
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{'.'.join(path[: i + 1])}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def from_dict(raw: dict, source: str = "config") -> RunConfig:
+    try:
+        return msgspec.convert(raw, RunConfig)
+    except msgspec.ValidationError as err:
+        raise _error_from_msgspec(err, source) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config (None: the embedded default) and apply dotted overrides."""
+    raw: dict = {}
+    source = "default config"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of config sections, got {type(raw).__name__}")
+    cfg = from_dict(apply_overrides(raw, list(overrides)), source)
+    validate(cfg, source)
+    return cfg
+
+
+def validate(cfg: RunConfig, source: str = "config") -> None:
+    """Checks across keys that types alone cannot express."""
+    positive = {
+        "rollout.n": cfg.rollout.n,
+        "rollout.num_servers": cfg.rollout.num_servers,
+        "rollout.max_tokens_per_turn": cfg.rollout.max_tokens_per_turn,
+        "agent.max_turns": cfg.agent.max_turns,
+        "agent.num_workers": cfg.agent.num_workers,
+        "data.prompts_per_step": cfg.data.prompts_per_step,
+        "trainer.num_workers": cfg.trainer.num_workers,
+        "trainer.micro_batch_tokens": cfg.trainer.micro_batch_tokens,
+        "sandbox.max_concurrency": cfg.sandbox.max_concurrency,
+        "reward.num_workers": cfg.reward.num_workers,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{source}: config key '{key}': expected a positive integer, got {value}")
+    if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:
+        raise ConfigError(f"{source}: config key 'trainer.total_steps'/'trainer.sft_warmup_steps' must be >= 0")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False)

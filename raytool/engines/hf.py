@@ -1,0 +1,171 @@
+"""The HF transformers engine: batched `generate` behind the RolloutEngine protocol.
+
+Requests that arrive while a batch runs wait and go out together in the next one (static
+batching, grouped by sampling settings); each is cut at its own stop token or token budget.
+It exists for fast tests and as a fallback; vLLM is the engine for real runs.
+Log-probs are of the sampled token under softmax(logits / temperature) (raw logits when greedy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from raytool.types import SamplingParams, TokenOutput
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    request_id: str
+    future: asyncio.Future = field(repr=False)
+
+    @property
+    def batch_key(self) -> tuple:
+        s = self.sampling
+        return (s.temperature, s.top_p, s.top_k, s.stop_token_ids)
+
+
+class HFEngine:
+    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 64, seed: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device).eval()
+        self.pad_id = self.model.config.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.model.config.eos_token_id
+        self.default_stop = self.model.config.eos_token_id
+        self.max_batch_size = max_batch_size
+        self.policy_version = 0
+        self.asleep = False
+        self._pending: list[_Request] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._weights_lock = threading.Lock()  # load_weights never overlaps a forward pass
+        torch.manual_seed(seed)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+        if self.asleep:
+            raise RuntimeError("HFEngine is asleep: call wake_up() before generate()")
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.create_task(self._batch_loop())
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(list(prompt_ids), sampling, request_id, future))
+        self._wakeup.set()
+        return await future
+
+    async def _batch_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                key = self._pending[0].batch_key
+                batch = [r for r in self._pending if r.batch_key == key][: self.max_batch_size]
+                taken = {id(r) for r in batch}
+                self._pending = [r for r in self._pending if id(r) not in taken]
+                try:
+                    outputs = await asyncio.to_thread(self._generate_batch, batch)
+                except Exception as exc:  # every waiter learns why its request failed
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(exc)
+                    continue
+                for r, out in zip(batch, outputs):
+                    if not r.future.done():
+                        r.future.set_result(out)
+
+    @torch.no_grad()
+    def _generate_batch(self, batch: list[_Request]) -> list[TokenOutput]:
+        s = batch[0].sampling
+        width = max(len(r.prompt_ids) for r in batch)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding: every prompt ends where generation starts
+            input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            attention[i, width - len(r.prompt_ids):] = 1
+        stop_ids = list(s.stop_token_ids) or [self.default_stop]
+        greedy = s.temperature <= 0
+        kwargs = dict(
+            max_new_tokens=max(r.sampling.max_tokens for r in batch),
+            do_sample=not greedy,
+            eos_token_id=stop_ids,
+            pad_token_id=self.pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        if not greedy:
+            kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0)
+        with self._weights_lock:
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), **kwargs
+            )
+        new = out.sequences[:, width:].cpu()
+        scale = 1.0 if greedy else s.temperature
+        logprobs = torch.stack(
+            [torch.log_softmax(step.float() / scale, -1).gather(-1, new[:, t : t + 1].to(step.device)).squeeze(-1).cpu()
+             for t, step in enumerate(out.logits)],
+            dim=1,
+        )
+        results = []
+        stops = set(stop_ids)
+        for i, r in enumerate(batch):
+            ids = new[i].tolist()[: r.sampling.max_tokens]
+            finish = "length"
+            for t, tok in enumerate(ids):
+                if tok in stops:
+                    ids, finish = ids[: t + 1], "stop"
+                    break
+            results.append(
+                TokenOutput(token_ids=ids, logprobs=logprobs[i, : len(ids)].tolist(), finish_reason=finish, policy_version=self.policy_version)
+            )
+        return results
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request that has not started; a request inside a running batch finishes normally."""
+        for r in self._pending:
+            if r.request_id == request_id:
+                self._pending.remove(r)
+                r.future.set_result(TokenOutput([], [], "abort", policy_version=self.policy_version))
+                return True
+        return False
+
+    # -- weights and memory --------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors into the model by HF parameter name; returns how many were loaded."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        loaded = 0
+        with self._weights_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise KeyError(f"weight '{name}' does not exist in the rollout model")
+                params[name].copy_(tensor.to(params[name].dtype))
+                loaded += 1
+        return loaded
+
+    async def sleep(self) -> None:
+        """Release accelerator memory (weights move to host); generate() is refused until wake_up()."""
+        self.asleep = True
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache() if self.device.type == "cuda" else None
+
+    async def wake_up(self) -> None:
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+        self.asleep = False

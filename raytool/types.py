@@ -1,0 +1,89 @@
+"""Wire types: msgspec Structs for everything that crosses a process, actor or file boundary."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How one generate call samples. `stop_token_ids` end generation and are kept in the output."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class TokenOutput(msgspec.Struct):
+    """What an engine returns: the sampled ids verbatim and the log-prob of each under the sampler."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    server: str = ""  # which rollout server produced it (for metrics and debugging)
+    policy_version: int = 0
+
+
+class ToolCall(msgspec.Struct):
+    name: str
+    arguments: dict
+
+
+class Message(msgspec.Struct, omit_defaults=True):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+ExecStatus = Literal["ok", "error", "timeout", "oom", "killed", "infra_error"]
+
+
+class ExecResult(msgspec.Struct):
+    status: ExecStatus
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = None
+    duration_s: float = 0.0
+    truncated: bool = False
+
+
+class Trajectory(msgspec.Struct):
+    """One finished rollout: the prompt, every token after it, and which of those the loss sees.
+
+    `response_ids` are the generated tokens and the tool-observation tokens in order;
+    `response_mask` is 1 on generated tokens and 0 on observation tokens; `rollout_logprobs` is
+    the engine's log-prob of each response token (0.0 on observation tokens).
+    """
+
+    uid: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    rollout_logprobs: list[float]
+    messages: list[Message]
+    ground_truth: str
+    reward: float = 0.0
+    reward_extra: dict = {}
+    num_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    finish_reason: str = ""
+    policy_version: int = 0
+
+    @property
+    def response_text_messages(self) -> list[Message]:
+        return [m for m in self.messages if m.role == "assistant"]
+
+
+class SFTExample(msgspec.Struct):
+    """A tokenized supervised example: loss on positions where `loss_mask` is 1."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
