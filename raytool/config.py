@@ -8,11 +8,27 @@ Unknown keys and wrong types fail with one line naming the key and the expected 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-5` as a string; accept scientific notation without a dot as a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
 class ConfigError(ValueError):
@@ -124,18 +140,32 @@ class RunConfig(_Section):
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
 
+def _allowed_values(key: str) -> list | None:
+    """The choices of a Literal-typed key such as 'agent.tool_parser', for error messages."""
+    import typing
+
+    node: Any = RunConfig
+    for part in key.split("."):
+        hints = typing.get_type_hints(node) if isinstance(node, type) else {}
+        if part not in hints:
+            return None
+        node = hints[part]
+    return list(typing.get_args(node)) if typing.get_origin(node) is Literal else None
+
+
 def _error_from_msgspec(err: msgspec.ValidationError, source: str) -> ConfigError:
-    # msgspec says e.g. "Expected `int`, got `str` - at `$.trainer.total_steps`".
-    text = str(err)
-    msg, _, where = text.rpartition(" - at `")
-    if not msg:
-        return ConfigError(f"{source}: {text}")
-    key = where.rstrip("`").removeprefix("$").lstrip(".") or "<root>"
+    # msgspec says e.g. "Expected `int`, got `str` - at `$.trainer.total_steps`" (no "at" at the root).
+    msg, sep, where = str(err).rpartition(" - at `")
+    if not sep:
+        msg, where = str(err), "$`"
+    key = where.rstrip("`").removeprefix("$").lstrip(".")
     if msg.startswith("Object contains unknown field"):
         field = msg.split("`")[1]
-        full = f"{key}.{field}" if key != "<root>" else field
-        return ConfigError(f"{source}: unknown config key '{full}'")
-    return ConfigError(f"{source}: config key '{key}': {msg[0].lower()}{msg[1:]}")
+        return ConfigError(f"{source}: unknown config key '{f'{key}.{field}' if key else field}'")
+    allowed = _allowed_values(key)
+    if allowed is not None:
+        msg += f"; expected one of {allowed}"
+    return ConfigError(f"{source}: config key '{key or '<root>'}': {msg[0].lower()}{msg[1:]}")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -144,7 +174,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}': expected section.key=value")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _yaml_load(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override '{item}': value is not valid YAML ({exc.problem})") from None
     return key.split("."), value
@@ -181,7 +211,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = _yaml_load(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(raw, dict):

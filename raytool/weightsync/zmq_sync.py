@@ -32,6 +32,7 @@ class BucketHeader(msgspec.Struct, array_like=True):
     tensors: list[TensorMeta]
 
 
+_ALIGN = 64  # every tensor starts at a multiple of this in its bucket, so any dtype can view it
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(BucketHeader).decode
 
@@ -66,7 +67,7 @@ class WeightSender:
                 sock.send_multipart([header, frame], copy=False)
             except zmq.Again:
                 raise TimeoutError(f"weight sync v{version}: a receiver did not take bucket {index} in time") from None
-        return payload.numel()
+        return payload.numel()  # bytes on the wire, alignment padding included
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         """Stream every tensor to every receiver; returns bytes, buckets and seconds."""
@@ -81,6 +82,10 @@ class WeightSender:
                 total += self._flush(version, index, False, metas, chunks)
                 index += 1
                 metas, chunks, used = [], [], 0
+            if used % _ALIGN:
+                pad = _ALIGN - used % _ALIGN
+                chunks.append(torch.zeros(pad, dtype=torch.uint8))
+                used += pad
             metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), used, data.numel()))
             chunks.append(data)
             used += data.numel()

@@ -1,0 +1,113 @@
+"""Shared fixtures: the tiny model and its tokenizer, and ONE Ray cluster per test session.
+
+Markers: `integration` (starts Ray, an engine or a server process) and `gpu` (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from raytool.models import resolve_model
+
+    return resolve_model("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def renderer(tokenizer):
+    from raytool.agent.render import ChatRenderer
+
+    return ChatRenderer(tokenizer)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayCluster:
+    """A head node started like a user would (`ray start --head`), with token auth on."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.dashboard_port = free_port()
+        bin_dir = str(Path(sys.executable).parent)
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+        self.address = f"127.0.0.1:{self.port}"
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        ray_cli = shutil.which("ray", path=self.env["PATH"])
+        self.proc = subprocess.Popen(
+            [ray_cli, "start", "--head", "--block", f"--port={self.port}", "--num-cpus=2",
+             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+             "--disable-usage-stats"],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 120.0) -> None:
+        import urllib.request
+
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"`ray start --head` exited with code {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError("Ray head did not come up in time")
+
+    def stop(self) -> None:
+        self.proc.terminate()  # `ray start --block` stops the head's processes when it ends
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    os.environ["RAY_AUTH_MODE"] = "token"
+    cluster = RayCluster()
+    import ray
+
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.stop()
