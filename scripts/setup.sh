@@ -16,7 +16,8 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/raytool
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+# pip, minus the noise of find-links/index locations this machine's pip config may name.
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
 pip install -q --upgrade pip wheel
 # The CPU build of torch first, so nothing later pulls the CUDA wheels from the registry.

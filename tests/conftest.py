@@ -74,12 +74,20 @@ class RayCluster:
         self.proc = subprocess.Popen(
             [ray_cli, "start", "--head", "--block", f"--port={self.port}", "--num-cpus=2",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-             "--disable-usage-stats"],
+             # every port of its own, so another Ray on this machine cannot collide with it
+             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+             f"--ray-client-server-port={free_port()}", "--disable-usage-stats"],
             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except Exception:
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout_s: float = 120.0) -> None:
+        import urllib.error
         import urllib.request
 
         deadline = time.time() + timeout_s
@@ -89,6 +97,8 @@ class RayCluster:
             try:
                 with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2):
                     return
+            except urllib.error.HTTPError:  # it answered (401 without the token): it is up
+                return
             except OSError:
                 time.sleep(1)
         raise TimeoutError("Ray head did not come up in time")
