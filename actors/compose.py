@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import ray
+from tqdm import tqdm
 
 from actors.agent_worker import AgentLoopWorker
 from actors.common import actor_options
@@ -51,10 +52,18 @@ class Graph:
         worker = next(self._next_worker)
         return worker.run_group.remote(prompt_messages(problem, self.cfg.agent.system_prompt), problem.answer, group_id, self.cfg.rollout.n)
 
-    def rollout(self, problems: list[Problem], prefix: str = "g") -> tuple[list[dict], list]:
-        """Roll out every problem rollout.n times; returns (per-trajectory stats, trajectory refs)."""
+    def rollout(self, problems: list[Problem], prefix: str = "g", progress: bool = False) -> tuple[list[dict], list]:
+        """Roll out every problem rollout.n times; returns (per-trajectory stats, one trajectories
+        ref per problem). The trajectories stay in the object store until someone asks."""
         refs = [self.submit_group(p, f"{prefix}{i}") for i, p in enumerate(problems)]
-        stats = ray.get([s for _, s in refs])
+        stats_refs = [s for _, s in refs]
+        n = self.cfg.rollout.n
+        with tqdm(total=len(refs) * n, desc=f"rollout {prefix}", unit="traj", disable=not progress, leave=False) as bar:
+            pending = list(stats_refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                bar.update(n * len(ready))
+        stats = ray.get(stats_refs)
         return [x for group in stats for x in group], [t for t, _ in refs]
 
     def sync_weights(self, version: int) -> dict:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import msgspec
 import ray
-from tqdm import tqdm
 
 from actors.compose import Graph, build
 from raytool.agent.render import ChatRenderer
@@ -57,18 +56,6 @@ def rollout_metrics(stats: list[dict]) -> dict:
     return metrics
 
 
-def _rollout(graph: Graph, problems, step: int, show_progress: bool) -> tuple[list[dict], list]:
-    refs = [graph.submit_group(p, f"s{step}g{i}") for i, p in enumerate(problems)]
-    stats_refs = [s for _, s in refs]
-    pending = list(stats_refs)
-    with tqdm(total=len(refs) * graph.cfg.rollout.n, desc=f"rollout step {step}", unit="traj", disable=not show_progress, leave=False) as bar:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            bar.update(graph.cfg.rollout.n * len(ready))
-    stats = [x for group in ray.get(stats_refs) for x in group]
-    return stats, [t for t, _ in refs]
-
-
 def run_sft(graph: Graph, cfg: RunConfig, train, tracker: Tracker) -> None:
     from transformers import AutoTokenizer
 
@@ -103,7 +90,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
         loader = PromptLoader(train, cfg.data.prompts_per_step, seed=cfg.data.seed)
         for step in range(1, cfg.trainer.total_steps + 1):
             step_start = time.perf_counter()
-            stats, traj_refs = _rollout(graph, loader.next_batch(), step, cfg.logging.progress)
+            stats, traj_refs = graph.rollout(loader.next_batch(), f"step{step}-", cfg.logging.progress)
             rollout_s = time.perf_counter() - step_start
 
             train_start = time.perf_counter()

@@ -53,8 +53,8 @@ class TrainerWorker:
         """Rank 0 streams; the other ranks take part in gathering full tensors from their shards."""
         weights = self.trainer.named_weights()
         if self.rank != 0:
-            for _ in weights:
-                pass
+            for _ in weights:  # each step of the iteration is an all-gather rank 0 waits on
+                continue
             return {}
         key = (tuple(addresses), bucket_bytes)
         if self.sender is None or self._sender_key != key:

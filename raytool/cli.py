@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from actors.pipeline import run  # lazy: the CLI's only import of the Ray layer
 
     run_dir = run(cfg, args.run_dir, args.address)

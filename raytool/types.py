@@ -77,10 +77,6 @@ class Trajectory(msgspec.Struct):
     finish_reason: str = ""
     policy_version: int = 0
 
-    @property
-    def response_text_messages(self) -> list[Message]:
-        return [m for m in self.messages if m.role == "assistant"]
-
 
 class SFTExample(msgspec.Struct):
     """A tokenized supervised example: loss on positions where `loss_mask` is 1."""

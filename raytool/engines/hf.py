@@ -163,7 +163,8 @@ class HFEngine:
         self.asleep = True
         if self.device.type != "cpu":
             self.model.to("cpu")
-            torch.cuda.empty_cache() if self.device.type == "cuda" else None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     async def wake_up(self) -> None:
         if self.device.type != "cpu":

@@ -194,9 +194,13 @@ class Trainer:
     # -- weights and checkpoints -----------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter by HF name (tied weights once), full tensors, for weight sync."""
+        """Every parameter by HF name (tied weights once), as full tensors, for weight sync.
+
+        Under FSDP2 gathering a full tensor is a collective: every rank must iterate this.
+        """
         for name, param in self.model.named_parameters():
-            yield name, param.detach()
+            param = param.detach()
+            yield name, param.full_tensor() if hasattr(param, "full_tensor") else param
 
     def save(self, directory: str | Path) -> Path:
         """An HF checkpoint (safetensors + tokenizer) plus optimizer and trainer state."""

@@ -37,11 +37,6 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(BucketHeader).decode
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    # FSDP2 shards are DTensors: gather the whole tensor before sending.
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
 
@@ -76,7 +71,6 @@ class WeightSender:
         chunks: list[torch.Tensor] = []
         used = total = index = 0
         for name, tensor in named_tensors:
-            tensor = _full(tensor)
             data = _as_bytes(tensor)
             if chunks and used + data.numel() > self.bucket_bytes:
                 total += self._flush(version, index, False, metas, chunks)

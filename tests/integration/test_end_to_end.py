@@ -86,3 +86,31 @@ def test_train_as_a_ray_job(ray_cluster, tmp_path):
 
     assert JobSubmissionClient(ray_cluster.dashboard).get_job_status(submission) == JobStatus.SUCCEEDED
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2 + 1  # 2 SFT + 1 GRPO
+
+
+def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path):
+    import ray
+    import torch
+    from safetensors.torch import load_file
+
+    from actors.compose import build
+    from raytool.types import Trajectory
+
+    cfg = load_config(None, TINY + ["trainer.num_workers=2", "trainer.num_cpus=0.5", "rollout.num_cpus=0.5", "trainer.lr=1e-2"])
+    graph = build(cfg)
+    try:
+        def traj(uid, resp, reward):
+            return Trajectory(uid=uid, group_id="g", prompt_ids=[1, 2, 3], response_ids=resp, response_mask=[1] * len(resp),
+                              rollout_logprobs=[0.0] * len(resp), messages=[], ground_truth="", reward=reward)
+
+        batch = ray.put([traj("a", [5, 6, 7], 1.0), traj("b", [8, 9], 0.0), traj("c", [5, 6], 1.0), traj("d", [9, 9, 9], 0.0)])
+        metrics = graph.trainer.rl_step([batch])
+        assert metrics["actor/grad_norm"] > 0
+        acks = graph.sync_weights(version=4)["acks"]
+        assert acks[0]["tensors"] > 0
+        saved = load_file(Path(graph.trainer.save(str(tmp_path / "ckpt"))) / "model.safetensors")
+        base = load_file(Path(graph.model_path) / "model.safetensors")
+        name = "model.layers.0.mlp.up_proj.weight"
+        assert saved[name].shape == base[name].shape and not torch.equal(saved[name], base[name])
+    finally:
+        graph.shutdown()
