@@ -52,13 +52,14 @@ class Graph:
         worker = next(self._next_worker)
         return worker.run_group.remote(prompt_messages(problem, self.cfg.agent.system_prompt), problem.answer, group_id, self.cfg.rollout.n)
 
-    def rollout(self, problems: list[Problem], prefix: str = "g", progress: bool = False) -> tuple[list[dict], list]:
+    def rollout(self, problems: list[Problem], prefix: str = "g", progress: str | None = None) -> tuple[list[dict], list]:
         """Roll out every problem rollout.n times; returns (per-trajectory stats, one trajectories
-        ref per problem). The trajectories stay in the object store until someone asks."""
+        ref per problem). The trajectories stay in the object store until someone asks.
+        `progress`: the label of a progress bar on stderr (None: no bar)."""
         refs = [self.submit_group(p, f"{prefix}{i}") for i, p in enumerate(problems)]
         stats_refs = [s for _, s in refs]
         n = self.cfg.rollout.n
-        with tqdm(total=len(refs) * n, desc=f"rollout {prefix}", unit="traj", disable=not progress, leave=False) as bar:
+        with tqdm(total=len(refs) * n, desc=progress, unit="traj", disable=progress is None, leave=False) as bar:
             pending = list(stats_refs)
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)

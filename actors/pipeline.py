@@ -90,7 +90,9 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
         loader = PromptLoader(train, cfg.data.prompts_per_step, seed=cfg.data.seed)
         for step in range(1, cfg.trainer.total_steps + 1):
             step_start = time.perf_counter()
-            stats, traj_refs = graph.rollout(loader.next_batch(), f"step{step}-", cfg.logging.progress)
+            stats, traj_refs = graph.rollout(
+                loader.next_batch(), f"s{step}g", f"rollout step {step}" if cfg.logging.progress else None
+            )
             rollout_s = time.perf_counter() - step_start
 
             train_start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Metrics and traces of a run: metrics.jsonl (one object per step), a console line, traces.jsonl."""
+"""Metrics and traces of a run: metrics.jsonl (one object per GRPO step), sft_metrics.jsonl (one per
+SFT warm-up step), a console line per step, and traces.jsonl (sampled full trajectories)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,15 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._files = {
+            "grpo": open(self.run_dir / "metrics.jsonl", "a", buffering=1),
+            "sft": open(self.run_dir / "sft_metrics.jsonl", "a", buffering=1),
+        }
         self._traces = open(self.run_dir / "traces.jsonl", "a", buffering=1)
 
     def log(self, metrics: dict, phase: str = "grpo") -> None:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
-        self._metrics.write(json.dumps(clean) + "\n")
+        self._files[phase].write(json.dumps(clean) + "\n")
         if self.console:
             parts = [f"[{phase} step {metrics.get('step')}]"]
             keys = _CONSOLE_KEYS if phase == "grpo" else [(k, k.split("/")[-1]) for k in sorted(metrics) if k.startswith("sft/")]
@@ -42,5 +46,6 @@ class Tracker:
             self._traces.write(json.dumps({"step": step, **msgspec.to_builtins(t)}) + "\n")
 
     def close(self) -> None:
-        self._metrics.close()
+        for f in self._files.values():
+            f.close()
         self._traces.close()

@@ -18,6 +18,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Token auth for the session's cluster (the safe default of a job API). Ray reads this when it is
+# first imported, so it is set here, before any test module imports ray.
+os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -113,11 +116,12 @@ class RayCluster:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "token"
-    cluster = RayCluster()
     import ray
 
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.stop()
+    cluster = RayCluster()
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.stop()

@@ -31,7 +31,8 @@ def test_tiny_training_run_writes_metrics_and_checkpoint(ray_cluster, tmp_path):
     cfg = load_config(REPO / "examples" / "tiny_cpu.yaml", TINY)
     run_dir = run(cfg, tmp_path / "run")
     grpo = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    grpo = [m for m in grpo if "reward/mean" in m]
+    sft = [json.loads(line) for line in (run_dir / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in sft] == [1, 2] and all(m["sft/loss"] > 0 for m in sft)
     assert [m["step"] for m in grpo] == [1, 2]
     for m in grpo:
         assert REQUIRED_KEYS <= m.keys()
@@ -54,10 +55,11 @@ def test_readme_composition_example_runs(ray_cluster):
     assert len(stats) == 2 * 2 and all(s["response_length"] > 0 for s in stats)
 
 
-def test_weight_sync_reaches_the_rollout_servers(ray_cluster):
+def test_weight_sync_fan_out_and_ejection_of_a_dead_server(ray_cluster):
     import ray
 
     from actors.compose import build
+    from raytool.types import SamplingParams
 
     cfg = load_config(None, TINY + ["rollout.num_servers=2", "rollout.num_cpus=0.5", "trainer.num_cpus=0.5"])
     graph = build(cfg)
@@ -67,6 +69,12 @@ def test_weight_sync_reaches_the_rollout_servers(ray_cluster):
         assert all(a["tensors"] > 0 and a["version"] == 9 for a in result["acks"])
         health = ray.get([s.health.remote() for s in graph.servers.values()])
         assert {h["policy_version"] for h in health} == {9}
+        # A server dies: the manager ejects it and every request still gets an answer.
+        ray.kill(graph.servers["rollout-0"])
+        outs = ray.get([graph.manager.generate.remote([1, 2, 3], SamplingParams(max_tokens=4), f"r{i}", f"s{i}") for i in range(4)])
+        assert all(o.server == "rollout-1" and len(o.token_ids) == 4 for o in outs)
+        stats = ray.get(graph.manager.stats.remote())
+        assert "rollout-0" in stats["ejected"] and stats["in_flight"] == {"rollout-0": 0, "rollout-1": 0}
     finally:
         graph.shutdown()
 
@@ -85,7 +93,8 @@ def test_train_as_a_ray_job(ray_cluster, tmp_path):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     assert JobSubmissionClient(ray_cluster.dashboard).get_job_status(submission) == JobStatus.SUCCEEDED
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2 + 1  # 2 SFT + 1 GRPO
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    assert len((run_dir / "sft_metrics.jsonl").read_text().splitlines()) == 2
 
 
 def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path):
