@@ -99,7 +99,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     manager = LLMManager.options(**actor_options(light)).remote(servers)
     s = cfg.sandbox
     sandbox_pool = SandboxPool.options(**actor_options(light)).remote(
-        s.backend, {"max_output_bytes": s.max_output_bytes}, s.max_concurrency, s.timeout_s, s.memory_mb
+        s.backend, {"max_output_bytes": s.max_output_bytes}, s.max_concurrency, s.timeout_s, s.memory_mb, s.retries
     )
     reward_workers = [RewardWorker.options(**actor_options(light)).remote(cfg.reward.fn) for _ in range(cfg.reward.num_workers)]
     a = cfg.agent

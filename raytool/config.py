@@ -80,6 +80,7 @@ class SandboxConfig(_Section):
     timeout_s: float = 5.0  # wall-clock limit of one cell
     memory_mb: int = 1024  # address-space limit of one cell
     max_output_bytes: int = 8192  # stdout/stderr kept per cell
+    retries: int = 1  # re-runs of a cell whose backend failed (infra_error), not of failing code
 
 
 class RewardConfig(_Section):
