@@ -123,3 +123,28 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
         assert saved[name].shape == base[name].shape and not torch.equal(saved[name], base[name])
     finally:
         graph.shutdown()
+
+
+def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster, tmp_path, tokenizer):
+    """The default model, a short cold-start SFT, one GRPO step: real multi-turn tool use."""
+    from actors.pipeline import run
+
+    cfg = load_config(None, [
+        "trainer.sft_warmup_steps=10", "trainer.total_steps=1", "data.prompts_per_step=2", "rollout.n=2",
+        "trainer.save_final=false", "logging.trace_samples=2", "rollout.temperature=0.7",
+    ])
+    run_dir = run(cfg, tmp_path / "smol")
+    (metrics,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["tool/calls_per_traj"] > 0
+    traces = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
+    with_tool = [t for t in traces if t["tool_calls"] > 0 and 0 in t["response_mask"]]
+    assert with_tool, "no traced trajectory called the tool"
+    t = with_tool[0]
+    mask, ids = t["response_mask"], t["response_ids"]
+    assert len(mask) == len(ids) == len(t["rollout_logprobs"]) and mask[0] == 1 and mask[-1] == 1
+    masked_text = tokenizer.decode([i for i, m in zip(ids, mask) if m == 0])
+    tool_outputs = [m["content"] for m in t["messages"] if m["role"] == "tool"]
+    assert masked_text.startswith("\n<|im_start|>tool\n") and all(out in masked_text for out in tool_outputs)
+    # Generated tokens carry the engine's log-probs; observation tokens carry none.
+    assert all(lp == 0.0 for lp, m in zip(t["rollout_logprobs"], mask) if m == 0)
+    assert any(lp < 0.0 for lp, m in zip(t["rollout_logprobs"], mask) if m == 1)
