@@ -72,10 +72,10 @@ def run_sft(graph: Graph, cfg: RunConfig, train, tracker: Tracker) -> None:
 
 def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None) -> Path:
     """Train per `cfg`, writing config.yaml, metrics.jsonl, traces.jsonl and checkpoints to run_dir."""
+    model_path = resolve_model(cfg.model.path)  # once, before any actor needs it (and fails first)
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    model_path = resolve_model(cfg.model.path)  # once, before any actor needs it
     train, _val = make_splits(cfg.data.train_size, cfg.data.val_size, cfg.data.seed)
     connect(address or cfg.cluster.address)
     tracker = Tracker(run_dir, console=cfg.logging.console)

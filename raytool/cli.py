@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from actors.pipeline import run  # lazy: the CLI's only import of the Ray layer
 
-    run_dir = run(cfg, args.run_dir, args.address)
+    try:
+        run_dir = run(cfg, args.run_dir, args.address)
+    except FileNotFoundError as exc:  # a model path or data file that is not there: one line, no trace
+        print(f"raytool: {exc}", file=sys.stderr)
+        return 2
     print(f"run directory: {run_dir.resolve()}")
     return 0
 
