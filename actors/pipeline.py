@@ -76,11 +76,12 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    # The validation split is held out of train here; evaluating on it is not part of this loop yet.
     train, _val = make_splits(cfg.data.train_size, cfg.data.val_size, cfg.data.seed)
     connect(address or cfg.cluster.address)
-    tracker = Tracker(run_dir, console=cfg.logging.console)
     log.info("run directory: %s", run_dir.resolve())
     graph = build(cfg, model_path)
+    tracker = Tracker(run_dir, console=cfg.logging.console)
     try:
         version = 0
         if cfg.trainer.sft_warmup_steps:
