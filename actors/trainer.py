@@ -76,7 +76,7 @@ class TrainerGroup:
             lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_tokens=t.micro_batch_tokens,
             adv_estimator=a.adv_estimator, norm_adv_by_std=a.norm_adv_by_std, policy_loss=a.policy_loss,
             clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, loss_agg=a.loss_agg,
-            ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches, seed=t.seed,
+            ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches, seed=t.seed, temperature=cfg.rollout.temperature,
         )
         bundle = {"CPU": t.num_cpus} | ({"GPU": t.num_gpus} if t.num_gpus else {})
         self.pg = None

@@ -53,7 +53,7 @@ class Router:
             choice = least
         if session is not None:
             self._remember(self._sticky, session, choice)
-        if group is not None and group not in self._group:
+        if group is not None and self._group.get(group) not in healthy:  # new group, or its server died
             self._remember(self._group, group, choice)
         self.in_flight[choice] += 1
         return choice

@@ -39,6 +39,14 @@ def test_engine_logprobs_match_the_trainer(engine, tiny_model_path):
     assert torch.allclose(logp, torch.tensor(out.logprobs), atol=1e-4)
 
 
+def test_logprobs_are_of_the_distribution_sampled_from(engine):
+    # top_k=1 leaves one candidate: the sampler's distribution is a point mass, log-prob 0.
+    out = asyncio.run(_gather(engine, [[1, 2, 3]], SamplingParams(max_tokens=5, temperature=1.0, top_k=1)))[0]
+    greedy = asyncio.run(_gather(engine, [[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0)))[0]
+    assert out.token_ids == greedy.token_ids and all(abs(lp) < 1e-6 for lp in out.logprobs)
+    assert all(lp < 0 for lp in greedy.logprobs)  # greedy reports the model's own softmax
+
+
 def test_stop_token_ends_a_request(engine):
     greedy = asyncio.run(_gather(engine, [[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0)))[0]
     stop = greedy.token_ids[2]
@@ -76,6 +84,16 @@ def test_rl_step_moves_the_policy_toward_rewarded_samples(tiny_model_path):
     # A group with equal rewards has zero advantage: no gradient at all.
     flat = trainer.rl_step([_traj("c", "h", [1, 2], good, 1.0), _traj("d", "h", [1, 2], bad, 1.0)])
     assert flat["actor/grad_norm"] == 0.0
+
+
+def test_off_policy_epochs_use_old_logprobs_and_report_engine_drift(tiny_model_path):
+    trainer = Trainer(tiny_model_path, TrainerSettings(lr=1e-2, ppo_epochs=2, mini_batches=2, micro_batch_tokens=16))
+    batch = [_traj(str(i), "g", [1, 2, 3], [5 + i, 6, 7], float(i % 2)) for i in range(4)]
+    metrics = trainer.rl_step(batch)
+    # The second pass sees a policy that moved: its ratio departs from 1 (approx_kl > 0).
+    assert metrics["actor/approx_kl"] > 0 and math.isfinite(metrics["actor/pg_loss"])
+    # rollout_logprobs are 0.0 in these hand-made trajectories: the drift is the trainer's -logp.
+    assert metrics["rollout/logprob_abs_diff"] > 1.0
 
 
 def test_sft_steps_lower_the_loss_and_checkpoint_reloads(tiny_model_path, renderer, tmp_path):

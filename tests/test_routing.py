@@ -37,6 +37,13 @@ def test_ejected_server_is_skipped_and_sessions_move():
     s = r.pick(session="x")
     r.eject(s, "died")
     assert r.pick(session="x") != s
+    r.restore(s)
+    r2 = Router(["a", "b"], affinity_slack=100)
+    home = r2.pick(group="g")
+    r2.eject(home, "died")
+    new_home = r2.pick(group="g")
+    r2.restore(home)
+    assert r2.pick(group="g") == new_home  # the group moved for good, not back and forth
     r.eject("a", "died"), r.eject("b", "died")
     with pytest.raises(NoHealthyServer, match="ejected"):
         r.pick()

@@ -1,5 +1,7 @@
 import asyncio
 
+import pytest
+
 from raytool.sandbox.local import LocalBackend
 
 
@@ -37,7 +39,21 @@ def test_cells_do_not_share_files_or_environment():
 
 def test_no_network_when_the_kernel_allows_isolation():
     backend = LocalBackend()
-    if not backend.net_prefix:
+    if not backend.ns_prefix:
         return  # the warning at construction already told the user; nothing to check here
     r = asyncio.run(backend.run("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", timeout_s=5, memory_mb=512))
     assert r.status == "error" and "unreachable" in r.stderr.lower()
+
+
+def test_processes_started_by_a_cell_die_with_it():
+    backend = LocalBackend()
+    if not backend.ns_prefix:
+        pytest.skip("needs `unshare --pid` (root or user namespaces)")
+    code = "import subprocess\nsubprocess.Popen(['sleep', '123.5'], start_new_session=True)\nprint('started')"
+    r = asyncio.run(backend.run(code, timeout_s=5, memory_mb=512))
+    assert r.status == "ok" and r.stdout == "started\n"
+    import subprocess
+    import time
+
+    time.sleep(0.3)
+    assert subprocess.run(["pgrep", "-f", "sleep 123.5"], capture_output=True).returncode == 1  # none left

@@ -40,13 +40,17 @@ def test_round_trip_to_two_receivers_is_exact():
         r.close()
 
 
-def test_version_mismatch_is_refused():
+def test_stale_buckets_are_dropped_and_a_newer_version_refused():
     receiver = WeightReceiver()
     sender = WeightSender([receiver.address])
-    sender.send([("w", torch.ones(2))], version=2)
-    with pytest.raises(RuntimeError, match="expected v3 bucket 0, got v2 bucket 0"):
-        next(receiver.receive(version=3, timeout_s=10))
+    sender.send([("w", torch.ones(2))], version=2)  # e.g. left over from a failed sync
+    sender.send([("w", torch.full((2,), 3.0))], version=3)
+    (bucket,) = list(receiver.receive(version=3, timeout_s=10))
+    assert torch.equal(bucket[0][1], torch.full((2,), 3.0))
+    sender.send([("w", torch.ones(2))], version=5)
+    with pytest.raises(RuntimeError, match="expected v4 bucket 0, got v5 bucket 0"):
+        next(receiver.receive(version=4, timeout_s=10))
     with pytest.raises(TimeoutError, match="no bucket 0"):
-        next(receiver.receive(version=3, timeout_s=0.2))
+        next(receiver.receive(version=6, timeout_s=0.2))
     sender.close()
     receiver.close()

@@ -26,6 +26,11 @@ class ChatRenderer:
         # Text the template writes after the assistant's end-of-turn token (e.g. "\n").
         self._after_eos = base[end + len(self.eos_text):]
         self._base_len = len(base)
+        extended = self._text([*_BASE, {"role": "tool", "content": "z"}], add_generation_prompt=True)
+        if not extended.startswith(base):
+            # Observation deltas assume appending a message never re-renders earlier ones.
+            raise ValueError("chat template re-renders earlier turns when a message is appended; "
+                             "token-exact observation deltas are impossible with it")
 
     def _text(self, messages, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

@@ -3,7 +3,9 @@
 Requests that arrive while a batch runs wait and go out together in the next one (static
 batching, grouped by sampling settings); each is cut at its own stop token or token budget.
 It exists for fast tests and as a fallback; vLLM is the engine for real runs.
-Log-probs are of the sampled token under softmax(logits / temperature) (raw logits when greedy).
+Log-probs are of each sampled token under the distribution it was drawn from (temperature, top-k
+and top-p applied; the raw softmax when greedy). The model's own generation_config is not used:
+only what SamplingParams says shapes sampling.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
+from transformers import GenerationConfig
 
 from raytool.types import SamplingParams, TokenOutput
 
@@ -42,10 +45,10 @@ class HFEngine:
 
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device).eval()
-        self.pad_id = self.model.config.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = self.model.config.eos_token_id
-        self.default_stop = self.model.config.eos_token_id
+        eos = self.model.config.eos_token_id
+        self.default_stop: list[int] = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        pad = self.model.config.pad_token_id
+        self.pad_id = pad if pad is not None else self.default_stop[0]
         self.max_batch_size = max_batch_size
         self.policy_version = 0
         self.asleep = False
@@ -72,7 +75,7 @@ class HFEngine:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._pending:
+            while self._pending and not self.asleep:  # queued requests wait for wake_up()
                 key = self._pending[0].batch_key
                 batch = [r for r in self._pending if r.batch_key == key][: self.max_batch_size]
                 taken = {id(r) for r in batch}
@@ -97,27 +100,26 @@ class HFEngine:
         for i, r in enumerate(batch):  # left padding: every prompt ends where generation starts
             input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             attention[i, width - len(r.prompt_ids):] = 1
-        stop_ids = list(s.stop_token_ids) or [self.default_stop]
+        stop_ids = list(s.stop_token_ids) or self.default_stop
         greedy = s.temperature <= 0
-        kwargs = dict(
+        config = GenerationConfig(
             max_new_tokens=max(r.sampling.max_tokens for r in batch),
             do_sample=not greedy,
             eos_token_id=stop_ids,
             pad_token_id=self.pad_id,
-            output_logits=True,
+            output_scores=True,  # the scores after temperature / top-k / top-p: what was sampled from
             return_dict_in_generate=True,
         )
         if not greedy:
-            kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0)
+            config.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0)
         with self._weights_lock:
             out = self.model.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), **kwargs
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=config
             )
         new = out.sequences[:, width:].cpu()
-        scale = 1.0 if greedy else s.temperature
         logprobs = torch.stack(
-            [torch.log_softmax(step.float() / scale, -1).gather(-1, new[:, t : t + 1].to(step.device)).squeeze(-1).cpu()
-             for t, step in enumerate(out.logits)],
+            [torch.log_softmax(step.float(), -1).gather(-1, new[:, t : t + 1].to(step.device)).squeeze(-1).cpu()
+             for t, step in enumerate(out.scores)],
             dim=1,
         )
         results = []
@@ -159,14 +161,20 @@ class HFEngine:
         return loaded
 
     async def sleep(self) -> None:
-        """Release accelerator memory (weights move to host); generate() is refused until wake_up()."""
+        """Release accelerator memory (weights move to host); generate() is refused until wake_up().
+
+        Call it between rollout phases: requests already queued still run, after wake_up()."""
         self.asleep = True
         if self.device.type != "cpu":
-            self.model.to("cpu")
+            with self._weights_lock:  # not under a running batch
+                self.model.to("cpu")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
     async def wake_up(self) -> None:
         if self.device.type != "cpu":
-            self.model.to(self.device)
+            with self._weights_lock:
+                self.model.to(self.device)
         self.asleep = False
+        if self._wakeup is not None:
+            self._wakeup.set()

@@ -3,7 +3,10 @@
 Isolation per cell: a fresh process in its own session (the whole process group is killed on
 timeout), a fresh empty working directory, an empty environment, `-I` (no user site, no cwd on
 sys.path), rlimits on address space, CPU seconds, file size and core dumps, and, where the kernel
-allows it (root or user namespaces), no network (`unshare --net`, only a loopback that is down).
+allows it (root or user namespaces), new network and PID namespaces (`unshare --net --pid`): no
+network but a loopback that is down, and every process the cell starts dies with it, even one that
+left the cell's session. Not yet walled off: the file system (read/write as the worker's user) and
+other processes' signals (the PID namespace hides them; without it they are reachable).
 
 Cells are stateless in this version: a session name is accepted and every cell starts clean.
 """
@@ -27,12 +30,14 @@ from raytool.types import ExecResult
 log = logging.getLogger(__name__)
 
 
-def _network_isolation_works() -> bool:
-    exe = shutil.which("unshare")
-    if exe is None:
+_NAMESPACES = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--"]
+
+
+def _namespaces_work() -> bool:
+    if shutil.which("unshare") is None:
         return False
     try:
-        return subprocess.run([exe, "--net", "--", "true"], capture_output=True, timeout=10).returncode == 0
+        return subprocess.run([*_NAMESPACES, "true"], capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -41,12 +46,12 @@ class LocalBackend:
     def __init__(self, *, max_output_bytes: int = 8192, isolate_network: bool = True, python: str | None = None):
         self.max_output_bytes = max_output_bytes
         self.python = python or sys.executable
-        self.net_prefix: list[str] = []
+        self.ns_prefix: list[str] = []
         if isolate_network:
-            if _network_isolation_works():
-                self.net_prefix = ["unshare", "--net", "--"]
+            if _namespaces_work():
+                self.ns_prefix = list(_NAMESPACES)
             else:
-                log.warning("local sandbox: `unshare --net` is not permitted here; cells keep network access")
+                log.warning("local sandbox: `unshare --net --pid` is not permitted here; cells keep network access")
 
     def _limits(self, timeout_s: float, memory_mb: int):
         cpu_s = math.ceil(timeout_s) + 1
@@ -69,7 +74,7 @@ class LocalBackend:
         start = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.net_prefix, self.python, "-I", "-",
+                *self.ns_prefix, self.python, "-I", "-",
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -81,17 +86,23 @@ class LocalBackend:
         except OSError as exc:
             shutil.rmtree(workdir, ignore_errors=True)
             return ExecResult(status="infra_error", stderr=f"could not start the cell's process: {exc}")
+        timed_out = False
+        stdout = stderr = b""
         try:
             stdout, stderr = await asyncio.wait_for(proc.communicate(code.encode()), timeout_s)
-            timed_out = False
         except asyncio.TimeoutError:
             timed_out = True
+        finally:
+            # Whatever happened (done, timed out, cancelled), nothing the cell started survives it.
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            stdout, stderr = await proc.communicate()
-        finally:
+            if timed_out:
+                try:  # what it printed before the kill; a grandchild holding the pipes can't stall us
+                    stdout, stderr = await asyncio.wait_for(proc.communicate(), 2.0)
+                except asyncio.TimeoutError:
+                    proc.kill()
             shutil.rmtree(workdir, ignore_errors=True)
         duration = time.monotonic() - start
         out, cut_out = self._cut(stdout)

@@ -43,6 +43,7 @@ class TrainerSettings:
     ppo_epochs: int = 1
     mini_batches: int = 1
     seed: int = 0
+    temperature: float = 1.0  # the rollout's sampling temperature: log-probs are of softmax(logits / T)
 
 
 @dataclass
@@ -50,11 +51,15 @@ class _Seq:
     ids: list[int]
     mask: list[int]  # aligned with ids[1:]: 1 where the loss sees the token
     adv: float = 0.0
+    rollout: list[float] | None = None  # engine log-probs, aligned like mask (0.0 where mask is 0)
+    old: list[float] | None = None  # old-policy log-probs when the update is not purely on-policy
 
 
-def _token_logprobs(model, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-    """log p(x_t | x_<t) for t >= 1, shape [B, T-1]."""
+def _token_logprobs(model, input_ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(x_t | x_<t) for t >= 1 under softmax(logits / temperature), shape [B, T-1]."""
     logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
     labels = input_ids[:, 1:]
     return -F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="none").view_as(labels)
 
@@ -90,6 +95,18 @@ class Trainer:
         width = ids.size(1) - 1
         return ids, attention, mask[:, :width]
 
+    def _plan(self, seqs: list[_Seq]) -> list[list[_Seq]]:
+        """Token-budget micro-batches of `seqs`. Under FSDP every forward/backward is a collective,
+        so every rank runs as many micro-batches as the busiest one: the others add a dummy whose
+        mask is all 0 (it contributes exactly nothing to the loss or the gradients)."""
+        groups = [[seqs[i] for i in g] for g in micro_batches([len(x.ids) for x in seqs], self.settings.micro_batch_tokens)] if seqs else []
+        if self.world_size > 1:
+            count = torch.tensor([len(groups)], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            dummy = _Seq(ids=[self.pad_id, self.pad_id], mask=[0], rollout=[0.0], old=[0.0])
+            groups += [[dummy]] * (int(count.item()) - len(groups))
+        return groups
+
     def _global_sum(self, value: float) -> float:
         if self.world_size == 1:
             return value
@@ -116,41 +133,49 @@ class Trainer:
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         adv = get_adv_estimator(s.adv_estimator)(rewards, [t.group_id for t in trajectories], norm_by_std=s.norm_adv_by_std)
         seqs = [
-            _Seq(ids=t.prompt_ids + t.response_ids, mask=[0] * (len(t.prompt_ids) - 1) + list(t.response_mask), adv=float(a))
+            _Seq(
+                ids=t.prompt_ids + t.response_ids,
+                mask=[0] * (len(t.prompt_ids) - 1) + list(t.response_mask),
+                adv=float(a),
+                rollout=[0.0] * (len(t.prompt_ids) - 1) + list(t.rollout_logprobs),
+            )
             for t, a in zip(trajectories, adv)
         ]
         if self.world_size > 1:  # each rank trains on its own slice
             seqs = seqs[self.rank :: self.world_size]
         loss_fn = get_policy_loss(s.policy_loss)
         on_policy = s.ppo_epochs == 1 and s.mini_batches == 1
-        old = None if on_policy else self._logprobs(seqs)
+        if not on_policy:
+            self._fill_old_logprobs(seqs)
         metrics: dict[str, list[float]] = {}
         tokens = 0
         for _ in range(s.ppo_epochs):
             order = torch.randperm(len(seqs)).tolist()
             for m in range(s.mini_batches):
-                mini = order[m :: s.mini_batches]
-                if not mini:
-                    continue
-                n_tokens = self._global_sum(sum(sum(seqs[i].mask) for i in mini))
+                mini = [seqs[i] for i in order[m :: s.mini_batches]]
+                n_tokens = self._global_sum(sum(sum(x.mask) for x in mini))
                 n_seqs = self._global_sum(len(mini))
-                for group in micro_batches([len(seqs[i].ids) for i in mini], s.micro_batch_tokens):
-                    idx = [mini[g] for g in group]
-                    ids, attention, mask = self._tensors([seqs[i] for i in idx])
-                    logp = _token_logprobs(self.model, ids, attention)
-                    old_logp = logp.detach() if old is None else pad_right([old[i] for i in idx], 0.0, torch.float32).to(logp.device)[:, : logp.size(1)]
-                    adv_t = torch.tensor([seqs[i].adv for i in idx], device=logp.device).unsqueeze(1).expand_as(logp)
+                for group in self._plan(mini):
+                    ids, attention, mask = self._tensors(group)
+                    width = mask.size(1)
+                    logp = _token_logprobs(self.model, ids, attention, s.temperature)
+                    old_logp = logp.detach() if on_policy else pad_right([x.old for x in group], 0.0, torch.float32).to(logp.device)[:, :width]
+                    adv_t = torch.tensor([x.adv for x in group], device=logp.device).unsqueeze(1).expand_as(logp)
                     loss, extra = loss_fn(
                         logp, old_logp, adv_t, mask,
                         clip_low=s.clip_ratio_low, clip_high=s.clip_ratio_high, agg=s.loss_agg,
                         num_tokens=max(n_tokens, 1.0),
                     )
                     if s.loss_agg != "token-mean":  # per-micro-batch means -> share of the mini-batch
-                        loss = loss * len(idx) / n_seqs
+                        loss = loss * len(group) / max(n_seqs, 1.0)
                     # FSDP averages gradients over ranks; the global normalizers above already
                     # divide by the whole batch, so undo that average.
                     (loss * self.world_size).backward()
-                    tokens += int(sum(len(seqs[i].ids) for i in idx))
+                    tokens += int(attention.sum())
+                    with torch.no_grad():  # how far the trainer's log-probs are from the engine's
+                        rollout = pad_right([x.rollout for x in group], 0.0, torch.float32).to(logp.device)[:, :width]
+                        diff = ((logp.detach() - rollout).abs() * mask).sum() / mask.sum().clamp(min=1.0)
+                    extra["rollout/logprob_abs_diff"] = diff.item()
                     for k, v in extra.items():
                         metrics.setdefault(k, []).append(v)
                     metrics.setdefault("actor/pg_loss", []).append(loss.item())
@@ -158,19 +183,18 @@ class Trainer:
         self.step += 1
         elapsed = time.perf_counter() - start
         out = {k: sum(v) / len(v) for k, v in metrics.items()}
-        out["actor/pg_loss"] = sum(metrics.get("actor/pg_loss", [0.0])) / (s.ppo_epochs * s.mini_batches)
+        out["actor/pg_loss"] = self._global_sum(sum(metrics.get("actor/pg_loss", [0.0]))) / (s.ppo_epochs * s.mini_batches)
         out.update({"actor/lr": s.lr, "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9), "adv/abs_mean": adv.abs().mean().item()})
         return out
 
     @torch.no_grad()
-    def _logprobs(self, seqs: list[_Seq]) -> list[list[float]]:
-        out: list[list[float]] = [[] for _ in seqs]
-        for group in micro_batches([len(s.ids) for s in seqs], self.settings.micro_batch_tokens):
-            ids, attention, _ = self._tensors([seqs[i] for i in group])
-            logp = _token_logprobs(self.model, ids, attention).cpu()
-            for row, i in enumerate(group):
-                out[i] = logp[row, : len(seqs[i].ids) - 1].tolist()
-        return out
+    def _fill_old_logprobs(self, seqs: list[_Seq]) -> None:
+        """The policy's log-probs before this update (needed once a batch is used for > 1 step)."""
+        for group in self._plan(seqs):
+            ids, attention, _ = self._tensors(group)
+            logp = _token_logprobs(self.model, ids, attention, self.settings.temperature).cpu()
+            for row, x in enumerate(group):
+                x.old = logp[row, : len(x.ids) - 1].tolist()
 
     # -- SFT -----------------------------------------------------------------------------------
 
@@ -181,15 +205,15 @@ class Trainer:
             seqs = seqs[self.rank :: self.world_size]
         n_tokens = max(self._global_sum(sum(sum(s.mask) for s in seqs)), 1.0)
         total = 0.0
-        for group in micro_batches([len(s.ids) for s in seqs], self.settings.micro_batch_tokens):
-            ids, attention, mask = self._tensors([seqs[i] for i in group])
+        for group in self._plan(seqs):
+            ids, attention, mask = self._tensors(group)
             nll = -_token_logprobs(self.model, ids, attention)
             loss = masked_aggregate(nll, mask, "token-mean", n_tokens)
             (loss * self.world_size).backward()
             total += loss.item()
         grad_norm = self._optimizer_step(lr)
         self.step += 1
-        return {"sft/loss": total, "sft/grad_norm": grad_norm, "sft/lr": lr}
+        return {"sft/loss": self._global_sum(total), "sft/grad_norm": grad_norm, "sft/lr": lr}
 
     # -- weights and checkpoints -----------------------------------------------------------------
 

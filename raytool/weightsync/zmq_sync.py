@@ -106,6 +106,8 @@ class WeightReceiver:
                 raise TimeoutError(f"weight sync v{version}: no bucket {expected} within {timeout_s:.0f}s")
             header_frame, payload = self._sock.recv_multipart(copy=False)
             header = _decode(header_frame.bytes)
+            if header.version < version:
+                continue  # left over from a sync that failed half-way: drop it
             if header.version != version or header.index != expected:
                 raise RuntimeError(
                     f"weight sync: expected v{version} bucket {expected}, got v{header.version} bucket {header.index}"
