@@ -105,14 +105,16 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
     from actors.compose import build
     from raytool.types import Trajectory
 
-    cfg = load_config(None, TINY + ["trainer.num_workers=2", "trainer.num_cpus=0.5", "rollout.num_cpus=0.5", "trainer.lr=1e-2"])
+    # micro_batch_tokens=6 with 3 trajectories: rank 0 runs two micro-batches, rank 1 one (plus a dummy).
+    cfg = load_config(None, TINY + ["trainer.num_workers=2", "trainer.num_cpus=0.5", "rollout.num_cpus=0.5",
+                                    "trainer.lr=1e-2", "trainer.micro_batch_tokens=6"])
     graph = build(cfg)
     try:
         def traj(uid, resp, reward):
             return Trajectory(uid=uid, group_id="g", prompt_ids=[1, 2, 3], response_ids=resp, response_mask=[1] * len(resp),
                               rollout_logprobs=[0.0] * len(resp), messages=[], ground_truth="", reward=reward)
 
-        batch = ray.put([traj("a", [5, 6, 7], 1.0), traj("b", [8, 9], 0.0), traj("c", [5, 6], 1.0), traj("d", [9, 9, 9], 0.0)])
+        batch = ray.put([traj("a", [5, 6, 7], 1.0), traj("b", [8, 9], 0.0), traj("c", [5, 6], 1.0)])
         metrics = graph.trainer.rl_step([batch])
         assert metrics["actor/grad_norm"] > 0
         acks = graph.sync_weights(version=4)["acks"]
