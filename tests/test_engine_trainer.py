@@ -110,3 +110,32 @@ def test_sft_steps_lower_the_loss_and_checkpoint_reloads(tiny_model_path, render
     name, param = next(iter(trainer.model.named_parameters()))
     assert torch.equal(dict(reloaded.named_parameters())[name], param.detach())
     assert (out / "tokenizer.json").is_file() and (out / "optimizer.pt").is_file()
+
+
+def test_skipping_zero_advantage_sequences_changes_nothing(tiny_model_path, monkeypatch):
+    from raytool.algos import losses
+
+    batch = [_traj("a", "g", [1, 2, 3], [5, 6, 7], 1.0), _traj("b", "g", [1, 2, 3], [8, 9], 0.0),
+             _traj("c", "flat", [1, 2], [5, 6, 7, 8], 1.0), _traj("d", "flat", [1, 2], [9, 9], 1.0)]
+
+    def grads_of_one_step(trainer):
+        grads = {}
+        step = trainer.optimizer.step
+
+        def capture(*args, **kwargs):  # the gradient the optimizer is handed
+            grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = capture
+        return trainer.rl_step(batch), grads
+
+    settings = TrainerSettings(lr=1e-2, micro_batch_tokens=16)
+    m1, g1 = grads_of_one_step(Trainer(tiny_model_path, settings))
+    monkeypatch.setattr(losses.ppo_clip, "zero_advantage_is_noop", False)
+    m2, g2 = grads_of_one_step(Trainer(tiny_model_path, settings))
+    assert m1["actor/skipped_seq_frac"] == 0.5 and m2["actor/skipped_seq_frac"] == 0.0
+    assert abs(m1["actor/pg_loss"] - m2["actor/pg_loss"]) < 1e-6
+    assert abs(m1["actor/grad_norm"] - m2["actor/grad_norm"]) < 1e-5
+    for name in g1:
+        # equal up to float summation order (other micro-batch shapes)
+        assert torch.allclose(g1[name], g2[name], rtol=1e-4, atol=1e-6), name

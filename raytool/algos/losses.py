@@ -58,3 +58,8 @@ def ppo_clip(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.28, agg="to
         clip_frac = ((clipped < unclipped).float()[m]).mean() if m.any() else torch.tensor(0.0)
         approx_kl = (0.5 * (logp - old_logp) ** 2)[m].mean() if m.any() else torch.tensor(0.0)
     return loss, {"actor/clip_frac": clip_frac.item(), "actor/approx_kl": approx_kl.item()}
+
+
+# A token with advantage 0 adds exactly 0 to this loss and its gradient, so the trainer may skip
+# zero-advantage sequences (e.g. GRPO groups whose samples all got the same reward).
+ppo_clip.zero_advantage_is_noop = True

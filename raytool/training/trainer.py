@@ -117,6 +117,9 @@ class Trainer:
     def _optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            for p in group["params"]:  # a step with no gradient still moves AdamW's moments: keep it
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -144,18 +147,24 @@ class Trainer:
         if self.world_size > 1:  # each rank trains on its own slice
             seqs = seqs[self.rank :: self.world_size]
         loss_fn = get_policy_loss(s.policy_loss)
+        if getattr(loss_fn, "zero_advantage_is_noop", False):
+            active = [x for x in seqs if x.adv != 0.0]  # the rest would add exactly nothing
+        else:
+            active = seqs
         on_policy = s.ppo_epochs == 1 and s.mini_batches == 1
         if not on_policy:
-            self._fill_old_logprobs(seqs)
-        metrics: dict[str, list[float]] = {}
+            self._fill_old_logprobs(active)
+        active_ids = {id(x) for x in active}
+        metrics: dict[str, list[float]] = {"actor/skipped_seq_frac": [1.0 - len(active) / max(len(seqs), 1)]}
         tokens = 0
         for _ in range(s.ppo_epochs):
             order = torch.randperm(len(seqs)).tolist()
             for m in range(s.mini_batches):
                 mini = [seqs[i] for i in order[m :: s.mini_batches]]
+                # Normalizers count every sequence, skipped ones too: the loss stays the same.
                 n_tokens = self._global_sum(sum(sum(x.mask) for x in mini))
                 n_seqs = self._global_sum(len(mini))
-                for group in self._plan(mini):
+                for group in self._plan([x for x in mini if id(x) in active_ids]):
                     ids, attention, mask = self._tensors(group)
                     width = mask.size(1)
                     logp = _token_logprobs(self.model, ids, attention, s.temperature)
