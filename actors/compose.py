@@ -37,6 +37,7 @@ class Graph:
     cfg: RunConfig
     model_path: str
     servers: dict  # name -> RolloutServer
+    weight_addresses: list[str]  # each server's ZMQ receiver, in the order of `servers`
     manager: object  # LLMManager
     sandbox_pool: object  # SandboxPool
     reward_workers: list
@@ -69,10 +70,8 @@ class Graph:
 
     def sync_weights(self, version: int) -> dict:
         """Stream the trainer's weights to every rollout server; returns bytes and seconds."""
-        servers = list(self.servers.values())
-        addresses = ray.get([s.weight_address.remote() for s in servers])
-        receiving = [s.receive_weights.remote(version) for s in servers]
-        sent = ray.get(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20))
+        receiving = [s.receive_weights.remote(version) for s in self.servers.values()]
+        sent = ray.get(self.trainer.send_weights(self.weight_addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20))
         acks = ray.get(receiving)
         return {"sent": sent[0], "acks": acks}
 
@@ -112,6 +111,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         for _ in range(a.num_workers)
     ]
     # Surface constructor failures (bad model path, bad reward fn ...) now, with their cause.
-    ray.get([srv.health.remote() for srv in servers.values()] + [w.__ray_ready__.remote() for w in [manager, sandbox_pool, *reward_workers, *agent_workers]])
+    weight_addresses = ray.get([srv.weight_address.remote() for srv in servers.values()])
+    ray.get([w.__ray_ready__.remote() for w in [manager, sandbox_pool, *reward_workers, *agent_workers]])
     trainer = TrainerGroup(cfg, model_path) if with_trainer else None
-    return Graph(cfg, model_path, servers, manager, sandbox_pool, reward_workers, agent_workers, trainer)
+    return Graph(cfg, model_path, servers, weight_addresses, manager, sandbox_pool, reward_workers, agent_workers, trainer)

@@ -9,6 +9,7 @@ Unknown keys and wrong types fail with one line naming the key and the expected 
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -143,8 +144,6 @@ class RunConfig(_Section):
 
 def _allowed_values(key: str) -> list | None:
     """The choices of a Literal-typed key such as 'agent.tool_parser', for error messages."""
-    import typing
-
     node: Any = RunConfig
     for part in key.split("."):
         hints = typing.get_type_hints(node) if isinstance(node, type) else {}

@@ -99,7 +99,7 @@ class Trainer:
         """Token-budget micro-batches of `seqs`. Under FSDP every forward/backward is a collective,
         so every rank runs as many micro-batches as the busiest one: the others add a dummy whose
         mask is all 0 (it contributes exactly nothing to the loss or the gradients)."""
-        groups = [[seqs[i] for i in g] for g in micro_batches([len(x.ids) for x in seqs], self.settings.micro_batch_tokens)] if seqs else []
+        groups = [[seqs[i] for i in g] for g in micro_batches([len(x.ids) for x in seqs], self.settings.micro_batch_tokens)]
         if self.world_size > 1:
             count = torch.tensor([len(groups)], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -147,14 +147,11 @@ class Trainer:
         if self.world_size > 1:  # each rank trains on its own slice
             seqs = seqs[self.rank :: self.world_size]
         loss_fn = get_policy_loss(s.policy_loss)
-        if getattr(loss_fn, "zero_advantage_is_noop", False):
-            active = [x for x in seqs if x.adv != 0.0]  # the rest would add exactly nothing
-        else:
-            active = seqs
+        skip_zero_adv = getattr(loss_fn, "zero_advantage_is_noop", False)
+        active = [x for x in seqs if x.adv != 0.0 or not skip_zero_adv]  # the rest would add exactly nothing
         on_policy = s.ppo_epochs == 1 and s.mini_batches == 1
         if not on_policy:
             self._fill_old_logprobs(active)
-        active_ids = {id(x) for x in active}
         metrics: dict[str, list[float]] = {"actor/skipped_seq_frac": [1.0 - len(active) / max(len(seqs), 1)]}
         tokens = 0
         for _ in range(s.ppo_epochs):
@@ -164,7 +161,7 @@ class Trainer:
                 # Normalizers count every sequence, skipped ones too: the loss stays the same.
                 n_tokens = self._global_sum(sum(sum(x.mask) for x in mini))
                 n_seqs = self._global_sum(len(mini))
-                for group in self._plan([x for x in mini if id(x) in active_ids]):
+                for group in self._plan([x for x in mini if x.adv != 0.0 or not skip_zero_adv]):
                     ids, attention, mask = self._tensors(group)
                     width = mask.size(1)
                     logp = _token_logprobs(self.model, ids, attention, s.temperature)
