@@ -29,6 +29,7 @@ from actors.trainer import TrainerGroup
 from raytool.agent.loop import AgentLoopConfig
 from raytool.config import RunConfig
 from raytool.data.tool_arith import Problem, prompt_messages
+from raytool.errors import RaytoolError, one_line
 from raytool.models import resolve_model
 
 
@@ -37,7 +38,6 @@ class Graph:
     cfg: RunConfig
     model_path: str
     servers: dict  # name -> RolloutServer
-    weight_addresses: list[str]  # each server's ZMQ receiver, in the order of `servers`
     manager: object  # LLMManager
     sandbox_pool: object  # SandboxPool
     reward_workers: list
@@ -68,16 +68,28 @@ class Graph:
         stats = ray.get(stats_refs)
         return [x for group in stats for x in group], [t for t, _ in refs]
 
-    def sync_weights(self, version: int) -> dict:
-        """Stream the trainer's weights to every rollout server; returns bytes and seconds."""
-        receiving = [s.receive_weights.remote(version) for s in self.servers.values()]
-        sent = ray.get(self.trainer.send_weights(self.weight_addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20))
-        acks = ray.get(receiving)
-        return {"sent": sent[0], "acks": acks}
+    def sync_weights(self, version: int, timeout_s: float = 300.0) -> dict:
+        """Stream the trainer's weights to every healthy rollout server (and to recovered ones that
+        wait for current weights); returns bytes, seconds, acks and the servers that failed.
+        A server that fails its sync is ejected by the manager; the run goes on without it."""
+        targets = ray.get(self.manager.weight_targets.remote())
+        receiving = {name: self.servers[name].receive_weights.remote(version, timeout_s) for name in targets}
+        addresses = [address for name in targets for address in targets[name]]
+        sent = ray.get(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20))
+        acks, failed = [], {}
+        for name, ref in receiving.items():
+            try:
+                acks.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                failed[name] = one_line(exc)
+        ray.get(self.manager.synced.remote(version, [a["server"] for a in acks], failed))
+        return {"sent": sent[0], "acks": acks, "failed": failed}
 
     def shutdown(self) -> None:
         if self.trainer is not None:
             self.trainer.shutdown()
+        # Let engines stop their own processes (vLLM's engine core) before the actors go.
+        ray.wait([s.shutdown.remote() for s in self.servers.values()], num_returns=len(self.servers), timeout=30)
         for actor in [*self.agent_workers, *self.reward_workers, self.sandbox_pool, self.manager, *self.servers.values()]:
             ray.kill(actor)
 
@@ -88,14 +100,15 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     light = cfg.cluster.light_actor_cpus
     r = cfg.rollout
     servers = {
-        f"rollout-{i}": RolloutServer.options(**actor_options(r.num_cpus, r.num_gpus)).remote(
-            f"rollout-{i}", model_path, r.engine,
-            {"dtype": cfg.model.dtype, "max_batch_size": r.max_batch_size, "seed": cfg.trainer.seed + i},
-            cfg.cluster.torch_threads,
-        )
+        f"rollout-{i}": RolloutServer.options(
+            **actor_options(r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
+        ).remote(f"rollout-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i),
+                 cfg.cluster.torch_threads, r.engine_start_timeout_s)
         for i in range(r.num_servers)
     }
-    manager = LLMManager.options(**actor_options(light)).remote(servers)
+    manager = LLMManager.options(**actor_options(light)).remote(
+        servers, affinity_slack=r.affinity_slack, request_timeout_s=r.request_timeout_s, probe_interval_s=r.health_probe_interval_s
+    )
     s = cfg.sandbox
     sandbox_pool = SandboxPool.options(**actor_options(light)).remote(
         s.backend, {"max_output_bytes": s.max_output_bytes}, s.max_concurrency, s.timeout_s, s.memory_mb, s.retries
@@ -110,8 +123,28 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         AgentLoopWorker.options(**actor_options(light)).remote(model_path, manager, sandbox_pool, reward_workers, loop_cfg, a.max_tool_output_chars)
         for _ in range(a.num_workers)
     ]
-    # Surface constructor failures (bad model path, bad reward fn ...) now, with their cause.
-    weight_addresses = ray.get([srv.weight_address.remote() for srv in servers.values()])
+    # Surface constructor failures (bad model path, engine that cannot start, bad reward fn ...)
+    # now, with their cause in one line.
+    try:
+        addresses = dict(zip(servers, ray.get([srv.ready.remote() for srv in servers.values()])))
+    except ray.exceptions.RayTaskError as exc:
+        for actor in [manager, *servers.values()]:
+            ray.kill(actor)
+        if isinstance(exc.cause, RaytoolError):
+            raise exc.cause from None
+        raise
+    ray.get(manager.set_addresses.remote(addresses))
     ray.get([w.__ray_ready__.remote() for w in [manager, sandbox_pool, *reward_workers, *agent_workers]])
     trainer = TrainerGroup(cfg, model_path) if with_trainer else None
-    return Graph(cfg, model_path, servers, weight_addresses, manager, sandbox_pool, reward_workers, agent_workers, trainer)
+    return Graph(cfg, model_path, servers, manager, sandbox_pool, reward_workers, agent_workers, trainer)
+
+
+def engine_options(cfg: RunConfig, seed: int) -> dict:
+    """What a RolloutServer passes to its engine (each engine takes the options that apply to it)."""
+    r = cfg.rollout
+    return {
+        "dtype": cfg.model.dtype, "max_batch_size": r.max_batch_size, "seed": seed,
+        "tensor_parallel_size": r.tensor_parallel_size, "gpu_memory_utilization": r.gpu_memory_utilization,
+        "max_model_len": r.max_model_len, "cpu_kv_cache_gb": r.cpu_kv_cache_gb, "enforce_eager": r.enforce_eager,
+        "weight_sync_pause": r.weight_sync_pause,
+    }

@@ -1,40 +1,143 @@
-"""LLMManager: the router every generate call goes through (policy in raytool.routing.Router)."""
+"""LLMManager: the router every generate call goes through (policy in raytool.routing.Router).
+
+Failure handling, in order of what a user sees:
+- a server that dies, is unreachable, raises, or takes longer than `request_timeout_s` on one
+  request is ejected, and the request is retried on another server (the hung call is cancelled,
+  so no request is answered twice); a request the engine rejects as invalid (ValueError) goes back
+  to its caller instead: every server would reject it.
+- ejected servers are probed in the background (`ready()` then a one-token generate, each under a
+  timeout). One that answers on the current policy version is re-admitted; one that answers on an
+  older version (Ray restarted its process: fresh engine, base weights) is handed to the next
+  weight sync by `weight_targets()` and re-admitted by `synced()` once its weights are current.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from raytool.errors import one_line
 from raytool.routing import Router
 from raytool.types import SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
 
+_PROBE = SamplingParams(max_tokens=1, temperature=0.0)
+
 
 @ray.remote
 class LLMManager:
-    def __init__(self, servers: dict, affinity_slack: int = 4):
+    def __init__(self, servers: dict, affinity_slack: int = 4, request_timeout_s: float = 600.0,
+                 probe_interval_s: float = 5.0, probe_timeout_s: float = 60.0):
         self.servers = servers  # name -> RolloutServer handle
         self.router = Router(list(servers), affinity_slack=affinity_slack)
+        self.request_timeout_s = request_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.policy_version = 0
+        self.stale: dict[str, list[str]] = {}  # alive again but behind on weights -> its receiver addresses
+        self.addresses: dict[str, list[str]] = {}  # server -> weight receiver addresses (set by the driver)
+        self.retries = 0
+        self._probe_task: asyncio.Task | None = None
+
+    def set_addresses(self, addresses: dict) -> None:
+        self.addresses.update(addresses)
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str, session: str | None = None, group: str | None = None
     ) -> TokenOutput:
-        """Route one request; a server whose actor died is ejected and the request retried elsewhere."""
+        """Route one request; on a server failure eject it and retry on another (NoHealthyServer
+        when none is left)."""
+        tried: set[str] = set()
         while True:
-            name = self.router.pick(session, group)
+            name = self.router.pick(session, group, exclude=tried)
+            start = time.monotonic()
+            ref = self.servers[name].generate.remote(prompt_ids, sampling, request_id)
+            ok = False
             try:
-                return await self.servers[name].generate.remote(prompt_ids, sampling, request_id)
-            except (ActorDiedError, ActorUnavailableError) as exc:
-                log.warning("ejecting rollout server %s: %s", name, exc)
-                self.router.eject(name, f"{type(exc).__name__}: {exc}")
+                out = await asyncio.wait_for(asyncio.shield(ref), self.request_timeout_s)
+                ok = True
+                return out
+            except asyncio.TimeoutError:
+                ray.cancel(ref)
+                self._eject(name, f"request {request_id} took longer than {self.request_timeout_s:g}s")
+            except RayTaskError as exc:
+                if isinstance(exc.cause, ValueError):  # the request itself is invalid: no server would take it
+                    raise exc.cause from None
+                self._eject(name, one_line(exc))
+            except RayActorError as exc:  # died, restarting, or unreachable
+                self._eject(name, one_line(exc))
             finally:
-                self.router.done(name)
+                self.router.done(name, ok=ok, latency_s=time.monotonic() - start)
+            tried.add(name)
+            self.retries += 1
+
+    def _eject(self, name: str, reason: str) -> None:
+        if name not in self.router.ejected:
+            log.warning("ejecting rollout server %s: %s", name, reason)
+        self.router.eject(name, reason)
+        if self._probe_task is None or self._probe_task.done():
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        while self.router.ejected:
+            await asyncio.sleep(self.probe_interval_s)
+            await asyncio.gather(*(self._probe(name) for name in list(self.router.ejected) if name not in self.stale))
+
+    async def _probe(self, name: str) -> None:
+        server = self.servers[name]
+        try:
+            addresses = await asyncio.wait_for(server.ready.remote(), self.probe_timeout_s)
+            await asyncio.wait_for(server.generate.remote([0], _PROBE, f"probe-{name}-{time.monotonic_ns()}"), self.probe_timeout_s)
+            health = await asyncio.wait_for(server.health.remote(), self.probe_timeout_s)
+        except (asyncio.TimeoutError, GetTimeoutError):
+            return  # still restarting or still hung: try again later
+        except (RayTaskError, RayActorError) as exc:
+            self.router.ejected[name] = f"probe failed: {one_line(exc)}"
+            return
+        self.addresses[name] = list(addresses)
+        if health["policy_version"] == self.policy_version:
+            log.info("re-admitting rollout server %s (policy version %d)", name, self.policy_version)
+            self.router.readmit(name)
+        else:
+            log.info("rollout server %s is back on policy version %d; re-admitted after the next weight sync", name, health["policy_version"])
+            self.stale[name] = list(addresses)
+
+    def weight_targets(self) -> dict:
+        """The servers the next weight sync goes to -> their receiver addresses: every healthy one,
+        plus the recovered ones waiting for current weights."""
+        targets = {name: self.addresses[name] for name in self.router.healthy}
+        targets.update(self.stale)
+        return targets
+
+    def synced(self, version: int, acked: list[str], failed: dict) -> None:
+        """After a weight sync: the new policy version; re-admit recovered servers that took it,
+        eject servers that did not."""
+        self.policy_version = version
+        for name in acked:
+            if self.stale.pop(name, None) is not None:
+                log.info("re-admitting rollout server %s after its weight re-sync (v%d)", name, version)
+                self.router.readmit(name)
+        for name, reason in failed.items():
+            self.stale.pop(name, None)
+            if name not in self.router.ejected:
+                log.warning("ejecting rollout server %s: weight sync v%d failed: %s", name, version, reason)
+            self.router.eject(name, f"weight sync v{version} failed: {reason}")
+        if failed and (self._probe_task is None or self._probe_task.done()):
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def server_stats(self) -> dict:
+        """Each healthy server's own engine stats (in flight, queued, tokens/s, prefix-cache hits)."""
+        names = self.router.healthy
+        results = await asyncio.gather(*(self.servers[n].stats.remote() for n in names), return_exceptions=True)
+        return {n: r if isinstance(r, dict) else {"error": one_line(r)} for n, r in zip(names, results)}
 
     def end_session(self, session: str) -> None:
         self.router.end_session(session)
 
     def stats(self) -> dict:
-        return self.router.stats()
+        return {**self.router.stats(), "policy_version": self.policy_version, "stale": sorted(self.stale), "retries": self.retries}

@@ -56,6 +56,21 @@ def rollout_metrics(stats: list[dict]) -> dict:
     return metrics
 
 
+def serving_metrics(graph: Graph) -> dict:
+    """The rollout servers' side of a step: health, retries and the engines' own counters."""
+    manager = ray.get(graph.manager.stats.remote())
+    engines = [e for e in ray.get(graph.manager.server_stats.remote()).values() if "error" not in e]
+    hits = [e["prefix_cache_hit_rate"] for e in engines if e.get("prefix_cache_hit_rate") is not None]
+    metrics = {
+        "rollout/servers_healthy": len(manager["in_flight"]) - len(manager["ejected"]),
+        "rollout/retries": manager["retries"],
+        "rollout/engine_tokens_per_s": sum(e["tokens_per_s"] for e in engines),
+    }
+    if hits:
+        metrics["rollout/prefix_cache_hit_rate"] = sum(hits) / len(hits)
+    return metrics
+
+
 def run_sft(graph: Graph, cfg: RunConfig, train, tracker: Tracker) -> None:
     from transformers import AutoTokenizer
 
@@ -105,13 +120,14 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
             sync = graph.sync_weights(version)
             sync_s = time.perf_counter() - sync_start
 
-            metrics = {"step": step, **rollout_metrics(stats), **train_metrics}
+            metrics = {"step": step, **rollout_metrics(stats), **train_metrics, **serving_metrics(graph)}
             metrics.update({
                 "timing/step_s": time.perf_counter() - step_start,
                 "timing/rollout_s": rollout_s,
                 "timing/train_s": train_s,
                 "timing/weight_sync_s": sync_s,
                 "weight_sync/bytes": sync["sent"]["bytes"],
+                "weight_sync/failed_servers": len(sync["failed"]),
                 "policy_version": version,
             })
             tracker.log(metrics)

@@ -2,58 +2,106 @@
 
 from __future__ import annotations
 
-import asyncio
+import logging
+import os
 import time
 
 import ray
 
 from raytool.device import set_torch_threads
 from raytool.engines import make_engine
+from raytool.errors import RolloutServerError, describe_engine_failure
 from raytool.types import SamplingParams, TokenOutput
-from raytool.weightsync import WeightReceiver
+
+log = logging.getLogger(__name__)
 
 
 @ray.remote
 class RolloutServer:
-    def __init__(self, name: str, model_path: str, engine: str, engine_options: dict, torch_threads: int = 0):
+    """Built by Ray again after its process dies (`max_restarts`): then it starts a fresh engine on
+    the checkpoint it was given, opens new weight receivers, and reports policy version 0 until
+    the driver re-syncs it."""
+
+    def __init__(self, name: str, model_path: str, engine: str, engine_options: dict, torch_threads: int = 0, start_timeout_s: int = 600):
         set_torch_threads(torch_threads)
+        os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(start_timeout_s)
         self.name = name
-        self.engine = make_engine(engine, model_path, **engine_options)
-        self.receiver = WeightReceiver(host=ray.util.get_node_ip_address())
-        self.requests = 0
+        self.model_path = model_path
+        self.engine_name = engine
+        self.failure: str | None = None
+        self.engine = None
+        self.addresses: list[str] = []
+        self.in_flight = 0
         self.started = time.time()
+        try:
+            self.engine = make_engine(engine, model_path, **engine_options)
+        except Exception as exc:  # reported by ready() in one line; the actor stays up to say why
+            self.failure = describe_engine_failure(name, model_path, engine, exc)
+            log.error("%s", self.failure)
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise RolloutServerError(self.failure)
+
+    async def ready(self) -> list[str]:
+        """Raise the one-line start failure, or open the weight receivers and return their addresses."""
+        self._check()
+        if not self.addresses:
+            self.addresses = await self.engine.bind_weight_receivers(ray.util.get_node_ip_address())
+        return self.addresses
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
-        self.requests += 1
-        out = await self.engine.generate(prompt_ids, sampling, request_id)
+        self._check()
+        self.in_flight += 1
+        try:
+            out = await self.engine.generate(prompt_ids, sampling, request_id)
+        finally:
+            self.in_flight -= 1
         out.server = self.name
         return out
 
-    def weight_address(self) -> str:
-        return self.receiver.address
-
     async def receive_weights(self, version: int, timeout_s: float = 300.0) -> dict:
-        """Take one weight sync from the trainer (bucket by bucket into the engine); ack with counts."""
-
-        def receive() -> int:
-            loaded = 0
-            for bucket in self.receiver.receive(version, timeout_s):
-                loaded += self.engine.load_weights(bucket)
-            return loaded
-
+        """Take one weight sync from the trainer into the live engine; ack after the weights are in."""
+        self._check()
         start = time.perf_counter()
-        loaded = await asyncio.to_thread(receive)
-        self.engine.policy_version = version
+        loaded = await self.engine.receive_weights(version, timeout_s)
         return {"server": self.name, "tensors": loaded, "version": version, "seconds": time.perf_counter() - start}
 
     async def abort(self, request_id: str) -> bool:
+        self._check()
         return await self.engine.abort(request_id)
 
     async def sleep(self) -> None:
+        self._check()
         await self.engine.sleep()
 
     async def wake_up(self) -> None:
+        self._check()
         await self.engine.wake_up()
 
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
     def health(self) -> dict:
-        return {"server": self.name, "requests": self.requests, "policy_version": self.engine.policy_version, "uptime_s": time.time() - self.started}
+        """Cheap liveness and state probe (the manager re-admits on it); raises if the engine failed."""
+        self._check()
+        return {
+            "server": self.name,
+            "policy_version": self.engine.policy_version,
+            "weight_addresses": self.addresses,
+            "in_flight": self.in_flight,
+            "uptime_s": time.time() - self.started,
+            "pid": os.getpid(),
+        }
+
+    def stats(self) -> dict:
+        self._check()
+        return {"server": self.name, "model": self.model_path, "engine": self.engine_name, "in_flight": self.in_flight,
+                **self.engine.engine_stats()}
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()

@@ -1,13 +1,16 @@
-"""The `raytool` command: train (GRPO with optional SFT warm-up) and config (print the resolved config)."""
+"""The `raytool` command: train (GRPO with optional SFT warm-up), config (print the resolved config), bench NAME."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
+from raytool.bench import BENCHES
 from raytool.config import ConfigError, load_config, to_yaml
+from raytool.errors import RaytoolError
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local instance)")
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
+    bench = sub.add_parser("bench", help="run a benchmark and print its table")
+    bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    _config_args(bench)
+    bench.add_argument("--json", action="store_true", help="also print the result as one JSON object, the last line of stdout")
     return parser
 
 
@@ -41,11 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from actors.pipeline import run  # lazy: the CLI's only import of the Ray layer
-
     try:
+        if args.command == "bench":
+            table, result = BENCHES[args.name](cfg)
+            print(table)
+            if args.json:
+                print(json.dumps(result))
+            return 0
+        from actors.pipeline import run  # lazy: the CLI's only import of the Ray layer
+
         run_dir = run(cfg, args.run_dir, args.address)
-    except FileNotFoundError as exc:  # a model path or data file that is not there: one line, no trace
+    except (FileNotFoundError, RaytoolError) as exc:  # a missing model or file, a server that cannot start: one line
         print(f"raytool: {exc}", file=sys.stderr)
         return 2
     print(f"run directory: {run_dir.resolve()}")

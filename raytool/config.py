@@ -42,7 +42,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ModelConfig(_Section):
     path: str = "smollm2-135m-instruct"  # built-in name (smollm2-135m-instruct, tiny-random) or HF checkpoint dir
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer and HF-engine weights
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer compute and rollout-engine weights
 
 
 class DataConfig(_Section):
@@ -54,16 +54,27 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = "hf"  # rollout engine behind each RolloutServer
+    engine: Literal["vllm", "hf"] = "vllm"  # rollout engine behind each RolloutServer (hf: tests, fallback)
     num_servers: int = 1  # RolloutServer replicas behind the LLMManager
     n: int = 4  # samples per prompt (the GRPO group size)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k
     max_tokens_per_turn: int = 96  # generation budget of one assistant turn
-    max_batch_size: int = 64  # requests one engine batch may hold
+    max_batch_size: int = 64  # sequences one engine runs at once (vLLM max_num_seqs)
     num_cpus: float = 1.0  # Ray CPUs each server reserves
-    num_gpus: float = 0.0  # Ray GPUs each server reserves
+    num_gpus: float = 0.0  # Ray GPUs each server reserves (vLLM: set it to tensor_parallel_size)
+    tensor_parallel_size: int = 1  # vLLM: GPUs / NPUs one server's model is sharded over
+    gpu_memory_utilization: float = 0.85  # vLLM: fraction of accelerator memory the engine may take
+    max_model_len: int = 4096  # vLLM: longest prompt + response a request may have
+    cpu_kv_cache_gb: float = 1.0  # vLLM on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)
+    enforce_eager: bool = False  # vLLM: no CUDA graphs / compilation (faster start, slower decode)
+    engine_start_timeout_s: int = 600  # a server whose engine is not up by then fails to start
+    request_timeout_s: float = 600.0  # a generate call slower than this ejects its server; retried elsewhere
+    weight_sync_pause: Literal["keep", "wait"] = "keep"  # in-flight requests during a weight load: frozen then resumed on the new weights, or drained first
+    affinity_slack: int = 8  # GRPO siblings share a server unless it has more than this many requests in flight beyond the least busy
+    max_restarts: int = 3  # Ray restarts of a server whose process died (then re-synced and re-admitted)
+    health_probe_interval_s: float = 5.0  # how often the manager probes ejected servers for re-admission
 
 
 class AgentConfig(_Section):
@@ -227,6 +238,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "rollout.n": cfg.rollout.n,
         "rollout.num_servers": cfg.rollout.num_servers,
         "rollout.max_tokens_per_turn": cfg.rollout.max_tokens_per_turn,
+        "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+        "rollout.max_model_len": cfg.rollout.max_model_len,
         "agent.max_turns": cfg.agent.max_turns,
         "agent.num_workers": cfg.agent.num_workers,
         "data.prompts_per_step": cfg.data.prompts_per_step,

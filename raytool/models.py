@@ -73,11 +73,11 @@ def _build_tiny_random(out: Path) -> None:
     tokenizer = _load_smollm2_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=128,
+        intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head_dim 64: vLLM's CPU attention kernels have no head size below 32
+        num_key_value_heads=1,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -90,6 +90,8 @@ def _build_tiny_random(out: Path) -> None:
 
 
 _BUILDERS = {SMOLLM2: _build_smollm2, TINY_RANDOM: _build_tiny_random}
+# A builder whose output changes gets a new version, so caches built by an older one are not reused.
+_CACHE_NAMES = {SMOLLM2: SMOLLM2, TINY_RANDOM: "tiny-random-v2"}
 
 
 def resolve_model(name_or_path: str) -> str:
@@ -102,7 +104,7 @@ def resolve_model(name_or_path: str) -> str:
                 "nor a directory holding an HF checkpoint (config.json)"
             )
         return str(path.resolve())
-    target = cache_dir() / name_or_path
+    target = cache_dir() / _CACHE_NAMES[name_or_path]
     if (target / "config.json").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -8,13 +8,15 @@ import msgspec
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    """How one generate call samples. `stop_token_ids` end generation and are kept in the output."""
+    """How one generate call samples. `stop_token_ids` and `stop` strings end generation and are
+    kept in the output."""
 
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     seed: int | None = None
 
 

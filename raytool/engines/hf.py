@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -20,6 +21,7 @@ import torch
 from transformers import GenerationConfig
 
 from raytool.types import SamplingParams, TokenOutput
+from raytool.weightsync import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +42,12 @@ class _Request:
 
 
 class HFEngine:
-    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 64, seed: int = 0):
+    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 64, seed: int = 0, **_ignored):
         from transformers import AutoModelForCausalLM
 
+        from raytool.errors import preflight_engine
+
+        preflight_engine(model_path, "hf")
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device).eval()
         eos = self.model.config.eos_token_id
@@ -52,10 +57,14 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.policy_version = 0
         self.asleep = False
+        self.paused = False
         self._pending: list[_Request] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._weights_lock = threading.Lock()  # load_weights never overlaps a forward pass
+        self._receiver: WeightReceiver | None = None
+        self._requests = self._generated = 0
+        self._first_request: float | None = None
         torch.manual_seed(seed)
 
     # -- generation ---------------------------------------------------------------------------
@@ -63,10 +72,14 @@ class HFEngine:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
         if self.asleep:
             raise RuntimeError("HFEngine is asleep: call wake_up() before generate()")
+        if sampling.stop:
+            raise ValueError("the HF engine stops on token ids only; stop strings need rollout.engine=vllm")
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.create_task(self._batch_loop())
         future = asyncio.get_running_loop().create_future()
+        self._requests += 1
+        self._first_request = self._first_request or time.monotonic()
         self._pending.append(_Request(list(prompt_ids), sampling, request_id, future))
         self._wakeup.set()
         return await future
@@ -75,7 +88,7 @@ class HFEngine:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._pending and not self.asleep:  # queued requests wait for wake_up()
+            while self._pending and not self.asleep and not self.paused:  # queued requests wait for wake_up() / resume()
                 key = self._pending[0].batch_key
                 batch = [r for r in self._pending if r.batch_key == key][: self.max_batch_size]
                 taken = {id(r) for r in batch}
@@ -88,6 +101,7 @@ class HFEngine:
                             r.future.set_exception(exc)
                     continue
                 for r, out in zip(batch, outputs):
+                    self._generated += len(out.token_ids)
                     if not r.future.done():
                         r.future.set_result(out)
 
@@ -147,6 +161,21 @@ class HFEngine:
 
     # -- weights and memory --------------------------------------------------------------------
 
+    async def bind_weight_receivers(self, host: str) -> list[str]:
+        if self._receiver is None:
+            self._receiver = WeightReceiver(host)
+        return [self._receiver.address]
+
+    async def receive_weights(self, version: int, timeout_s: float) -> int:
+        """Take one sync from the trainer, bucket by bucket, between batches (under the weights lock)."""
+
+        def receive() -> int:
+            return sum(self.load_weights(bucket) for bucket in self._receiver.receive(version, timeout_s))
+
+        loaded = await asyncio.to_thread(receive)
+        self.policy_version = version
+        return loaded
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model by HF parameter name; returns how many were loaded."""
         params = dict(self.model.named_parameters())
@@ -170,6 +199,27 @@ class HFEngine:
                 self.model.to("cpu")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def engine_stats(self) -> dict:
+        elapsed = time.monotonic() - self._first_request if self._first_request else 0.0
+        return {
+            "running": 0, "waiting": len(self._pending), "requests": self._requests,
+            "generated_tokens": self._generated, "tokens_per_s": self._generated / elapsed if elapsed else 0.0,
+            "prefix_cache_hit_rate": None, "policy_version": self.policy_version,
+        }
+
+    def shutdown(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+
+    async def pause(self) -> None:
+        """New batches wait for resume(); a batch already running finishes."""
+        self.paused = True
+
+    async def resume(self) -> None:
+        self.paused = False
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     async def wake_up(self) -> None:
         if self.device.type != "cpu":

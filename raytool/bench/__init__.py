@@ -1,0 +1,22 @@
+"""Benchmarks behind `raytool bench NAME`: each takes the resolved RunConfig, returns (table text, result dict).
+
+Register a function that imports its heavy modules inside, so that `raytool bench router` (and the
+CLI's start) never imports Ray or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from raytool.config import RunConfig
+
+Bench = Callable[[RunConfig], tuple[str, dict]]
+
+
+def _router(cfg: RunConfig) -> tuple[str, dict]:
+    from raytool.bench.router_sim import bench
+
+    return bench(cfg)
+
+
+BENCHES: dict[str, Bench] = {"router": _router}

