@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 ACTOR_ENV = {
     "HF_HUB_OFFLINE": "1",  # weights never come from a hub at run time
     "TRANSFORMERS_VERBOSITY": "error",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # no weight-loading bars from every actor in the driver log
+    "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),  # no per-sync INFO lines from vLLM
 }
 
 

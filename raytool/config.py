@@ -66,7 +66,7 @@ class RolloutConfig(_Section):
     num_gpus: float = 0.0  # Ray GPUs each server reserves (vLLM: set it to tensor_parallel_size)
     tensor_parallel_size: int = 1  # vLLM: GPUs / NPUs one server's model is sharded over
     gpu_memory_utilization: float = 0.85  # vLLM: fraction of accelerator memory the engine may take
-    max_model_len: int = 4096  # vLLM: longest prompt + response a request may have
+    max_model_len: int | None = None  # vLLM: longest prompt + response a request may have (None: the model's own limit)
     cpu_kv_cache_gb: float = 1.0  # vLLM on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)
     enforce_eager: bool = False  # vLLM: no CUDA graphs / compilation (faster start, slower decode)
     engine_start_timeout_s: int = 600  # a server whose engine is not up by then fails to start
@@ -239,7 +239,7 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "rollout.num_servers": cfg.rollout.num_servers,
         "rollout.max_tokens_per_turn": cfg.rollout.max_tokens_per_turn,
         "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-        "rollout.max_model_len": cfg.rollout.max_model_len,
+        "rollout.max_model_len": cfg.rollout.max_model_len or 1,
         "agent.max_turns": cfg.agent.max_turns,
         "agent.num_workers": cfg.agent.num_workers,
         "data.prompts_per_step": cfg.data.prompts_per_step,

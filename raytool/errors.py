@@ -14,13 +14,16 @@ class RolloutServerError(RaytoolError):
     pass
 
 
-def one_line(exc: BaseException) -> str:
-    """`Type: first line of the message`; a Ray task error is described by the exception it wraps."""
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """`Type: message` on one line (a multi-line message joined, at most `limit` characters); a Ray
+    task error is described by the exception it wraps."""
     cause = getattr(exc, "cause", None)
     if isinstance(cause, BaseException):
         exc = cause
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}"[:300] if text else type(exc).__name__
+    text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def preflight_engine(model_path: str, engine: str) -> None:

@@ -94,7 +94,7 @@ class VLLMEngine:
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.85,
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         max_batch_size: int = 256,
         cpu_kv_cache_gb: float = 1.0,
         enforce_eager: bool = False,
