@@ -19,4 +19,10 @@ def _router(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
-BENCHES: dict[str, Bench] = {"router": _router}
+def _rollout(cfg: RunConfig) -> tuple[str, dict]:
+    from actors.bench_rollout import bench  # lazy, like the CLI's train: the Ray layer
+
+    return bench(cfg)
+
+
+BENCHES: dict[str, Bench] = {"router": _router, "rollout": _rollout}

@@ -150,3 +150,45 @@ def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster,
     # Generated tokens carry the engine's log-probs; observation tokens carry none.
     assert all(lp == 0.0 for lp, m in zip(t["rollout_logprobs"], mask) if m == 0)
     assert any(lp < 0.0 for lp, m in zip(t["rollout_logprobs"], mask) if m == 1)
+
+
+def test_training_survives_a_rollout_server_killed_during_step_one(ray_cluster, tmp_path):
+    """Two vLLM servers; `kill -9` of one server's process while step 1 rolls out: its requests
+    complete on the other, the weight sync goes to the healthy one, every step completes."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from ray.util.state import list_actors
+
+    from actors.pipeline import run
+
+    cfg = load_config(None, TINY + [
+        "rollout.num_servers=2", "rollout.num_cpus=0.5", "trainer.num_cpus=0.5", "trainer.total_steps=3",
+        "data.prompts_per_step=4", "rollout.n=4", "rollout.max_tokens_per_turn=48", "agent.max_response_tokens=96",
+    ])
+    run_dir = tmp_path / "killed"
+    killed: dict = {}
+
+    def kill_during_step_one():
+        sft = run_dir / "sft_metrics.jsonl"
+        deadline = time.time() + 400
+        while time.time() < deadline and not (sft.exists() and len(sft.read_text().splitlines()) == 2):
+            time.sleep(0.1)
+        time.sleep(0.3)  # past the SFT weight sync: step 1 is rolling out
+        alive = [a for a in list_actors(filters=[("class_name", "=", "RolloutServer"), ("state", "=", "ALIVE")])]
+        victim = sorted(alive, key=lambda a: a.pid)[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        killed["pid"] = victim.pid
+
+    killer = threading.Thread(target=kill_during_step_one, daemon=True)
+    killer.start()
+    run(cfg, run_dir)
+    killer.join(timeout=5)
+    assert killed, "the server was not killed"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["rollout/trajectories"] == 16 for m in steps)
+    assert steps[0]["rollout/servers_healthy"] == 1 and steps[0]["weight_sync/failed_servers"] == 0
+    assert [m["policy_version"] for m in steps] == [2, 3, 4]

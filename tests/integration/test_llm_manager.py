@@ -1,0 +1,179 @@
+"""The LLMManager actor under failure: servers that raise, hang past the request timeout, or die
+are ejected, their requests complete on another server (none lost, none answered twice), and a
+server that recovers is re-admitted (after a weight re-sync when its process was restarted).
+
+The servers here are small fake actors with the RolloutServer interface whose failure mode the
+test sets; the manager is the real one. Real vLLM servers killed mid-run: test_end_to_end.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+import ray
+
+from raytool.types import SamplingParams, TokenOutput
+
+pytestmark = pytest.mark.integration
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fakes travel with the test
+
+
+class _Fake:
+    def __init__(self, name: str):
+        self.name = name
+        self.mode = "ok"  # ok | raise | hang
+        self.version = 0
+        self.answered: list[str] = []
+
+    def set_mode(self, mode: str) -> None:
+        self.mode = mode
+
+    async def ready(self) -> list[str]:
+        return [f"tcp://fake/{self.name}"]
+
+    async def generate(self, prompt_ids, sampling, request_id) -> TokenOutput:
+        await asyncio.sleep(0.05)
+        if self.mode == "raise":
+            raise RuntimeError(f"{self.name}: engine step failed")
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        if request_id.startswith("probe-"):
+            return TokenOutput([0], [0.0], "length", server=self.name, policy_version=self.version)
+        self.answered.append(request_id)
+        return TokenOutput([len(prompt_ids)], [0.0], "stop", server=self.name, policy_version=self.version)
+
+    def health(self) -> dict:
+        return {"server": self.name, "policy_version": self.version}
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def answered_ids(self) -> list[str]:
+        return list(self.answered)
+
+    def stats(self) -> dict:
+        return {"server": self.name, "tokens_per_s": 1.0, "prefix_cache_hit_rate": None}
+
+
+class _Rejecting(_Fake):
+    async def generate(self, prompt_ids, sampling, request_id):
+        raise ValueError("prompt is longer than max_model_len")
+
+
+FakeServer = ray.remote(max_restarts=1, max_task_retries=0, num_cpus=0)(_Fake)
+Rejecting = ray.remote(num_cpus=0)(_Rejecting)
+
+
+@pytest.fixture
+def fleet(ray_cluster):
+    from actors.llm_manager import LLMManager
+
+    servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(3)}
+    manager = LLMManager.options(num_cpus=0).remote(servers, request_timeout_s=2.0, probe_interval_s=0.3, probe_timeout_s=5.0)
+    ray.get(manager.set_addresses.remote({n: [f"tcp://fake/{n}"] for n in servers}))
+    yield servers, manager
+    for actor in [manager, *servers.values()]:
+        ray.kill(actor)
+
+
+def _burst(manager, tag: str, n: int = 24):
+    """n concurrent requests, 4 per trajectory session, 8 per group -> {request_id: output}."""
+    ids = [f"{tag}-{i}" for i in range(n)]
+    refs = [manager.generate.remote([1, 2, 3], SamplingParams(max_tokens=1), rid, f"{tag}-sess{i // 4}", f"{tag}-g{i // 8}")
+            for i, rid in enumerate(ids)]
+    return dict(zip(ids, ray.get(refs, timeout=60)))
+
+
+def _answered(servers) -> dict[str, list[str]]:
+    return {name: ray.get(s.answered_ids.remote()) for name, s in servers.items()}
+
+
+def _wait_for(predicate, timeout_s: float = 30.0):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not reached in time")
+
+
+def _check_exactly_once(outs: dict, servers) -> None:
+    answered = _answered(servers)
+    every = [rid for ids in answered.values() for rid in ids]
+    assert sorted(rid for rid in every if rid in outs) == sorted(outs), "a request was lost or answered twice"
+    for rid, out in outs.items():
+        assert rid in answered[out.server]
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_a_failing_server_is_ejected_its_requests_complete_elsewhere_and_it_comes_back(fleet, mode):
+    servers, manager = fleet
+    ray.get(servers["s1"].set_mode.remote(mode))
+    start = time.time()
+    outs = _burst(manager, mode)
+    assert {o.server for o in outs.values()} <= {"s0", "s2"}
+    _check_exactly_once(outs, servers)
+    stats = ray.get(manager.stats.remote())
+    assert "s1" in stats["ejected"] and stats["retries"] >= 1
+    assert all(n == 0 for n in stats["in_flight"].values()), stats["in_flight"]
+    if mode == "hang":
+        assert "took longer than 2s" in stats["ejected"]["s1"] and time.time() - start < 30
+    else:
+        assert "engine step failed" in stats["ejected"]["s1"]
+    # It recovers: the background probe re-admits it (same process, current weights).
+    ray.get(servers["s1"].set_mode.remote("ok"))
+    _wait_for(lambda: "s1" not in ray.get(manager.stats.remote())["ejected"])
+    outs = _burst(manager, f"{mode}-after", n=48)
+    assert "s1" in {o.server for o in outs.values()}
+
+
+def test_a_killed_server_is_restarted_resynced_then_readmitted(fleet):
+    servers, manager = fleet
+    for s in servers.values():
+        ray.get(s.set_version.remote(5))
+    ray.get(manager.synced.remote(5, list(servers), {}))
+    # Kill s0 while requests are in flight on it; Ray restarts its process (max_restarts=1).
+    refs = [manager.generate.remote([1], SamplingParams(max_tokens=1), f"k-{i}", f"k-sess{i}", None) for i in range(12)]
+    ray.kill(servers["s0"], no_restart=False)
+    outs = dict(zip([f"k-{i}" for i in range(12)], ray.get(refs, timeout=60)))
+    assert len(outs) == 12 and all(len(o.token_ids) == 1 for o in outs.values())
+    assert "s0" in ray.get(manager.stats.remote())["ejected"]
+    # The restarted process answers on policy version 0: it waits for the next weight sync.
+    _wait_for(lambda: ray.get(manager.stats.remote())["stale"] == ["s0"])
+    targets = ray.get(manager.weight_targets.remote())
+    assert set(targets) == {"s0", "s1", "s2"} and targets["s0"] == ["tcp://fake/s0"]
+    assert "s0" in ray.get(manager.stats.remote())["ejected"]
+    for s in servers.values():
+        ray.get(s.set_version.remote(6))
+    ray.get(manager.synced.remote(6, ["s0", "s1", "s2"], {}))
+    stats = ray.get(manager.stats.remote())
+    assert stats["ejected"] == {} and stats["stale"] == [] and stats["policy_version"] == 6
+    outs = _burst(manager, "k-after", n=48)
+    assert "s0" in {o.server for o in outs.values()}
+
+
+def test_a_server_that_fails_its_weight_sync_is_ejected_and_the_rest_serve(fleet):
+    servers, manager = fleet
+    ray.get(manager.synced.remote(3, ["s0", "s2"], {"s1": "TimeoutError: no bucket 0 within 300s"}))
+    stats = ray.get(manager.stats.remote())
+    assert stats["ejected"]["s1"].startswith("weight sync v3 failed") and stats["policy_version"] == 3
+    assert set(ray.get(manager.weight_targets.remote())) == {"s0", "s2"}
+    outs = _burst(manager, "sync")
+    assert {o.server for o in outs.values()} <= {"s0", "s2"}
+
+
+def test_an_invalid_request_goes_back_to_its_caller_without_ejecting_anyone(ray_cluster):
+    from actors.llm_manager import LLMManager
+
+    rejecting = {"r0": Rejecting.remote("r0"), "r1": Rejecting.remote("r1")}
+    m = LLMManager.options(num_cpus=0).remote(rejecting, request_timeout_s=2.0)
+    try:
+        with pytest.raises(ValueError, match="max_model_len"):
+            ray.get(m.generate.remote([1] * 10, SamplingParams(), "too-long"))
+        assert ray.get(m.stats.remote())["ejected"] == {}
+    finally:
+        for actor in [m, *rejecting.values()]:
+            ray.kill(actor)

