@@ -4,12 +4,13 @@ latency stalls generation.
 One graph (rollout server(s), manager, agent worker, sandbox, reward), one run:
 1. engine: the task's rendered prompts x n sent straight to the RolloutServer actors, all at once;
 2. agent: the same prompts through the full agent-loop path (AgentLoopWorker -> LLMManager ->
-   RolloutServer, reward scoring; one turn, so no tool runs); rounds alternate engine / agent so
-   that prefix-cache warmth and machine noise hit both alike; tokens/s of each, and their ratio;
+   RolloutServer, reward scoring; one turn, so no tool runs). Both paths use the same per-request
+   seeds, so they generate the same tokens; rounds alternate engine / agent so that prefix-cache
+   warmth and machine noise hit both alike; tokens/s of each, and their ratio;
 3. tools: trajectories of 4 turns through the manager with a fake tool between turns (3 calls),
-   once with 100 ms of tool latency and once with 0 ms, with per-request seeds so both runs
-   generate the same tokens; the makespan ratio shows whether the engine keeps generating for other
-   trajectories while some wait on a tool.
+   with 100 ms of tool latency and with 0 ms (after a warm-up run, in the order 0 / 100 / 100 / 0),
+   with per-request seeds so every run generates the same tokens; the makespan ratio shows whether
+   the engine keeps generating for other trajectories while some wait on a tool.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from actors.pipeline import connect
 from raytool.config import RunConfig
 from raytool.data import make_splits
 from raytool.data.tool_arith import prompt_messages
+from raytool.agent.loop import request_seed
 from raytool.types import SamplingParams
 
 ROUNDS = 2
@@ -32,10 +34,18 @@ TOOL_TURNS = 4  # generate, tool, generate, tool, generate, tool, generate
 OBSERVATION = [198, 33, 34, 35, 36, 198]  # a short fixed "tool output" appended between turns
 
 
-def _engine_round(graph, prompts: list[list[int]], sampling: SamplingParams, tag: str) -> tuple[int, float]:
+def _engine_round(graph, prompts: list[list[int]], sampling: SamplingParams, prefix: str) -> tuple[int, float]:
+    """The agent round's first turns, straight to the servers, with the very same sampling seeds
+    (so both paths generate the same tokens and the time ratio is the graph's overhead)."""
     servers = list(graph.servers.values())
+    n = graph.cfg.rollout.n
+    seed = graph.cfg.rollout.seed
     start = time.perf_counter()
-    refs = [servers[i % len(servers)].generate.remote(p, sampling, f"{tag}-{i}") for i, p in enumerate(prompts)]
+    refs = []
+    for i, p in enumerate(prompts):
+        uid = f"{prefix}{i // n}/{i % n}"  # the trajectory id Graph.rollout gives this sample
+        s = msgspec.structs.replace(sampling, seed=request_seed(seed, uid, 0))
+        refs.append(servers[i % len(servers)].generate.remote(p, s, f"e-{uid}"))
     tokens = sum(len(o.token_ids) for o in ray.get(refs))
     return tokens, time.perf_counter() - start
 
@@ -72,7 +82,9 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
     from raytool.agent.render import ChatRenderer
     from raytool.models import resolve_model
 
-    cfg = msgspec.structs.replace(cfg, agent=msgspec.structs.replace(cfg.agent, max_turns=1))
+    seed = cfg.rollout.seed if cfg.rollout.seed is not None else 0
+    cfg = msgspec.structs.replace(cfg, agent=msgspec.structs.replace(cfg.agent, max_turns=1),
+                                  rollout=msgspec.structs.replace(cfg.rollout, seed=seed))
     model_path = resolve_model(cfg.model.path)
     connect(cfg.cluster.address)
     graph = build(cfg, model_path, with_trainer=False)
@@ -87,15 +99,20 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
         _agent_round(graph, problems, "warm")  # engine warm-up, compiled paths, prefix cache
         engine, agent = [0, 0.0], [0, 0.0]
         for k in range(ROUNDS):
-            tokens, seconds = _engine_round(graph, prompts, sampling, f"e{k}")
+            tokens, seconds = _engine_round(graph, prompts, sampling, f"a{k}g")
             engine[0] += tokens
             engine[1] += seconds
-            tokens, seconds = _agent_round(graph, problems, f"a{k}")
+            tokens, seconds = _agent_round(graph, problems, f"a{k}g")
             agent[0] += tokens
             agent[1] += seconds
         tool_sampling = msgspec.structs.replace(sampling, max_tokens=max(8, r.max_tokens_per_turn // TOOL_TURNS))
-        no_wait = _tool_round(graph, prompts, tool_sampling, 0.0, "t0")
-        wait = _tool_round(graph, prompts, tool_sampling, 0.1, "t100")
+        # Same seeds in every tool run, so each run after the first finds the same prefixes cached:
+        # one warm-up run, then 0 / 100 / 100 / 0 ms so that drift hits both alike.
+        _tool_round(graph, prompts, tool_sampling, 0.0, "tw")
+        times = {0.0: 0.0, 0.1: 0.0}
+        for k, latency in enumerate((0.0, 0.1, 0.1, 0.0)):
+            times[latency] += _tool_round(graph, prompts, tool_sampling, latency, f"t{k}") / 2
+        no_wait, wait = times[0.0], times[0.1]
     finally:
         graph.shutdown()
     result = {

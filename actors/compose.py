@@ -117,7 +117,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     a = cfg.agent
     loop_cfg = AgentLoopConfig(
         max_turns=a.max_turns, max_response_tokens=a.max_response_tokens, max_tokens_per_turn=r.max_tokens_per_turn,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, tool_parser=a.tool_parser,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, tool_parser=a.tool_parser, seed=r.seed,
     )
     agent_workers = [
         AgentLoopWorker.options(**actor_options(light)).remote(model_path, manager, sandbox_pool, reward_workers, loop_cfg, a.max_tool_output_chars)

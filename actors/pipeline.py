@@ -64,7 +64,6 @@ def serving_metrics(graph: Graph) -> dict:
     metrics = {
         "rollout/servers_healthy": len(manager["in_flight"]) - len(manager["ejected"]),
         "rollout/retries": manager["retries"],
-        "rollout/engine_tokens_per_s": sum(e["tokens_per_s"] for e in engines),
     }
     if hits:
         metrics["rollout/prefix_cache_hit_rate"] = sum(hits) / len(hits)
@@ -122,6 +121,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
 
             metrics = {"step": step, **rollout_metrics(stats), **train_metrics, **serving_metrics(graph)}
             metrics.update({
+                "rollout/tokens_per_s": sum(s["generated_tokens"] for s in stats) / rollout_s,
                 "timing/step_s": time.perf_counter() - step_start,
                 "timing/rollout_s": rollout_s,
                 "timing/train_s": train_s,

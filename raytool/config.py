@@ -61,6 +61,7 @@ class RolloutConfig(_Section):
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k
     max_tokens_per_turn: int = 96  # generation budget of one assistant turn
+    seed: int | None = None  # sampling seed per request from (seed, trajectory id, turn): reproducible rollouts (None: unseeded)
     max_batch_size: int = 64  # sequences one engine runs at once (vLLM max_num_seqs)
     num_cpus: float = 1.0  # Ray CPUs each server reserves
     num_gpus: float = 0.0  # Ray GPUs each server reserves (vLLM: set it to tensor_parallel_size)

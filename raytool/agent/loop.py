@@ -7,6 +7,7 @@ tool call (the answer), on the turn limit, or on the response token budget.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -28,6 +29,12 @@ class AgentLoopConfig:
     top_p: float = 1.0
     top_k: int = -1
     tool_parser: str = "retool"
+    seed: int | None = None  # per-request sampling seeds from (seed, trajectory id, turn): reproducible rollouts
+
+
+def request_seed(seed: int | None, uid: str, turn: int) -> int | None:
+    """The sampling seed of one turn of one trajectory (None: the engine's own randomness)."""
+    return None if seed is None else zlib.crc32(f"{seed}:{uid}:{turn}".encode()) & 0x7FFFFFFF
 
 
 class AgentLoop:
@@ -82,6 +89,7 @@ class AgentLoop:
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
                 stop_token_ids=(self.renderer.eos_id,),
+                seed=request_seed(cfg.seed, uid, turn),
             )
             out = await self.generate(prompt_ids + response_ids, sampling, f"{uid}-{turn}", uid)
             version = out.policy_version

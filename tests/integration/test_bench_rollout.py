@@ -22,5 +22,5 @@ def test_rollout_bench_reports_engine_and_agent_throughput(ray_cluster, capsys):
     assert result["trajectories"] == 8 and result["engine"] == "vllm"
     for key in ("engine_tokens_per_s", "agent_tokens_per_s", "agent_vs_engine", "tool_latency_overhead"):
         assert math.isfinite(result[key]) and result[key] > 0, key
-    # 3 tool calls of 100 ms each cannot make a trajectory set faster than with 0 ms tools by much.
-    assert result["tool_makespan_100ms_s"] >= 0.3 * 0.5
+    # Each trajectory waits on 3 tool calls of 100 ms in a row: no run can be shorter than that.
+    assert result["tool_makespan_100ms_s"] >= 0.3
