@@ -1,3 +1,4 @@
+import pytest
 import yaml
 
 from raytool.cli import main
@@ -18,3 +19,14 @@ def test_missing_model_fails_before_starting_anything(capsys, tmp_path):
     assert main(["train", f"model.path={tmp_path / 'nope'}", "--run-dir", str(tmp_path / "run")]) == 2
     assert "neither a built-in model" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_overrides_may_follow_flags_and_unknown_flags_are_refused(capsys):
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml")
+    assert main(["config", "rollout.n=3", "-c", config, "agent.max_turns=2"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["rollout"]["n"] == 3 and resolved["agent"]["max_turns"] == 2
+    with pytest.raises(SystemExit):
+        main(["config", "--bogus", "rollout.n=3"])

@@ -139,3 +139,29 @@ def test_skipping_zero_advantage_sequences_changes_nothing(tiny_model_path, monk
     for name in g1:
         # equal up to float summation order (other micro-batch shapes)
         assert torch.allclose(g1[name], g2[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_hf_engine_takes_a_weight_sync_over_zmq(engine):
+    from raytool.weightsync import WeightSender
+
+    async def sync():
+        (address,) = await engine.bind_weight_receivers("127.0.0.1")
+        sender = WeightSender([address], bucket_bytes=1 << 20)
+        try:
+            named = [(n, torch.full_like(p, 0.01)) for n, p in engine.model.named_parameters() if "norm" in n]
+            receiving = asyncio.create_task(engine.receive_weights(7, 30.0))
+            await asyncio.to_thread(sender.send, named, 7)
+            return await receiving, len(named)
+        finally:
+            sender.close()
+
+    before = {n: p.clone() for n, p in engine.model.named_parameters() if "norm" in n}
+    loaded, sent = asyncio.run(sync())
+    assert loaded == sent and engine.policy_version == 7 and engine.engine_stats()["policy_version"] == 7
+    for n, p in engine.model.named_parameters():
+        if n in before:
+            assert torch.all(p == 0.01)
+    with torch.no_grad():  # put the fixture's model back for the other tests
+        for n, p in engine.model.named_parameters():
+            if n in before:
+                p.copy_(before[n])
