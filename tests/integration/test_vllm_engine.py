@@ -133,3 +133,30 @@ def test_a_paused_engine_holds_requests_and_resumes_them(server):
     stats = ray.get(actor.stats.remote())
     assert stats["requests"] >= 1 and stats["generated_tokens"] > 0 and stats["tokens_per_s"] > 0
     assert stats["prefix_cache_hit_rate"] is not None
+
+
+def test_a_stop_string_ends_a_request_at_the_token_that_completes_it(server, tiny_model_path):
+    from transformers import AutoTokenizer
+
+    actor, _ = server
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    (greedy,) = _generate(actor, PROMPTS[1:], SamplingParams(max_tokens=12, temperature=0.0))
+    pieces = [tok.decode([t]) for t in greedy.token_ids]
+    k = next(i for i, p in enumerate(pieces) if i >= 3 and len(p.strip()) >= 2)
+    (out,) = _generate(actor, PROMPTS[1:], SamplingParams(max_tokens=12, temperature=0.0, stop=(pieces[k].strip(),)))
+    assert out.finish_reason == "stop" and len(out.token_ids) <= k + 1
+    assert out.token_ids == greedy.token_ids[: len(out.token_ids)]
+    assert pieces[k].strip() in tok.decode(out.token_ids)
+
+
+def test_abort_ends_a_running_request(server):
+    import time
+
+    import ray
+
+    actor, _ = server
+    ref = actor.generate.remote(PROMPTS[0], SamplingParams(max_tokens=1500, temperature=1.0), "long-one")
+    time.sleep(1.0)
+    assert ray.get(actor.abort.remote("long-one"))
+    out = ray.get(ref, timeout=60)
+    assert out.finish_reason == "abort" and len(out.token_ids) < 1500
