@@ -113,7 +113,7 @@ class VLLMEngine:
         # On x86 vLLM's CPU worker keeps one core per worker for its scheduler process, which idles
         # between steps; on a small machine that halves decoding (2 cores: 105 -> 157 tokens/s
         # for SmolLM2-135M at 16 sequences when the worker gets both). Users can still set it.
-        if (os.cpu_count() or 1) < 8:
+        if len(os.sched_getaffinity(0)) < 8:
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         self.model_path = model_path
         self.policy_version = 0
