@@ -31,7 +31,7 @@ _PROBE = SamplingParams(max_tokens=1, temperature=0.0)
 
 @ray.remote
 class LLMManager:
-    def __init__(self, servers: dict, affinity_slack: int = 4, request_timeout_s: float = 600.0,
+    def __init__(self, servers: dict, affinity_slack: int = 8, request_timeout_s: float = 600.0,
                  probe_interval_s: float = 5.0, probe_timeout_s: float = 60.0):
         self.servers = servers  # name -> RolloutServer handle
         self.router = Router(list(servers), affinity_slack=affinity_slack)

@@ -80,9 +80,12 @@ class RolloutServer:
         await self.engine.wake_up()
 
     async def pause(self) -> None:
+        """Hold new work (vLLM `keep` mode: running requests freeze too) until resume()."""
+        self._check()
         await self.engine.pause()
 
     async def resume(self) -> None:
+        self._check()
         await self.engine.resume()
 
     def health(self) -> dict:

@@ -240,7 +240,6 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "rollout.num_servers": cfg.rollout.num_servers,
         "rollout.max_tokens_per_turn": cfg.rollout.max_tokens_per_turn,
         "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-        "rollout.max_model_len": cfg.rollout.max_model_len or 1,
         "agent.max_turns": cfg.agent.max_turns,
         "agent.num_workers": cfg.agent.num_workers,
         "data.prompts_per_step": cfg.data.prompts_per_step,
@@ -249,6 +248,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "sandbox.max_concurrency": cfg.sandbox.max_concurrency,
         "reward.num_workers": cfg.reward.num_workers,
     }
+    if cfg.rollout.max_model_len is not None:
+        positive["rollout.max_model_len"] = cfg.rollout.max_model_len
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{source}: config key '{key}': expected a positive integer, got {value}")

@@ -50,3 +50,11 @@ def test_cross_key_validation():
 def test_malformed_override():
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(None, ["trainer.total_steps"])
+
+
+def test_rollout_engine_keys_are_checked():
+    assert load_config(None, ["rollout.max_model_len=2048"]).rollout.max_model_len == 2048
+    with pytest.raises(ConfigError, match="rollout.max_model_len"):
+        load_config(None, ["rollout.max_model_len=0"])
+    with pytest.raises(ConfigError, match=r"rollout.engine.*\['vllm', 'hf'\]"):
+        load_config(None, ["rollout.engine=sglang"])
