@@ -55,26 +55,49 @@ def test_readme_composition_example_runs(ray_cluster):
     assert len(stats) == 2 * 2 and all(s["response_length"] > 0 for s in stats)
 
 
-def test_weight_sync_fan_out_and_ejection_of_a_dead_server(ray_cluster):
+def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitted(ray_cluster):
+    import os
+    import signal
+    import time
+
     import ray
 
     from actors.compose import build
     from raytool.types import SamplingParams
 
-    cfg = load_config(None, TINY + ["rollout.num_servers=2", "rollout.num_cpus=0.5", "trainer.num_cpus=0.5"])
+    cfg = load_config(None, TINY + ["rollout.num_servers=2", "rollout.num_cpus=0.5", "trainer.num_cpus=0.5",
+                                    "rollout.health_probe_interval_s=1"])
     graph = build(cfg)
+
+    def burst(tag: str, n: int = 4):
+        return ray.get([graph.manager.generate.remote([1, 2, 3], SamplingParams(max_tokens=4), f"{tag}{i}", f"{tag}s{i}")
+                        for i in range(n)], timeout=120)
+
     try:
         result = graph.sync_weights(version=9)
         assert {a["server"] for a in result["acks"]} == {"rollout-0", "rollout-1"}
         assert all(a["tensors"] > 0 and a["version"] == 9 for a in result["acks"])
         health = ray.get([s.health.remote() for s in graph.servers.values()])
         assert {h["policy_version"] for h in health} == {9}
-        # A server dies: the manager ejects it and every request still gets an answer.
-        ray.kill(graph.servers["rollout-0"])
-        outs = ray.get([graph.manager.generate.remote([1, 2, 3], SamplingParams(max_tokens=4), f"r{i}", f"s{i}") for i in range(4)])
+        # `kill -9` of a server's process: the manager ejects it and every request still gets an answer.
+        os.kill(health[0]["pid"], signal.SIGKILL)
+        outs = burst("r")
         assert all(o.server == "rollout-1" and len(o.token_ids) == 4 for o in outs)
         stats = ray.get(graph.manager.stats.remote())
         assert "rollout-0" in stats["ejected"] and stats["in_flight"] == {"rollout-0": 0, "rollout-1": 0}
+        # Ray restarts it with a fresh engine on the base weights: the probe finds it behind ...
+        deadline = time.time() + 180
+        while ray.get(graph.manager.stats.remote())["stale"] != ["rollout-0"]:
+            assert time.time() < deadline, "the restarted server never came back"
+            time.sleep(1)
+        assert ray.get(graph.servers["rollout-0"].health.remote())["policy_version"] == 0
+        # ... the next weight sync reaches it at its new receiver, and it is re-admitted.
+        result = graph.sync_weights(version=10)
+        assert {a["server"] for a in result["acks"]} == {"rollout-0", "rollout-1"} and not result["failed"]
+        stats = ray.get(graph.manager.stats.remote())
+        assert stats["ejected"] == {} and stats["stale"] == [] and stats["policy_version"] == 10
+        outs = burst("after", 8)
+        assert {o.server for o in outs} == {"rollout-0", "rollout-1"} and {o.policy_version for o in outs} == {10}
     finally:
         graph.shutdown()
 
