@@ -73,10 +73,12 @@ class Graph:
         wait for current weights); returns bytes, seconds, acks and the servers that failed.
         A server that fails its sync is ejected by the manager; the run goes on without it."""
         targets = ray.get(self.manager.weight_targets.remote())
+        failed = self._unresponsive(targets)
+        targets = {name: addresses for name, addresses in targets.items() if name not in failed}
         receiving = {name: self.servers[name].receive_weights.remote(version, timeout_s) for name in targets}
         addresses = [address for name in targets for address in targets[name]]
         sent = ray.get(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20))
-        acks, failed = [], {}
+        acks = []
         for name, ref in receiving.items():
             try:
                 acks.append(ray.get(ref))
@@ -84,6 +86,20 @@ class Graph:
                 failed[name] = one_line(exc)
         ray.get(self.manager.synced.remote(version, [a["server"] for a in acks], failed))
         return {"sent": sent[0], "acks": acks, "failed": failed}
+
+    def _unresponsive(self, targets: dict, timeout_s: float = 10.0) -> dict:
+        """Servers that do not answer a health call in time: a server that died after its last
+        request still counts as healthy, and a sync to it would wait for Ray to restart it (an
+        engine start) before failing. They are left out of this sync and ejected."""
+        calls = {self.servers[name].health.remote(): name for name in targets}
+        done, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        failed = {calls[ref]: f"no health answer within {timeout_s:g}s" for ref in late}
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                failed[calls[ref]] = one_line(exc)
+        return failed
 
     def shutdown(self) -> None:
         if self.trainer is not None:
