@@ -118,8 +118,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     servers = {
         f"rollout-{i}": RolloutServer.options(
             **actor_options(r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
-        ).remote(f"rollout-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i),
-                 cfg.cluster.torch_threads, r.engine_start_timeout_s)
+        ).remote(f"rollout-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i), cfg.cluster.torch_threads)
         for i in range(r.num_servers)
     }
     manager = LLMManager.options(**actor_options(light)).remote(
@@ -162,5 +161,5 @@ def engine_options(cfg: RunConfig, seed: int) -> dict:
         "dtype": cfg.model.dtype, "max_batch_size": r.max_batch_size, "seed": seed,
         "tensor_parallel_size": r.tensor_parallel_size, "gpu_memory_utilization": r.gpu_memory_utilization,
         "max_model_len": r.max_model_len, "cpu_kv_cache_gb": r.cpu_kv_cache_gb, "enforce_eager": r.enforce_eager,
-        "weight_sync_pause": r.weight_sync_pause,
+        "weight_sync_pause": r.weight_sync_pause, "start_timeout_s": r.engine_start_timeout_s,
     }

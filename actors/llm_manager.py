@@ -59,7 +59,7 @@ class LLMManager:
             ref = self.servers[name].generate.remote(prompt_ids, sampling, request_id)
             ok = False
             try:
-                out = await asyncio.wait_for(asyncio.shield(ref), self.request_timeout_s)
+                out = await asyncio.wait_for(ref, self.request_timeout_s)
                 ok = True
                 return out
             except asyncio.TimeoutError:
@@ -80,6 +80,9 @@ class LLMManager:
         if name not in self.router.ejected:
             log.warning("ejecting rollout server %s: %s", name, reason)
         self.router.eject(name, reason)
+        self._ensure_probing()
+
+    def _ensure_probing(self) -> None:
         if self._probe_task is None or self._probe_task.done():
             self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
 
@@ -127,8 +130,8 @@ class LLMManager:
             if name not in self.router.ejected:
                 log.warning("ejecting rollout server %s: weight sync v%d failed: %s", name, version, reason)
             self.router.eject(name, f"weight sync v{version} failed: {reason}")
-        if failed and (self._probe_task is None or self._probe_task.done()):
-            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+        if failed:
+            self._ensure_probing()
 
     async def server_stats(self) -> dict:
         """Each healthy server's own engine stats (in flight, queued, tokens/s, prefix-cache hits)."""

@@ -22,9 +22,8 @@ class RolloutServer:
     the checkpoint it was given, opens new weight receivers, and reports policy version 0 until
     the driver re-syncs it."""
 
-    def __init__(self, name: str, model_path: str, engine: str, engine_options: dict, torch_threads: int = 0, start_timeout_s: int = 600):
+    def __init__(self, name: str, model_path: str, engine: str, engine_options: dict, torch_threads: int = 0):
         set_torch_threads(torch_threads)
-        os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(start_timeout_s)
         self.name = name
         self.model_path = model_path
         self.engine_name = engine
@@ -94,7 +93,6 @@ class RolloutServer:
         return {
             "server": self.name,
             "policy_version": self.engine.policy_version,
-            "weight_addresses": self.addresses,
             "in_flight": self.in_flight,
             "uptime_s": time.time() - self.started,
             "pid": os.getpid(),

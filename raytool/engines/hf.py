@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 from transformers import GenerationConfig
 
+from raytool.engines import EngineStats
 from raytool.types import SamplingParams, TokenOutput
 from raytool.weightsync import WeightReceiver
 
@@ -63,8 +63,7 @@ class HFEngine:
         self._loop_task: asyncio.Task | None = None
         self._weights_lock = threading.Lock()  # load_weights never overlaps a forward pass
         self._receiver: WeightReceiver | None = None
-        self._requests = self._generated = 0
-        self._first_request: float | None = None
+        self.stats = EngineStats()
         torch.manual_seed(seed)
 
     # -- generation ---------------------------------------------------------------------------
@@ -78,8 +77,7 @@ class HFEngine:
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.create_task(self._batch_loop())
         future = asyncio.get_running_loop().create_future()
-        self._requests += 1
-        self._first_request = self._first_request or time.monotonic()
+        self.stats.request_started()
         self._pending.append(_Request(list(prompt_ids), sampling, request_id, future))
         self._wakeup.set()
         return await future
@@ -101,7 +99,7 @@ class HFEngine:
                             r.future.set_exception(exc)
                     continue
                 for r, out in zip(batch, outputs):
-                    self._generated += len(out.token_ids)
+                    self.stats.generated_tokens += len(out.token_ids)
                     if not r.future.done():
                         r.future.set_result(out)
 
@@ -201,12 +199,8 @@ class HFEngine:
                 torch.cuda.empty_cache()
 
     def engine_stats(self) -> dict:
-        elapsed = time.monotonic() - self._first_request if self._first_request else 0.0
-        return {
-            "running": 0, "waiting": len(self._pending), "requests": self._requests,
-            "generated_tokens": self._generated, "tokens_per_s": self._generated / elapsed if elapsed else 0.0,
-            "prefix_cache_hit_rate": None, "policy_version": self.policy_version,
-        }
+        self.stats.waiting = len(self._pending)
+        return {**self.stats.as_dict(), "policy_version": self.policy_version}
 
     def shutdown(self) -> None:
         if self._receiver is not None:

@@ -22,42 +22,16 @@ is all raytool needs. With tensor parallelism every worker receives the full ten
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import time
 from typing import Literal
 
+from raytool.engines import EngineStats
 from raytool.types import SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "raytool.engines.vllm_worker.WeightSyncExtension"
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-class EngineStats:
-    """What the engine reports about itself (filled by vLLM's stat-logger hook and by generate)."""
-
-    def __init__(self):
-        self.running = 0
-        self.waiting = 0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.generated_tokens = 0
-        self.requests = 0
-        self.first_request: float | None = None  # throughput counts from the first request on
-
-    def as_dict(self) -> dict:
-        elapsed = time.monotonic() - self.first_request if self.first_request else 0.0
-        return {
-            "running": self.running,
-            "waiting": self.waiting,
-            "requests": self.requests,
-            "generated_tokens": self.generated_tokens,
-            "tokens_per_s": self.generated_tokens / elapsed if elapsed else 0.0,
-            "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else None,
-        }
 
 
 def _stat_logger_factory(stats: EngineStats):
@@ -100,6 +74,7 @@ class VLLMEngine:
         enforce_eager: bool = False,
         seed: int = 0,
         weight_sync_pause: Literal["keep", "wait"] = "keep",
+        start_timeout_s: int = 600,
         **_ignored,
     ):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -108,6 +83,7 @@ class VLLMEngine:
         from raytool.errors import preflight_engine
 
         preflight_engine(model_path, "vllm")
+        os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(start_timeout_s)  # vLLM's wait for its engine core
         # vLLM's CPU backend sizes its KV cache from this variable (GiB); a GPU ignores it.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cpu_kv_cache_gb)))))
         # On x86 vLLM's CPU worker keeps one core per worker for its scheduler process, which idles
@@ -174,8 +150,7 @@ class VLLMEngine:
             raise RuntimeError("vLLM engine is asleep: call wake_up() before generate()")
         from vllm.inputs import TokensPrompt
 
-        self.stats.requests += 1
-        self.stats.first_request = self.stats.first_request or time.monotonic()
+        self.stats.request_started()
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(sampling), request_id):
             final = out
@@ -187,7 +162,7 @@ class VLLMEngine:
         if len(logprobs) != len(ids):
             raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(ids)} tokens (request {request_id})")
         self.stats.generated_tokens += len(ids)
-        finish = _FINISH.get(c.finish_reason or "abort", "stop")
+        finish = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
         return TokenOutput(ids, logprobs, finish, policy_version=self.policy_version)
 
     async def abort(self, request_id: str) -> bool:
@@ -230,9 +205,6 @@ class VLLMEngine:
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
-
-    async def is_paused(self) -> bool:
-        return await self.llm.is_paused()
 
     def engine_stats(self) -> dict:
         return {**self.stats.as_dict(), "policy_version": self.policy_version}
