@@ -27,7 +27,7 @@ from actors.rollout_server import RolloutServer
 from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
 from raytool.agent.loop import AgentLoopConfig
-from raytool.config import RunConfig
+from raytool.config import RunConfig, sandbox_backend_options
 from raytool.data.tool_arith import Problem, prompt_messages
 from raytool.errors import RaytoolError, one_line
 from raytool.models import resolve_model
@@ -39,7 +39,7 @@ class Graph:
     model_path: str
     servers: dict  # name -> RolloutServer
     manager: object  # LLMManager
-    sandbox_pool: object  # SandboxPool
+    sandbox_pools: list  # SandboxPool actors; a trajectory's cells go to one of them by session
     reward_workers: list
     agent_workers: list
     trainer: TrainerGroup | None
@@ -105,8 +105,9 @@ class Graph:
         if self.trainer is not None:
             self.trainer.shutdown()
         # Let engines stop their own processes (vLLM's engine core) before the actors go.
-        ray.wait([s.shutdown.remote() for s in self.servers.values()], num_returns=len(self.servers), timeout=30)
-        for actor in [*self.agent_workers, *self.reward_workers, self.sandbox_pool, self.manager, *self.servers.values()]:
+        stopping = [s.shutdown.remote() for s in [*self.servers.values(), *self.sandbox_pools]]
+        ray.wait(stopping, num_returns=len(stopping), timeout=30)
+        for actor in [*self.agent_workers, *self.reward_workers, *self.sandbox_pools, self.manager, *self.servers.values()]:
             ray.kill(actor)
 
 
@@ -124,10 +125,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     manager = LLMManager.options(**actor_options(light)).remote(
         servers, affinity_slack=r.affinity_slack, request_timeout_s=r.request_timeout_s, probe_interval_s=r.health_probe_interval_s
     )
-    s = cfg.sandbox
-    sandbox_pool = SandboxPool.options(**actor_options(light)).remote(
-        s.backend, {"max_output_bytes": s.max_output_bytes}, s.max_concurrency, s.timeout_s, s.memory_mb, s.retries
-    )
+    sandbox_pools = build_sandbox_pools(cfg)
     reward_workers = [RewardWorker.options(**actor_options(light)).remote(cfg.reward.fn) for _ in range(cfg.reward.num_workers)]
     a = cfg.agent
     loop_cfg = AgentLoopConfig(
@@ -135,23 +133,39 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, tool_parser=a.tool_parser, seed=r.seed,
     )
     agent_workers = [
-        AgentLoopWorker.options(**actor_options(light)).remote(model_path, manager, sandbox_pool, reward_workers, loop_cfg, a.max_tool_output_chars)
+        AgentLoopWorker.options(**actor_options(light)).remote(model_path, manager, sandbox_pools, reward_workers, loop_cfg, a.max_tool_output_chars)
         for _ in range(a.num_workers)
     ]
     # Surface constructor failures (bad model path, engine that cannot start, bad reward fn ...)
     # now, with their cause in one line.
     try:
         addresses = dict(zip(servers, ray.get([srv.ready.remote() for srv in servers.values()])))
+        ray.get([pool.ready.remote() for pool in sandbox_pools])
     except ray.exceptions.RayTaskError as exc:
-        for actor in [manager, *servers.values()]:
+        for actor in [manager, *servers.values(), *sandbox_pools]:
             ray.kill(actor)
         if isinstance(exc.cause, RaytoolError):
             raise exc.cause from None
         raise
     ray.get(manager.set_addresses.remote(addresses))
-    ray.get([w.__ray_ready__.remote() for w in [manager, sandbox_pool, *reward_workers, *agent_workers]])
+    ray.get([w.__ray_ready__.remote() for w in [manager, *reward_workers, *agent_workers]])
     trainer = TrainerGroup(cfg, model_path) if with_trainer else None
-    return Graph(cfg, model_path, servers, manager, sandbox_pool, reward_workers, agent_workers, trainer)
+    return Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, trainer)
+
+
+def build_sandbox_pools(cfg: RunConfig) -> list:
+    """`sandbox.num_pools` SandboxPool actors, each asking for `sandbox.pool_resources` (e.g. a
+    custom resource that only CPU nodes offer) and accepting enough calls to fill its queue."""
+    s = cfg.sandbox
+    options = actor_options(cfg.cluster.light_actor_cpus, resources=dict(s.pool_resources)) if s.pool_resources else actor_options(cfg.cluster.light_actor_cpus)
+    limits = {"max_concurrency": s.max_concurrency, "max_queue": s.max_queue, "retries": s.retries, "timeout_s": s.timeout_s,
+              "memory_mb": s.memory_mb, "breaker_failures": s.breaker_failures, "breaker_reset_s": s.breaker_reset_s}
+    return [
+        SandboxPool.options(**options, max_concurrency=s.max_concurrency + s.max_queue + 16).remote(
+            f"sandbox-pool-{i}", s.backend, sandbox_backend_options(s), **limits
+        )
+        for i in range(s.num_pools)
+    ]
 
 
 def engine_options(cfg: RunConfig, seed: int) -> dict:

@@ -1,35 +1,38 @@
-"""SandboxPool: a code-execution backend behind a concurrency limit, with retries on infra errors."""
+"""SandboxPool: a sandbox backend behind limits, retries and a circuit breaker (raytool.sandbox.pool)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections import Counter
-
 import ray
 
+from raytool.errors import RaytoolError
 from raytool.sandbox import make_backend
+from raytool.sandbox.pool import PooledBackend
 from raytool.types import ExecResult
 
 
 @ray.remote
 class SandboxPool:
-    def __init__(self, backend: str, backend_options: dict, max_concurrency: int, timeout_s: float, memory_mb: int, retries: int = 1):
-        self.backend = make_backend(backend, **backend_options)
-        self.slots = asyncio.Semaphore(max_concurrency)
-        self.timeout_s, self.memory_mb, self.retries = timeout_s, memory_mb, retries
-        self.status_counts: Counter = Counter()
+    def __init__(self, name: str, backend: str, backend_options: dict, **limits):
+        self.name = name
+        self.pool = PooledBackend(make_backend(backend, **backend_options), name=name, **limits)
+        self.backend_name = backend
+
+    async def ready(self) -> dict:
+        """Start the backend (the local one forks its warm sessions); a failure is one line."""
+        try:
+            await self.pool.start()
+        except Exception as exc:
+            raise RaytoolError(f"raytool: sandbox pool {self.name} ({self.backend_name}) failed to start: {exc}") from None
+        return self.pool.stats()
 
     async def execute(self, code: str, session: str | None = None) -> ExecResult:
-        async with self.slots:
-            for _ in range(self.retries + 1):
-                result = await self.backend.run(code, session=session, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
-                if result.status != "infra_error":
-                    break
-        self.status_counts[result.status] += 1
-        return result
+        return await self.pool.execute(code, session)
 
     async def close_session(self, session: str) -> None:
-        await self.backend.close_session(session)
+        await self.pool.close_session(session)
 
     def stats(self) -> dict:
-        return dict(self.status_counts)
+        return self.pool.stats()
+
+    async def shutdown(self) -> None:
+        await self.pool.aclose()

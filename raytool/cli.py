@@ -1,4 +1,4 @@
-"""The `raytool` command: train (GRPO with optional SFT warm-up), config (print the resolved config), bench NAME."""
+"""The `raytool` command: train (GRPO with optional SFT warm-up), config (print the resolved config), sandbox serve, bench NAME."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import sys
+
+import msgspec
 
 from raytool.bench import BENCHES
 from raytool.config import ConfigError, load_config, to_yaml
@@ -27,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local instance)")
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
+    sandbox = sub.add_parser("sandbox", help="sandbox services")
+    sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
+    serve = sandbox_sub.add_parser("serve", help="serve the local sandbox over a SandboxFusion-compatible HTTP API (POST /run_code)")
+    serve.add_argument("--port", type=int, default=8080, help="TCP port (default 8080, as SandboxFusion)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 to serve other nodes)")
+    _config_args(serve)
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     _config_args(bench)
@@ -57,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
+        if args.command == "sandbox":
+            from raytool.config import sandbox_backend_options
+            from raytool.sandbox.server import serve
+
+            local = msgspec.structs.replace(cfg.sandbox, backend="local")
+            serve(args.host, args.port, sandbox_backend_options(local), max_concurrency=cfg.sandbox.max_concurrency)
+            return 0
         if args.command == "bench":
             table, result = BENCHES[args.name](cfg)
             print(table)

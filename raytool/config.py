@@ -88,12 +88,29 @@ class AgentConfig(_Section):
 
 
 class SandboxConfig(_Section):
-    backend: Literal["local"] = "local"  # where code runs
+    backend: Literal["local", "sandbox_fusion", "e2b"] = "local"  # where code runs (local: isolated fork-server on the pool's node)
+    num_pools: int = 1  # SandboxPool actors; a trajectory's cells all go to one pool (by session)
+    pool_resources: dict[str, float] = msgspec.field(default_factory=dict)  # custom Ray resources each pool asks for, e.g. {sandbox: 1} to place pools on CPU nodes tagged with it
     max_concurrency: int = 8  # cells running at once in one pool
+    max_queue: int = 256  # cells waiting for a slot in one pool; beyond it a cell is refused at once (back-pressure)
     timeout_s: float = 5.0  # wall-clock limit of one cell
-    memory_mb: int = 1024  # address-space limit of one cell
-    max_output_bytes: int = 8192  # stdout/stderr kept per cell
+    memory_mb: int = 1024  # memory a cell may allocate (address space beyond the preloaded interpreter)
+    max_output_bytes: int = 8192  # stdout/stderr kept per cell (the rest is dropped and flagged)
     retries: int = 1  # re-runs of a cell whose backend failed (infra_error), not of failing code
+    breaker_failures: int = 5  # consecutive infrastructure failures that open a pool's circuit breaker
+    breaker_reset_s: float = 10.0  # an open breaker fails cells fast for this long, then lets one probe through
+    isolate: bool = True  # local: namespaces (no network, read-only file system, own PIDs); false only for debugging
+    warm_sessions: int = 4  # local: interpreters forked ahead so a new trajectory's first cell does not wait for a fork
+    idle_session_s: float = 600.0  # local: a session unused this long is ended
+    max_processes: int = 64  # local: processes (and threads) one session may run
+    disk_mb: int = 64  # local: size of a session's private working directory (tmpfs) and of any file it writes
+    fusion_url: str = "http://127.0.0.1:8080"  # sandbox_fusion: server base URL (or its /run_code endpoint)
+    fusion_sessions: bool = False  # sandbox_fusion: keep interpreter state per trajectory (only `raytool sandbox serve` supports it)
+    e2b_domain: str | None = None  # e2b: API domain (None: E2B's own; ap-shanghai.tencentags.com for Tencent AGS)
+    e2b_api_key_env: str = "E2B_API_KEY"  # e2b: the environment variable holding the API key (never the key itself)
+    e2b_template: str = "code-interpreter-v1"  # e2b: sandbox template
+    e2b_sandbox_timeout_s: int = 300  # e2b: a sandbox's lifetime from its creation
+    e2b_request_timeout_s: float = 30.0  # e2b: each API call
 
 
 class RewardConfig(_Section):
@@ -246,6 +263,11 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "trainer.num_workers": cfg.trainer.num_workers,
         "trainer.micro_batch_tokens": cfg.trainer.micro_batch_tokens,
         "sandbox.max_concurrency": cfg.sandbox.max_concurrency,
+        "sandbox.num_pools": cfg.sandbox.num_pools,
+        "sandbox.max_queue": cfg.sandbox.max_queue,
+        "sandbox.max_processes": cfg.sandbox.max_processes,
+        "sandbox.disk_mb": cfg.sandbox.disk_mb,
+        "sandbox.breaker_failures": cfg.sandbox.breaker_failures,
         "reward.num_workers": cfg.reward.num_workers,
     }
     if cfg.rollout.max_model_len is not None:
@@ -255,6 +277,17 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
             raise ConfigError(f"{source}: config key '{key}': expected a positive integer, got {value}")
     if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:
         raise ConfigError(f"{source}: config key 'trainer.total_steps'/'trainer.sft_warmup_steps' must be >= 0")
+
+
+def sandbox_backend_options(s: SandboxConfig) -> dict:
+    """The constructor arguments of the configured sandbox backend (`raytool.sandbox.make_backend`)."""
+    if s.backend == "local":
+        return {"max_output_bytes": s.max_output_bytes, "isolate": s.isolate, "warm_sessions": s.warm_sessions, "idle_session_s": s.idle_session_s,
+                "max_processes": s.max_processes, "disk_mb": s.disk_mb, "memory_mb": s.memory_mb}
+    if s.backend == "sandbox_fusion":
+        return {"url": s.fusion_url, "max_output_bytes": s.max_output_bytes, "sessions": s.fusion_sessions}
+    return {"domain": s.e2b_domain, "api_key_env": s.e2b_api_key_env, "template": s.e2b_template, "sandbox_timeout_s": s.e2b_sandbox_timeout_s,
+            "request_timeout_s": s.e2b_request_timeout_s, "max_output_bytes": s.max_output_bytes}
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -27,15 +27,28 @@ def scripted(renderer, turns: list[str]):
     return generate, calls
 
 
+class _LoopWithSandbox:
+    """An AgentLoop over a fresh local sandbox that is shut down when the trajectory ends."""
+
+    def __init__(self, loop: AgentLoop, backend: LocalBackend):
+        self.loop, self.backend = loop, backend
+
+    async def run(self, *args):
+        try:
+            return await self.loop.run(*args)
+        finally:
+            await self.backend.aclose()
+
+
 def make_loop(renderer, turns, **cfg):
-    backend = LocalBackend()
+    backend = LocalBackend(warm_sessions=0)
 
     async def execute(code, session):
         return await backend.run(code, session=session, timeout_s=5, memory_mb=512)
 
     generate, calls = scripted(renderer, turns)
     loop = AgentLoop(renderer, {"code_interpreter": CodeInterpreterTool(execute)}, generate, AgentLoopConfig(**cfg))
-    return loop, calls
+    return _LoopWithSandbox(loop, backend), calls
 
 
 PROMPT = [Message("system", "Use the tool."), Message("user", "What is 1234 * 5678?")]

@@ -1,59 +1,113 @@
+"""The local sandbox: notebook cells, sessions, limits and crash reporting (one fork-server per module).
+
+Hostile code lives in tests/sandbox_security/; these tests check the behaviour a user relies on.
+"""
+
 import asyncio
+import os
 
 import pytest
 
-from raytool.sandbox.local import LocalBackend
+from raytool.sandbox.local import LocalBackend, _describe_exit
 
 
-def run(code, **kw):
-    backend = LocalBackend(max_output_bytes=kw.pop("max_output_bytes", 8192))
-    return asyncio.run(backend.run(code, timeout_s=kw.pop("timeout_s", 5.0), memory_mb=kw.pop("memory_mb", 512)))
+@pytest.fixture(scope="module")
+def sandbox():
+    loop = asyncio.new_event_loop()
+    backend = LocalBackend(max_output_bytes=200, warm_sessions=1, idle_session_s=0.5)
+    loop.run_until_complete(backend.start())
+
+    def run(code, **kw):
+        kw.setdefault("timeout_s", 5.0)
+        return loop.run_until_complete(backend.run(code, **kw))
+
+    run.backend, run.loop = backend, loop
+    yield run
+    loop.run_until_complete(backend.aclose())
+    loop.close()
 
 
-def test_ok_and_error():
-    ok = run("print(sum(range(10)))")
-    assert ok.status == "ok" and ok.stdout == "45\n" and ok.exit_code == 0
-    err = run("raise ValueError('boom')")
-    assert err.status == "error" and "ValueError: boom" in err.stderr
+def test_ok_error_and_exit_codes(sandbox):
+    ok = sandbox("print(sum(range(10)))")
+    assert (ok.status, ok.stdout, ok.exit_code) == ("ok", "45\n", 0)
+    err = sandbox("raise ValueError('boom')")
+    assert err.status == "error" and err.stderr.rstrip().endswith("ValueError: boom") and '<cell-1>", line 1' in err.stderr
+    assert sandbox("import sys; sys.exit(3)").exit_code == 3
+    assert sandbox("import sys; sys.exit(0)").status == "ok"
+    syntax = sandbox("def f(:\n  pass")
+    assert syntax.status == "error" and "SyntaxError" in syntax.stderr
 
 
-def test_timeout_kills_the_cell():
-    r = run("import time\nwhile True: time.sleep(0.01)", timeout_s=0.5)
-    assert r.status == "timeout" and r.duration_s < 3
+def test_trailing_expression_is_shown_like_a_notebook(sandbox):
+    assert sandbox("x = 6\nx * 7").stdout == "42\n"
+    assert sandbox("'a' + 'b'").stdout == "'ab'\n"  # the repr, as a notebook shows it
+    assert sandbox("None").stdout == ""
+    assert sandbox("x = 6\nprint(x)").stdout == "6\n"  # a call that returns None prints nothing extra
+    assert sandbox("for i in range(2):\n    i").stdout == ""  # the last statement is not an expression
+    assert sandbox("'''a\nb'''").stdout == "'a\\nb'\n"
 
 
-def test_memory_limit():
-    assert run("x = bytearray(1 << 31)", memory_mb=256).status == "oom"
+def test_session_state_persists_and_never_leaks(sandbox):
+    assert sandbox("x = 41", session="s1").status == "ok"
+    assert sandbox("x + 1", session="s1").stdout == "42\n"
+    assert sandbox("open('f.txt', 'w').write('mine')", session="s1").status == "ok"
+    other = sandbox("import os\nprint(os.path.exists('f.txt'))\nx", session="s2")
+    assert other.stdout == "False\n" and "NameError" in other.stderr
+    assert sandbox("open('f.txt').read()", session="s1").stdout == "'mine'\n"
+    loop, backend = sandbox.loop, sandbox.backend
+    loop.run_until_complete(backend.close_session("s1"))
+    again = sandbox("x", session="s1")
+    assert "NameError" in again.stderr and "earlier interpreter" not in again.stderr  # closed on purpose: nothing to report
+    loop.run_until_complete(backend.close_session("s1"))
+    loop.run_until_complete(backend.close_session("s2"))
 
 
-def test_output_is_truncated():
-    r = run("print('x' * 10000)", max_output_bytes=100)
-    assert r.truncated and len(r.stdout) == 100
+def test_a_crashed_session_is_reported_not_silently_reset(sandbox):
+    sandbox("x = 1", session="c")
+    crash = sandbox("import os; os._exit(7)", session="c")
+    assert crash.status == "error" and "exited with code 7" in crash.stderr
+    after = sandbox("print('fresh')\nx", session="c")
+    assert after.stdout == "fresh\n" and "earlier interpreter died" in after.stderr and "NameError" in after.stderr
+    slow = sandbox("import time; time.sleep(30)", session="c", timeout_s=0.5)
+    assert slow.status == "timeout" and slow.duration_s < 3
+    assert "timeout" in sandbox("1", session="c").stderr
+    sandbox.loop.run_until_complete(sandbox.backend.close_session("c"))
 
 
-def test_cells_do_not_share_files_or_environment():
-    run("open('leak.txt', 'w').write('secret')")
-    r = run("import os; print(os.path.exists('leak.txt'), sorted(os.environ).count('HOME'))")
-    assert r.stdout.strip() == "False 1"
+def test_limits_output_memory_and_time(sandbox):
+    out = sandbox("print('a' * 5000 + 'b' * 5000)")
+    assert out.truncated and out.status == "ok"
+    assert out.stdout == "a" * 100 + "\n[... 9801 bytes cut ...]\n" + "b" * 99 + "\n"  # head and tail kept, the middle marked
+    assert sandbox("x = bytearray(1 << 31)", memory_mb=256).status == "oom"
+    assert sandbox("while True: pass", timeout_s=0.5).status == "timeout"
 
 
-def test_no_network_when_the_kernel_allows_isolation():
-    backend = LocalBackend()
-    if not backend.ns_prefix:
-        return  # the warning at construction already told the user; nothing to check here
-    r = asyncio.run(backend.run("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", timeout_s=5, memory_mb=512))
-    assert r.status == "error" and "unreachable" in r.stderr.lower()
+def test_cells_see_no_host_environment_files_or_network(sandbox):
+    os.environ["RAYTOOL_TEST_SECRET"] = "s3cret"  # set after the fork-server started: still must not show
+    r = sandbox("import os; print(sorted(os.environ)); print(os.getcwd())")
+    assert "RAYTOOL_TEST_SECRET" not in r.stdout and "HOME" in r.stdout
+    caps = sandbox.backend.caps
+    if not caps.get("netns"):
+        pytest.skip("the kernel refused namespaces here (the backend logged why)")
+    net = sandbox("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)")
+    assert net.status == "error" and ("unreachable" in net.stderr.lower() or "refused" in net.stderr.lower())
+    if caps.get("mountns"):
+        assert r.stdout.splitlines()[-1] == "/sandbox"
+        assert "Read-only file system" in sandbox("open('/usr/x', 'w')").stderr
+        assert not sandbox("import os; print(os.path.exists(os.path.expanduser('~root/.ray')))").stdout.startswith("True")
 
 
-def test_processes_started_by_a_cell_die_with_it():
-    backend = LocalBackend()
-    if not backend.ns_prefix:
-        pytest.skip("needs `unshare --pid` (root or user namespaces)")
-    code = "import subprocess\nsubprocess.Popen(['sleep', '123.5'], start_new_session=True)\nprint('started')"
-    r = asyncio.run(backend.run(code, timeout_s=5, memory_mb=512))
-    assert r.status == "ok" and r.stdout == "started\n"
-    import subprocess
-    import time
+def test_idle_sessions_expire(sandbox):
+    backend, loop = sandbox.backend, sandbox.loop
+    sandbox("y = 1", session="idle")
+    assert "idle" in backend.sessions
+    # housekeeping runs every max(1, idle/4) s; idle_session_s is 0.5 in this fixture
+    loop.run_until_complete(asyncio.sleep(2.2))
+    assert "idle" not in backend.sessions and backend.counts["expired"] >= 1
 
-    time.sleep(0.3)
-    assert subprocess.run(["pgrep", "-f", "sleep 123.5"], capture_output=True).returncode == 1  # none left
+
+def test_exit_codes_are_described_for_people():
+    assert _describe_exit(128 + 9) == ("killed", "the interpreter was killed by SIGKILL")
+    assert _describe_exit(128 + 24)[0] == "timeout"  # SIGXCPU: its CPU time ran out
+    assert "C stack" in _describe_exit(128 + 11)[1]
+    assert _describe_exit(3) == ("error", "the interpreter exited with code 3")

@@ -25,4 +25,10 @@ def _rollout(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
-BENCHES: dict[str, Bench] = {"router": _router, "rollout": _rollout}
+def _sandbox(cfg: RunConfig) -> tuple[str, dict]:
+    from raytool.bench.sandbox import bench
+
+    return bench(cfg)
+
+
+BENCHES: dict[str, Bench] = {"router": _router, "rollout": _rollout, "sandbox": _sandbox}
