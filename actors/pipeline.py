@@ -70,6 +70,21 @@ def serving_metrics(graph: Graph) -> dict:
     return metrics
 
 
+def sandbox_metrics(graph: Graph) -> dict:
+    """The sandbox pools' side of a step: queue depth, latency and outcomes (cumulative counts)."""
+    pools = ray.get([p.stats.remote() for p in graph.sandbox_pools])
+    metrics = {
+        "sandbox/queue_depth": sum(p["queue_depth"] for p in pools),
+        "sandbox/latency_p50_s": max(p["latency_p50_s"] for p in pools),
+        "sandbox/latency_p99_s": max(p["latency_p99_s"] for p in pools),
+        "sandbox/breakers_open": sum(p["breaker"] != "closed" for p in pools),
+        "sandbox/rejected": sum(p["rejected"] for p in pools),
+    }
+    for status in sorted({s for p in pools for s in p["status"]}):
+        metrics[f"sandbox/status/{status}"] = sum(p["status"].get(status, 0) for p in pools)
+    return metrics
+
+
 def run_sft(graph: Graph, cfg: RunConfig, train, tracker: Tracker) -> None:
     from transformers import AutoTokenizer
 
@@ -119,7 +134,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
             sync = graph.sync_weights(version)
             sync_s = time.perf_counter() - sync_start
 
-            metrics = {"step": step, **rollout_metrics(stats), **train_metrics, **serving_metrics(graph)}
+            metrics = {"step": step, **rollout_metrics(stats), **train_metrics, **serving_metrics(graph), **sandbox_metrics(graph)}
             metrics.update({
                 "rollout/tokens_per_s": sum(s["generated_tokens"] for s in stats) / rollout_s,
                 "timing/step_s": time.perf_counter() - step_start,

@@ -74,6 +74,9 @@ class RayCluster:
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         ray_cli = shutil.which("ray", path=self.env["PATH"])
+        if not (Path.home() / ".ray" / "auth_token").is_file() and not os.environ.get("RAY_AUTH_TOKEN"):
+            # A fresh machine has no token yet, and `ray start` with token auth refuses to make one.
+            subprocess.run([ray_cli, "get-auth-token", "--generate"], env=self.env, check=True, capture_output=True)
         self.proc = subprocess.Popen(
             [ray_cli, "start", "--head", "--block", f"--port={self.port}", "--num-cpus=2",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
