@@ -111,3 +111,34 @@ def test_exit_codes_are_described_for_people():
     assert _describe_exit(128 + 24)[0] == "timeout"  # SIGXCPU: its CPU time ran out
     assert "C stack" in _describe_exit(128 + 11)[1]
     assert _describe_exit(3) == ("error", "the interpreter exited with code 3")
+
+
+def test_user_namespace_isolation_as_non_root_hosts_get_it():
+    """As root, ask for what a non-root host gets: isolation inside a user namespace. A cell is
+    root of nothing there: it cannot remount its read-only view writable."""
+
+    async def go():
+        backend = LocalBackend(warm_sessions=0, force_userns=True)
+        await backend.start()
+        try:
+            if not backend.caps.get("userns") or not backend.caps.get("mountns"):
+                pytest.skip(f"the kernel refused a user namespace here: {backend.caps}")
+            remount = await backend.run(
+                "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                "print(libc.mount(None, b'/usr', None, 32 | 4096, None), ctypes.get_errno())", timeout_s=5)
+            write = await backend.run("open('/usr/x', 'w')", timeout_s=5)
+            net = await backend.run("import socket; socket.create_connection(('127.0.0.1', 22), timeout=1)", timeout_s=5)
+            await backend.run("x = 41", session="u", timeout_s=5)
+            state = await backend.run("x + 1", session="u", timeout_s=5)
+            procs = await backend.run("import os; print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))", timeout_s=5)
+            return remount, write, net, state, procs, backend.caps
+        finally:
+            await backend.aclose()
+
+    remount, write, net, state, procs, caps = asyncio.run(go())
+    assert remount.stdout == "-1 1\n"  # EPERM
+    assert "Read-only file system" in write.stderr
+    assert net.status == "error"
+    assert state.stdout == "42\n"
+    if caps["proc"]:
+        assert procs.stdout == "[1, 2]\n"  # the session's reaper and interpreter, nothing of the host

@@ -123,8 +123,12 @@ def _python_paths() -> list[str]:
     return out
 
 
-def build_root(root: str) -> None:
-    """Make `root` a read-only world of what Python needs, then pivot into it."""
+def build_root(root: str, keep_proc: bool) -> None:
+    """Make `root` a read-only world of what Python needs, then pivot into it.
+
+    `keep_proc`: bind the host's /proc in (a user namespace may only mount a session's own /proc
+    where a full one is visible); every session mounts its own over it.
+    """
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
     for top in ["usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32"]:
@@ -148,6 +152,8 @@ def build_root(root: str) -> None:
         os.symlink(target, os.path.join(root, "dev", name))
     for d in ["proc", "sandbox", ".old"]:
         os.makedirs(os.path.join(root, d))
+    if keep_proc:
+        mount("/proc", os.path.join(root, "proc"), None, MS_BIND | MS_REC)
     os.symlink("/sandbox", os.path.join(root, "tmp"))
     if SYS_PIVOT_ROOT is None:
         raise OSError(errno.ENOSYS, f"pivot_root: unknown syscall number on {os.uname().machine}")
@@ -157,11 +163,23 @@ def build_root(root: str) -> None:
     mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def enter_namespaces(root: str, notes: list[str]) -> dict:
+def _map_ids(inside: int, outside_uid: int, outside_gid: int) -> None:
+    """Map one uid/gid of a fresh user namespace to ours outside it."""
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"{inside} {outside_uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{inside} {outside_gid} 1")
+
+
+def enter_namespaces(root: str, notes: list[str], force_userns: bool = False) -> dict:
     """Isolate this process as far as the kernel allows; returns what was achieved."""
-    caps = {"userns": False, "netns": False, "mountns": False, "pidns": False, "setuid": os.geteuid() == 0}
+    caps = {"userns": False, "netns": False, "mountns": False, "pidns": False, "proc": False, "setuid": os.geteuid() == 0}
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     try:
+        if force_userns:
+            raise PermissionError(errno.EPERM, "a user namespace was asked for")
         unshare(flags)
     except OSError as exc:
         uid, gid = os.geteuid(), os.getegid()
@@ -170,31 +188,48 @@ def enter_namespaces(root: str, notes: list[str]) -> dict:
         except OSError as exc2:
             notes.append(f"the kernel refused new namespaces ({exc}; with a user namespace: {exc2}): cells keep the host's network and file system view")
             return caps
-        with open("/proc/self/setgroups", "w") as f:
-            f.write("deny")
-        with open("/proc/self/uid_map", "w") as f:
-            f.write(f"0 {uid} 1")
-        with open("/proc/self/gid_map", "w") as f:
-            f.write(f"0 {gid} 1")
+        try:
+            _map_ids(0, uid, gid)
+        except OSError as exc2:
+            notes.append(f"the kernel refused to map our uid into a user namespace ({exc2}): cells keep the host's file system view, without network")
+            caps["netns"] = True
+            return caps
         caps.update(userns=True, setuid=False)
-        notes.append("not root: isolation runs in a user namespace; all sessions share one uid, so the process limit is shared")
+        if not force_userns:
+            notes.append("not root: isolation runs in a user namespace; all sessions share one uid, so the process limit is shared")
     caps["netns"] = True
     try:
-        build_root(root)
+        build_root(root, keep_proc=caps["userns"])
         caps["mountns"] = True
     except OSError as exc:
         notes.append(f"could not build the read-only file system view ({exc}): cells see the host's files")
-    pid = os.fork()  # probe: may a child enter a PID namespace?
-    if pid == 0:
-        try:
-            unshare(CLONE_NEWPID)
-            os._exit(0)
-        except OSError:
-            os._exit(1)
-    caps["pidns"] = os.waitpid(pid, 0)[1] == 0
+    caps["pidns"], caps["proc"] = _probe_pid_namespace(caps["mountns"])
     if not caps["pidns"]:
         notes.append("the kernel refused PID namespaces: a session's processes are killed by process group, so one that calls setsid() can outlive it")
+    elif caps["mountns"] and not caps["proc"]:
+        notes.append("the kernel refused to mount a session's own /proc (a user namespace needs a fully visible /proc): cells run without /proc")
     return caps
+
+
+def _probe_pid_namespace(mountns: bool) -> tuple[bool, bool]:
+    """May a session enter a PID namespace, and mount its own /proc there? (tried in a child)"""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            unshare(CLONE_NEWPID | (CLONE_NEWNS if mountns else 0))
+        except OSError:
+            os._exit(1)
+        inner = os.fork()
+        if inner == 0:
+            try:
+                if mountns:
+                    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                os._exit(0)
+            except OSError:
+                os._exit(2)
+        os._exit(os.waitstatus_to_exitcode(os.waitpid(inner, 0)[1]))
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return code != 1, code == 0 and mountns
 
 
 # -- the cell runner (U) -------------------------------------------------------------------------
@@ -266,6 +301,12 @@ def run_cells(ctrl: socket.socket, spec: dict, caps: dict) -> None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    elif caps["userns"]:
+        # We are root of the user namespace that owns our mounts, so we could remount them
+        # writable. A nested user namespace, where we are not root, leaves us no say over them.
+        outside_uid, outside_gid = os.geteuid(), os.getegid()
+        unshare(CLONE_NEWUSER)
+        _map_ids(1000, outside_uid, outside_gid)
     prctl(PR_SET_NO_NEW_PRIVS, 1)
     as_bytes = spec["base_vm"] + (lim["memory_mb"] << 20)  # the preloaded interpreter plus the cell's share
     resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))
@@ -313,8 +354,10 @@ def session_main(fds: list[int], spec: dict, caps: dict, zygote_pid: int) -> Non
     g = os.fork()
     if g == 0:
         die_with_parent(0 if caps["pidns"] else me)  # a parent outside our PID namespace shows as 0
-        if caps["pidns"] and caps["mountns"]:
+        if caps["proc"]:
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        elif caps["userns"] and caps["mountns"]:
+            _check(_libc.umount2(b"/proc", MNT_DETACH), "umount the host's /proc")  # never the host's
         g_pid = os.getpid()
         u = os.fork()
         if u == 0:
@@ -384,7 +427,7 @@ def main() -> None:
     host_procs = sum(1 for p in os.listdir("/proc") if p.isdigit() and _owner(p) == uid)
     with open("/proc/self/statm") as f:
         base_vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    caps = enter_namespaces(cfg["root"], notes) if cfg["isolate"] else {"userns": False, "netns": False, "mountns": False, "pidns": False, "setuid": os.geteuid() == 0}
+    caps = enter_namespaces(cfg["root"], notes, cfg.get("force_userns", False)) if cfg["isolate"] else {"userns": False, "netns": False, "mountns": False, "pidns": False, "proc": False, "setuid": os.geteuid() == 0}
     if not cfg["isolate"]:
         notes.append("isolation switched off by config (sandbox.isolate=false)")
     wake_r, wake_w = os.pipe()

@@ -157,6 +157,7 @@ class LocalBackend:
         warm_sessions: int = 2,
         memory_mb: int = 1024,
         start_timeout_s: float = 60.0,
+        force_userns: bool = False,
     ):
         self.max_output_bytes = max_output_bytes
         self.isolate = isolate
@@ -167,6 +168,7 @@ class LocalBackend:
         self.warm_target = warm_sessions
         self.default_memory_mb = memory_mb
         self.start_timeout_s = start_timeout_s
+        self.force_userns = force_userns  # isolate in a user namespace even as root (what non-root hosts get)
         self.caps: dict = {}
         self.sessions: dict[str, _Session] = {}
         self.lost: dict[str, str] = {}  # session -> why its interpreter died (reported on its next cell)
@@ -180,6 +182,7 @@ class LocalBackend:
         self._ids = itertools.count()
         self._starting: asyncio.Task | None = None
         self._refilling = False
+        self._closing = False
         self._tasks: set[asyncio.Task] = set()
 
     # -- the zygote --------------------------------------------------------------------------
@@ -195,7 +198,8 @@ class LocalBackend:
     async def _start_zygote(self) -> None:
         self._root = tempfile.mkdtemp(prefix="raytool-sandbox-")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cfg = {"cmd_fd": theirs.fileno(), "parent_pid": os.getpid(), "root": self._root, "isolate": self.isolate, "preload": self.preload}
+        cfg = {"cmd_fd": theirs.fileno(), "parent_pid": os.getpid(), "root": self._root, "isolate": self.isolate, "preload": self.preload,
+               "force_userns": self.force_userns}
         env = {k: v for k, v in CELL_ENV.items() if k != "HOME"} | {"HOME": self._root}
         self._proc = await asyncio.create_subprocess_exec(
             self.python, "-I", ZYGOTE, json.dumps(cfg),
@@ -331,18 +335,18 @@ class LocalBackend:
         return s, note
 
     def _refill(self) -> None:
-        if self.warm_target > 0 and not self._refilling:
+        if self.warm_target > 0 and not self._refilling and not self._closing:
             self._refilling = True
             self._spawn_task(self._refill_warm())
 
     async def _refill_warm(self) -> None:
         """Fork the missing warm sessions, all at once (forks run in the zygote's processes)."""
         try:
-            while (missing := self.warm_target - len(self._warm)) > 0 and self._proc is not None:
+            while (missing := self.warm_target - len(self._warm)) > 0 and self._proc is not None and not self._closing:
                 forks = await asyncio.gather(*[self._fork_session(self.default_memory_mb) for _ in range(missing)], return_exceptions=True)
                 self._warm.extend(s for s in forks if isinstance(s, _Session))
                 failed = [f for f in forks if not isinstance(f, _Session)]
-                if failed:
+                if failed and not self._closing:
                     log.warning("local sandbox: could not fork a warm session: %s", failed[0])
                     break
         finally:
@@ -447,6 +451,7 @@ class LocalBackend:
 
     async def aclose(self) -> None:
         """End every session and stop the fork-server."""
+        self._closing = True
         for name in list(self.sessions):
             await self.close_session(name)
         for s in self._warm:
