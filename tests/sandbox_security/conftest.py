@@ -1,6 +1,8 @@
-"""One walled-in LocalBackend for the whole security suite, and the host-side secrets and processes
-its cells must not reach.
+"""One walled-in LocalBackend per isolation mode for the whole security suite, and the host-side
+secrets and processes its cells must not reach.
 
+Modes: "root" (each session a uid of its own; what a root host gets) and "userns" (the zygote in a
+user namespace, cells in a nested one; what non-root hosts and unprivileged containers get).
 The backend runs on an event loop of its own that the (synchronous) tests drive; its temp dirs go
 to a private temp dir, so the final test can check that nothing of it is left there.
 """
@@ -29,8 +31,9 @@ SECRET_ENV = "RAYTOOL_SECURITY_SECRET"
 class Sandbox:
     """A LocalBackend plus the loop it runs on; `run` blocks until the cell's result is in."""
 
-    def __init__(self, backend: LocalBackend):
+    def __init__(self, backend: LocalBackend, mode: str):
         self.backend = backend
+        self.mode = mode
         self.loop = asyncio.new_event_loop()
 
     def run(self, code: str, session: str | None = None, timeout_s: float = 2.0) -> ExecResult:
@@ -39,13 +42,16 @@ class Sandbox:
     def close_session(self, name: str) -> None:
         self.loop.run_until_complete(self.backend.close_session(name))
 
-    def wait_until(self, done, timeout_s: float = 5.0) -> bool:
-        """Poll `done()` while the backend's loop keeps running (so the fork-server's events flow)."""
+    def idle(self, seconds: float) -> None:
+        """Let time pass with the backend's loop running (so the fork-server's events flow)."""
+        self.loop.run_until_complete(asyncio.sleep(seconds))
+
+    def wait_until(self, done, timeout_s: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
                 return False
-            self.loop.run_until_complete(asyncio.sleep(0.05))
+            self.idle(0.05)
         return True
 
     def assert_serves_a_normal_cell(self, session: str | None = None) -> None:
@@ -105,16 +111,16 @@ def private_tmp():
         shutil.rmtree(path)
 
 
-@pytest.fixture(scope="session")
-def sandbox(host_secrets, private_tmp):
-    """One started backend; the secrets exist before its fork-server starts."""
-    sb = Sandbox(LocalBackend(**LIMITS))
+@pytest.fixture(scope="session", params=["root", "userns"])
+def sandbox(request, host_secrets, private_tmp):
+    """One started backend per mode; the secrets exist before its fork-server starts."""
+    sb = Sandbox(LocalBackend(**LIMITS, force_userns=request.param == "userns"), request.param)
     sb.loop.run_until_complete(sb.backend.start())
     caps = sb.backend.stats()["isolation"]
-    if not (caps.get("netns") and caps.get("mountns") and caps.get("pidns") and caps.get("setuid")):
+    if not (caps["netns"] and caps["mountns"] and caps["pidns"] and caps["setuid"] == (request.param == "root")):
         sb.loop.run_until_complete(sb.backend.aclose())
         sb.loop.close()
-        pytest.skip(f"the security suite needs root with network, mount and PID namespaces; this host gives {caps}")
+        pytest.skip(f"the {request.param} mode needs root with network, mount and PID namespaces; this host gives {caps}")
     try:
         yield sb
     finally:
