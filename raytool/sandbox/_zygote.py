@@ -34,6 +34,7 @@ import importlib
 import json
 import linecache
 import os
+import random
 import resource
 import select
 import signal
@@ -75,6 +76,62 @@ def mount(src, dst, fstype, flags, data=None) -> None:
 
 def prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), "prctl")
+
+
+# What a cell may not do however it asks: make namespaces (unprivileged user namespaces are on by
+# default, and in one a cell holds every capability over new mount, network and PID namespaces: a
+# large kernel surface for no use). A seccomp filter, since no rlimit or uid can say it.
+SECCOMP_ABI = {"x86_64": (0xC000003E, 272, 56), "aarch64": (0xC00000B7, 97, 220)}.get(os.uname().machine)  # (arch, unshare, clone)
+SYS_CLONE3 = 435
+NS_FLAGS = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | 0x02000000 | 0x80  # + cgroup, time
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def forbid_namespaces() -> None:
+    """seccomp: unshare/clone with a namespace flag fail with EPERM, clone3 (its flags are out of a
+    filter's reach) with ENOSYS so libc falls back to clone, and a foreign syscall ABI gets EPERM."""
+    arch, nr_unshare, nr_clone = SECCOMP_ABI
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    prog = [
+        (LD, 0, 0, 4),  # 0: seccomp_data.arch
+        (JEQ, 1, 0, arch),  # 1: -> 3
+        (RET, 0, 0, eperm),  # 2
+        (LD, 0, 0, 0),  # 3: seccomp_data.nr
+        (JGE, 6, 0, 0x40000000),  # 4: the x32 ABI -> 11
+        (JEQ, 6, 0, SYS_CLONE3),  # 5: -> 12
+        (JEQ, 1, 0, nr_unshare),  # 6: -> 8
+        (JEQ, 0, 2, nr_clone),  # 7: -> 8, else -> 10
+        (LD, 0, 0, 16),  # 8: seccomp_data.args[0], low 32 bits
+        (JSET, 1, 0, NS_FLAGS),  # 9: -> 11
+        (RET, 0, 0, allow),  # 10
+        (RET, 0, 0, eperm),  # 11
+        (RET, 0, 0, enosys),  # 12
+    ]
+    fprog = _SockFprog(len(prog), (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog]))
+    PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(PR_SET_SECCOMP)")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_capabilities() -> None:
+    """Empty our capability sets (the creator of a user namespace holds all of them in it)."""
+    _LINUX_CAPABILITY_VERSION_3 = 0x20080522
+    _check(_libc.capset(ctypes.byref(_CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)), (_CapData * 2)()), "capset")
 
 
 def die_with_parent(expected_parent: int) -> None:
@@ -173,6 +230,48 @@ def _map_ids(inside: int, outside_uid: int, outside_gid: int) -> None:
         f.write(f"{inside} {outside_gid} 1")
 
 
+SESSION_UID_BASE, SESSION_UIDS = 1000, 65536  # inside a user namespace: the uids sessions run as
+
+
+def _range_mapper(target: int, uid: int, gid: int):
+    """Fork a helper that stays in our user namespace and, once `target` has entered a new one,
+    maps there 0 to us and SESSION_UIDS uids from SESSION_UID_BASE to unused host uids."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        if os.read(r, 1) != b"g":
+            os._exit(1)
+        host = random.randrange(1 << 20, (1 << 30) - SESSION_UIDS)
+        try:
+            for kind, own in (("uid", uid), ("gid", gid)):
+                with open(f"/proc/{target}/{kind}_map", "w") as f:
+                    f.write(f"0 {own} 1\n{SESSION_UID_BASE} {host} {SESSION_UIDS}\n")
+        except OSError:
+            os._exit(1)
+        os._exit(0)
+    os.close(r)
+    return pid, w
+
+
+def _finish_range_mapper(helper, go: bool) -> bool:
+    """Let the helper write the maps (or dismiss it); True if it did."""
+    if helper is None:
+        return False
+    pid, w = helper
+    os.write(w, b"g" if go else b"x")
+    os.close(w)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 and go
+
+
+def session_uid(spec: dict, caps: dict) -> int:
+    """The uid a session's cells run as (inside our user namespace, if we are in one)."""
+    if caps.get("uid_range"):
+        base, count = caps["uid_range"]
+        return base + spec["uid"] % count
+    return spec["uid"]
+
+
 def enter_namespaces(root: str, notes: list[str], force_userns: bool = False) -> dict:
     """Isolate this process as far as the kernel allows; returns what was achieved."""
     caps = {"userns": False, "netns": False, "mountns": False, "pidns": False, "proc": False, "setuid": os.geteuid() == 0}
@@ -183,20 +282,26 @@ def enter_namespaces(root: str, notes: list[str], force_userns: bool = False) ->
         unshare(flags)
     except OSError as exc:
         uid, gid = os.geteuid(), os.getegid()
+        # Root may map a range of unprivileged host uids too (from a helper left outside the
+        # namespace): sessions then get uids of their own, as without a user namespace.
+        helper = _range_mapper(os.getpid(), uid, gid) if uid == 0 else None
         try:
             unshare(flags | CLONE_NEWUSER)
         except OSError as exc2:
+            _finish_range_mapper(helper, go=False)
             notes.append(f"the kernel refused new namespaces ({exc}; with a user namespace: {exc2}): cells keep the host's network and file system view")
             return caps
         try:
-            _map_ids(0, uid, gid)
+            if _finish_range_mapper(helper, go=True):
+                caps.update(userns=True, setuid=True, uid_range=[SESSION_UID_BASE, SESSION_UIDS])
+            else:
+                _map_ids(0, uid, gid)
+                caps.update(userns=True, setuid=False)
+                notes.append("not root: isolation runs in a user namespace; all sessions share one uid, so the process limit is shared")
         except OSError as exc2:
             notes.append(f"the kernel refused to map our uid into a user namespace ({exc2}): cells keep the host's file system view, without network")
             caps["netns"] = True
             return caps
-        caps.update(userns=True, setuid=False)
-        if not force_userns:
-            notes.append("not root: isolation runs in a user namespace; all sessions share one uid, so the process limit is shared")
     caps["netns"] = True
     try:
         build_root(root, keep_proc=caps["userns"])
@@ -297,7 +402,7 @@ def run_cells(ctrl: socket.socket, spec: dict, caps: dict) -> None:
     """U: become the session's unprivileged user, set limits, then serve cells until EOF."""
     lim = spec["limits"]
     if caps["setuid"]:
-        uid = spec["uid"]
+        uid = session_uid(spec, caps)
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
@@ -307,7 +412,10 @@ def run_cells(ctrl: socket.socket, spec: dict, caps: dict) -> None:
         outside_uid, outside_gid = os.geteuid(), os.getegid()
         unshare(CLONE_NEWUSER)
         _map_ids(1000, outside_uid, outside_gid)
+        drop_capabilities()  # uid 1000 here, but still holding every capability in this namespace
     prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if SECCOMP_ABI is not None:
+        forbid_namespaces()
     as_bytes = spec["base_vm"] + (lim["memory_mb"] << 20)  # the preloaded interpreter plus the cell's share
     resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))
     # RLIMIT_NPROC counts every process of the uid: exact with a uid of our own, approximate
@@ -321,12 +429,15 @@ def run_cells(ctrl: socket.socket, spec: dict, caps: dict) -> None:
     os.environ.update(spec["env"])
     os.chdir(spec["workdir"])
     runner = CellRunner()
-    _send(ctrl, {"ready": True, "pid": os.getpid(), "caps": caps})
+    me = os.getpid()
+    _send(ctrl, {"ready": True, "pid": me, "caps": caps})
     for msg in _lines(ctrl):
         used = resource.getrusage(resource.RUSAGE_SELF)
         cpu = int(used.ru_utime + used.ru_stime + msg["cpu_s"]) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))
         error, exit_code = runner.run(msg["code"])
+        if os.getpid() != me:  # a child the cell forked ran off the cell's end: only U answers
+            os._exit(exit_code if exit_code is not None else 0 if error is None else 1)
         _send(ctrl, {"done": True, "error": error, "exit_code": exit_code})
     os._exit(0)
 
@@ -343,9 +454,11 @@ def session_main(fds: list[int], spec: dict, caps: dict, zygote_pid: int) -> Non
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
     if caps["pidns"]:
-        unshare(CLONE_NEWPID | (CLONE_NEWNS if caps["mountns"] else 0))
+        # IPC and network too: System V segments and abstract socket names live in those
+        # namespaces, not in a process, so shared ones outlive a session and join sessions.
+        unshare(CLONE_NEWPID | (CLONE_NEWNS if caps["mountns"] else 0) | (CLONE_NEWIPC | CLONE_NEWNET if caps["netns"] else 0))
     if caps["mountns"]:
-        owner = f",uid={spec['uid']},gid={spec['uid']}" if caps["setuid"] else ""
+        owner = f",uid={session_uid(spec, caps)},gid={session_uid(spec, caps)}" if caps["setuid"] else ""
         mount("tmpfs", "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['limits']['disk_mb']}m,mode=0700{owner}")
         spec["workdir"] = "/sandbox"
     else:

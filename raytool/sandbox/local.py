@@ -101,7 +101,8 @@ class _Capture:
     def take(self) -> tuple[str, bool]:
         self.read()
         middle = f"\n[... {self.dropped} bytes cut ...]\n".encode() if self.dropped else b""
-        text = (bytes(self.head) + middle + bytes(self.tail)).decode("utf-8", "replace")
+        tail = self.tail[len(middle):]  # the marker takes its room from the tail: the whole stays within the cap
+        text = (bytes(self.head) + middle + bytes(tail)).decode("utf-8", "replace")
         cut = self.dropped > 0
         self.head, self.tail, self.dropped = bytearray(), bytearray(), 0
         return text, cut

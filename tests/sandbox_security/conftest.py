@@ -117,10 +117,10 @@ def sandbox(request, host_secrets, private_tmp):
     sb = Sandbox(LocalBackend(**LIMITS, force_userns=request.param == "userns"), request.param)
     sb.loop.run_until_complete(sb.backend.start())
     caps = sb.backend.stats()["isolation"]
-    if not (caps["netns"] and caps["mountns"] and caps["pidns"] and caps["setuid"] == (request.param == "root")):
+    if not (caps["netns"] and caps["mountns"] and caps["pidns"] and caps["setuid"] and caps["userns"] == (request.param == "userns")):
         sb.loop.run_until_complete(sb.backend.aclose())
         sb.loop.close()
-        pytest.skip(f"the {request.param} mode needs root with network, mount and PID namespaces; this host gives {caps}")
+        pytest.skip(f"the {request.param} mode needs root with network, mount and PID namespaces (and a user namespace for userns); this host gives {caps}")
     try:
         yield sb
     finally:
