@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import zlib
 
 import ray
 
-from raytool.agent.loop import AgentLoop, AgentLoopConfig, reward_view
+from raytool.agent.loop import reward_view
+from raytool.agent.registry import get_agent_loop
 from raytool.agent.render import ChatRenderer
-from raytool.tools import CodeInterpreterTool
+from raytool.config import AgentConfig, RunConfig
+from raytool.tools.code_interpreter import CodeInterpreterTool
+from raytool.tools.registry import ToolSet, load_tool_config
 from raytool.types import Message, Trajectory
 
 
@@ -24,21 +28,35 @@ def trajectory_stats(t: Trajectory) -> dict:
         "num_turns": t.num_turns,
         "tool_calls": t.tool_calls,
         "tool_errors": t.tool_errors,
+        "tool_error_kinds": t.tool_error_kinds,
+        "tool_repaired": t.tool_repaired,
         "finish_reason": t.finish_reason,
     }
 
 
+def build_toolset(agent: AgentConfig, tokenizer, executor) -> ToolSet:
+    """The tools of a run: the verl-format YAML named by agent.tools, or the code interpreter alone."""
+    if agent.tools:
+        return load_tool_config(agent.tools, code_executor=executor, tokenizer=tokenizer, max_output_tokens=agent.tool_output_tokens)
+    return ToolSet([CodeInterpreterTool(executor, tokenizer=tokenizer, max_output_tokens=agent.tool_output_tokens)])
+
+
 @ray.remote
 class AgentLoopWorker:
-    def __init__(self, model_path: str, manager, sandbox_pools: list, reward_workers: list, loop_cfg: AgentLoopConfig, max_tool_output_chars: int):
+    def __init__(self, model_path: str, manager, sandbox_pools: list, reward_workers: list, cfg: RunConfig):
         from transformers import AutoTokenizer
 
+        for module in cfg.agent.loop_modules:  # where users register their own loops and tools
+            importlib.import_module(module)
+        self.cfg = cfg
         self.manager = manager
         self.sandbox_pools = sandbox_pools
         self.reward_workers = itertools.cycle(reward_workers)
-        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path))
-        self.loop_cfg = loop_cfg
-        self.tools = {"code_interpreter": CodeInterpreterTool(self._execute, max_tool_output_chars)}
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.toolset = build_toolset(cfg.agent, tokenizer, self._execute)
+        self.renderer = ChatRenderer(tokenizer, tools=self.toolset.schemas if cfg.agent.format == "hermes" else None)
+        self.slots = asyncio.Semaphore(cfg.agent.max_concurrent_trajectories)
+        get_agent_loop(cfg.agent.default_agent)  # an unknown default fails now, not on the first row
 
     def _pool(self, session: str):
         # A stable hash: every cell of a trajectory reaches the pool that holds its session.
@@ -47,21 +65,25 @@ class AgentLoopWorker:
     async def _execute(self, code: str, session: str):
         return await self._pool(session).execute.remote(code, session)
 
-    async def _one(self, messages: list[Message], ground_truth: str, uid: str, group_id: str) -> Trajectory:
+    async def _one(self, messages: list[Message], ground_truth: str, uid: str, group_id: str, agent_name: str) -> Trajectory:
         async def generate(prompt_ids, sampling, request_id, session):
             return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, group_id)
 
-        try:
-            traj = await AgentLoop(self.renderer, self.tools, generate, self.loop_cfg).run(messages, ground_truth, uid, group_id)
-        finally:  # whatever happened, the trajectory's interpreter and routing state are released
-            self.manager.end_session.remote(uid)
-            self._pool(uid).close_session.remote(uid)
+        loop = get_agent_loop(agent_name)(self.renderer, self.toolset.tools, generate, self.cfg.agent, self.cfg.rollout)
+        async with self.slots:
+            try:
+                traj = await loop.run(messages, ground_truth, uid, group_id)
+            finally:  # whatever happened, the trajectory's interpreter and routing state are released
+                self.manager.end_session.remote(uid)
+                self._pool(uid).close_session.remote(uid)
+        traj.agent_name = agent_name
         # Score now, while sibling trajectories are still rolling out.
         traj.reward, traj.reward_extra = await next(self.reward_workers).score.remote(reward_view(traj), ground_truth, {})
         return traj
 
     @ray.method(num_returns=2)
-    async def run_group(self, messages: list[Message], ground_truth: str, group_id: str, n: int):
+    async def run_group(self, messages: list[Message], ground_truth: str, group_id: str, n: int, agent_name: str | None = None):
         """n samples of one prompt (a GRPO group) -> (trajectories, their small stats)."""
-        trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id) for i in range(n)))
+        name = agent_name or self.cfg.agent.default_agent
+        trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id, name) for i in range(n)))
         return list(trajs), [trajectory_stats(t) for t in trajs]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import msgspec
 import ray
 from tqdm import tqdm
 
@@ -26,8 +27,7 @@ from actors.reward_worker import RewardWorker
 from actors.rollout_server import RolloutServer
 from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
-from raytool.agent.loop import AgentLoopConfig
-from raytool.config import RunConfig, sandbox_backend_options
+from raytool.config import ConfigError, RunConfig, SandboxConfig, sandbox_backend_options
 from raytool.data.tool_arith import Problem, prompt_messages
 from raytool.errors import RaytoolError, one_line
 from raytool.models import resolve_model
@@ -114,6 +114,7 @@ class Graph:
 def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = True) -> Graph:
     """Start every actor of the run described by `cfg` (ray.init must have run)."""
     model_path = model_path or resolve_model(cfg.model.path)
+    cfg = with_tool_sandbox_settings(cfg)
     light = cfg.cluster.light_actor_cpus
     r = cfg.rollout
     servers = {
@@ -127,14 +128,9 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     )
     sandbox_pools = build_sandbox_pools(cfg)
     reward_workers = [RewardWorker.options(**actor_options(light)).remote(cfg.reward.fn) for _ in range(cfg.reward.num_workers)]
-    a = cfg.agent
-    loop_cfg = AgentLoopConfig(
-        max_turns=a.max_turns, max_response_tokens=a.max_response_tokens, max_tokens_per_turn=r.max_tokens_per_turn,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, tool_parser=a.tool_parser, seed=r.seed,
-    )
     agent_workers = [
-        AgentLoopWorker.options(**actor_options(light)).remote(model_path, manager, sandbox_pools, reward_workers, loop_cfg, a.max_tool_output_chars)
-        for _ in range(a.num_workers)
+        AgentLoopWorker.options(**actor_options(light)).remote(model_path, manager, sandbox_pools, reward_workers, cfg)
+        for _ in range(cfg.agent.num_workers)
     ]
     # Surface constructor failures (bad model path, engine that cannot start, bad reward fn ...)
     # now, with their cause in one line.
@@ -151,6 +147,25 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     ray.get([w.__ray_ready__.remote() for w in [manager, *reward_workers, *agent_workers]])
     trainer = TrainerGroup(cfg, model_path) if with_trainer else None
     return Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, trainer)
+
+
+def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:
+    """Apply the sandbox settings a verl tool YAML (agent.tools) implies, e.g. an E2B domain or a
+    SandboxFusion URL, where the run config left the default; a setting both give differently is
+    an error naming both."""
+    if not cfg.agent.tools:
+        return cfg
+    from raytool.tools.registry import tool_config_sandbox_overrides
+
+    wanted = tool_config_sandbox_overrides(cfg.agent.tools)
+    defaults, current = SandboxConfig(), cfg.sandbox
+    changes = {}
+    for key, value in wanted.items():
+        have = getattr(current, key)
+        if have != getattr(defaults, key) and have != value:
+            raise ConfigError(f"config key 'sandbox.{key}' is {have!r} but {cfg.agent.tools} sets {value!r}; keep one of them")
+        changes[key] = value
+    return msgspec.structs.replace(cfg, sandbox=msgspec.structs.replace(current, **changes))
 
 
 def build_sandbox_pools(cfg: RunConfig) -> list:

@@ -17,7 +17,7 @@ import msgspec
 import ray
 
 from actors.compose import Graph, build
-from raytool.agent.render import ChatRenderer
+from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import RunConfig, to_yaml
 from raytool.data import PromptLoader, make_splits, sft_messages
 from raytool.models import resolve_model
@@ -51,6 +51,10 @@ def rollout_metrics(stats: list[dict]) -> dict:
         "tool/error_rate": sum(s["tool_errors"] for s in stats) / calls if calls else 0.0,
         "rollout/trajectories": n,
     }
+    # Counts per step, by kind (raytool.tools.base.ERROR_KINDS), as a rate per call.
+    for kind in sorted({k for s in stats for k in s.get("tool_error_kinds", {})}):
+        metrics[f"tool/errors/{kind}"] = sum(s["tool_error_kinds"].get(kind, 0) for s in stats) / max(calls, 1)
+    metrics["tool/repaired"] = sum(s.get("tool_repaired", 0) for s in stats)
     for reason in sorted({s["finish_reason"] for s in stats}):
         metrics[f"finish/{reason}"] = sum(s["finish_reason"] == reason for s in stats) / n
     return metrics
@@ -93,7 +97,10 @@ def run_sft(graph: Graph, cfg: RunConfig, train, tracker: Tracker) -> None:
     t = cfg.trainer
     for step in range(1, t.sft_warmup_steps + 1):
         start = time.perf_counter()
-        batch = [renderer.sft_example(sft_messages(p, cfg.agent.system_prompt)) for p in rng.sample(train, t.sft_batch_size)]
+        traces = [sft_messages(p, cfg.agent.system_prompt) for p in rng.sample(train, t.sft_batch_size)]
+        if cfg.agent.observation_style == "in_turn":
+            traces = [as_in_turn(m) for m in traces]
+        batch = [renderer.sft_example(m) for m in traces]
         metrics = graph.trainer.sft_step(batch, t.sft_lr)
         metrics.update(step=step, **{"timing/step_s": time.perf_counter() - start})
         tracker.log(metrics, phase="sft")
@@ -110,6 +117,9 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     connect(address or cfg.cluster.address)
     log.info("run directory: %s", run_dir.resolve())
     graph = build(cfg, model_path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)  # decodes the traces' prompts
     tracker = Tracker(run_dir, console=cfg.logging.console)
     try:
         version = 0
@@ -147,7 +157,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
             })
             tracker.log(metrics)
             if cfg.logging.trace_samples:
-                tracker.trace(step, ray.get(traj_refs[0])[: cfg.logging.trace_samples])
+                tracker.trace(step, ray.get(traj_refs[0])[: cfg.logging.trace_samples], tokenizer.decode)
         if cfg.trainer.save_final:
             path = graph.trainer.save(str((run_dir / "checkpoints" / f"step_{cfg.trainer.total_steps}").resolve()))
             log.info("final checkpoint: %s", path)

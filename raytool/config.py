@@ -79,10 +79,18 @@ class RolloutConfig(_Section):
 
 
 class AgentConfig(_Section):
-    max_turns: int = 3  # assistant turns per trajectory (a tool call + its output make one turn)
+    format: Literal["retool", "hermes"] = "retool"  # tool calls as ReTool <code> tags or Hermes/Qwen <tool_call> JSON
+    observation_style: Literal["tool_message", "in_turn"] = "tool_message"  # retool: output as a tool message (verl's recipe) or as <interpreter>...</interpreter> inside the same assistant turn (the ReTool paper)
+    max_turns: int = 3  # assistant turns per trajectory (in_turn: tool rounds plus the answer)
     max_response_tokens: int = 384  # token budget of everything after the prompt
-    tool_parser: Literal["retool", "hermes"] = "retool"  # how tool calls are found in model text
-    max_tool_output_chars: int = 512  # longer tool output is cut (and marked) before the model sees it
+    max_tool_calls_per_turn: int = 4  # calls beyond this in one turn are answered with a too_many_calls error; the rest run concurrently
+    tool_output_tokens: int = 256  # longer tool output is cut in the middle, with a "... N tokens truncated ..." marker
+    max_trajectory_s: float = 600.0  # wall-clock limit of one trajectory (it ends with finish reason time_limit)
+    max_concurrent_trajectories: int = 256  # trajectories one agent worker runs at once
+    tools: str | None = None  # verl-format tool YAML (tools: [{class_name, config, tool_schema}]); None: the code interpreter only
+    default_agent: str = "tool_agent"  # agent loop of rows without an agent_name (registered in raytool.agent.registry)
+    langgraph_graph: str | None = None  # rows with agent_name langgraph: 'package.module:function' building the LangGraph agent from a chat model
+    loop_modules: list[str] = msgspec.field(default_factory=list)  # modules the agent workers import first (where your own loops and tools register)
     num_workers: int = 1  # AgentLoopWorker actors
     system_prompt: str | None = None  # None: the task's own system prompt
 
@@ -172,7 +180,7 @@ class RunConfig(_Section):
 
 
 def _allowed_values(key: str) -> list | None:
-    """The choices of a Literal-typed key such as 'agent.tool_parser', for error messages."""
+    """The choices of a Literal-typed key such as 'agent.format', for error messages."""
     node: Any = RunConfig
     for part in key.split("."):
         hints = typing.get_type_hints(node) if isinstance(node, type) else {}
@@ -263,6 +271,9 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "trainer.num_workers": cfg.trainer.num_workers,
         "trainer.micro_batch_tokens": cfg.trainer.micro_batch_tokens,
         "sandbox.max_concurrency": cfg.sandbox.max_concurrency,
+        "agent.max_tool_calls_per_turn": cfg.agent.max_tool_calls_per_turn,
+        "agent.tool_output_tokens": cfg.agent.tool_output_tokens,
+        "agent.max_concurrent_trajectories": cfg.agent.max_concurrent_trajectories,
         "sandbox.num_pools": cfg.sandbox.num_pools,
         "sandbox.max_queue": cfg.sandbox.max_queue,
         "sandbox.max_processes": cfg.sandbox.max_processes,
@@ -275,6 +286,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{source}: config key '{key}': expected a positive integer, got {value}")
+    if cfg.agent.observation_style == "in_turn" and cfg.agent.format != "retool":
+        raise ConfigError(f"{source}: config key 'agent.observation_style': in_turn needs agent.format=retool (hermes observations are tool messages)")
     if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:
         raise ConfigError(f"{source}: config key 'trainer.total_steps'/'trainer.sft_warmup_steps' must be >= 0")
 

@@ -41,9 +41,14 @@ class Tracker:
             parts += [f"{short}={metrics[k]:.4g}" for k, short in keys if isinstance(metrics.get(k), (int, float))]
             print(" ".join(parts), file=sys.stderr, flush=True)
 
-    def trace(self, step: int, trajectories) -> None:
+    def trace(self, step: int, trajectories, decode=None) -> None:
+        """Write full trajectories: ids, masks, messages, per-turn texts, tool calls with their
+        status and output, errors, reward and timings; `decode(ids)` adds the decoded prompt."""
         for t in trajectories:
-            self._traces.write(json.dumps({"step": step, **msgspec.to_builtins(t)}) + "\n")
+            row = {"step": step, **msgspec.to_builtins(t)}
+            if decode is not None:
+                row["prompt_text"] = decode(t.prompt_ids)
+            self._traces.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         for f in self._files.values():

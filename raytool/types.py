@@ -76,8 +76,13 @@ class Trajectory(msgspec.Struct):
     num_turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_error_kinds: dict[str, int] = {}  # tool_errors by kind (raytool.tools.base.ERROR_KINDS)
+    tool_repaired: int = 0  # calls that parsed only after an unambiguous repair
     finish_reason: str = ""
     policy_version: int = 0
+    agent_name: str = ""  # the agent loop that produced it
+    turns: list[dict] = []  # the trace: per generate call its text, tokens, timing, tool calls and their outputs
+    timings: dict[str, float] = {}
 
 
 class SFTExample(msgspec.Struct):

@@ -1,108 +1,297 @@
-"""The agent loop on real multi-turn trajectories: a scripted policy, the real local sandbox."""
+"""The agent loop over scripted model outputs (a fake engine that replays given text) and the real
+local sandbox: masks, every tool error kind, both observation styles, limits, custom loops."""
 
 import asyncio
+import copy
+import time
+from pathlib import Path
 
 import pytest
 
-from raytool.agent.loop import AgentLoop, AgentLoopConfig, reward_view
+from raytool.agent.loop import ToolAgentLoop, interpreter_block, reward_view
+from raytool.agent.registry import AGENT_LOOPS, get_agent_loop, register_agent_loop
+from raytool.agent.render import ChatRenderer
+from raytool.config import AgentConfig, RolloutConfig
 from raytool.sandbox.local import LocalBackend
 from raytool.tools import CodeInterpreterTool
-from raytool.types import Message, TokenOutput
+from raytool.tools.registry import function_tool
+from raytool.types import ExecResult, Message, TokenOutput
 
 CALL = "I will compute it.\n<code>\n```python\nprint(1234 * 5678)\n```\n</code>"
 ANSWER = "The answer is \\boxed{7006652}."
+PROMPT = [Message("system", "Use the tool."), Message("user", "What is 1234 * 5678?")]
+CHATML_TOOLS = (Path(__file__).parent / "fixtures" / "chatml_tools_template.jinja").read_text()
 
 
-def scripted(renderer, turns: list[str]):
-    """A policy that emits the canonical tokens of the given turns, then eos, one per call."""
+def scripted(renderer, turns: list[str], delay_s: float = 0.0):
+    """A policy that replays the given turns: each one's tokens, then eos unless the turn ends with
+    the in-turn stop string (vLLM keeps a stop string in the output and adds no eos)."""
     calls = []
 
     async def generate(prompt_ids, sampling, request_id, session):
         text = turns[len(calls)]
         calls.append(list(prompt_ids))
-        ids = renderer.assistant_ids(text)[: sampling.max_tokens]
-        finish = "stop" if ids[-1] == renderer.eos_id else "length"
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        stops_in_turn = any(text.endswith(s) for s in sampling.stop)
+        ids = renderer.encode(text) if stops_in_turn else renderer.assistant_ids(text)
+        ids = ids[: sampling.max_tokens]
+        finish = "stop" if stops_in_turn or ids[-1] == renderer.eos_id else "length"
         return TokenOutput(ids, [-0.5] * len(ids), finish, policy_version=7)
 
     return generate, calls
 
 
-class _LoopWithSandbox:
-    """An AgentLoop over a fresh local sandbox that is shut down when the trajectory ends."""
-
-    def __init__(self, loop: AgentLoop, backend: LocalBackend):
-        self.loop, self.backend = loop, backend
-
-    async def run(self, *args):
-        try:
-            return await self.loop.run(*args)
-        finally:
-            await self.backend.aclose()
-
-
-def make_loop(renderer, turns, **cfg):
+def make_loop(renderer, turns, tools=None, delay_s=0.0, **agent):
     backend = LocalBackend(warm_sessions=0)
 
     async def execute(code, session):
-        return await backend.run(code, session=session, timeout_s=5, memory_mb=512)
+        return await backend.run(code, session=session, timeout_s=agent.pop("cell_timeout_s", 5), memory_mb=512)
 
-    generate, calls = scripted(renderer, turns)
-    loop = AgentLoop(renderer, {"code_interpreter": CodeInterpreterTool(execute)}, generate, AgentLoopConfig(**cfg))
-    return _LoopWithSandbox(loop, backend), calls
+    cell_timeout = agent.pop("cell_timeout_s", 5)
+
+    async def execute_with_timeout(code, session):
+        return await backend.run(code, session=session, timeout_s=cell_timeout, memory_mb=512)
+
+    rollout = RolloutConfig(max_tokens_per_turn=agent.pop("max_tokens_per_turn", 96))
+    if tools is None:
+        tools = {"code_interpreter": CodeInterpreterTool(execute_with_timeout, tokenizer=renderer.tokenizer)}
+    generate, calls = scripted(renderer, turns, delay_s)
+    loop = ToolAgentLoop(renderer, tools, generate, AgentConfig(**agent), rollout)
+    return _Run(loop, backend), calls
 
 
-PROMPT = [Message("system", "Use the tool."), Message("user", "What is 1234 * 5678?")]
+class _Run:
+    """Runs one trajectory, then shuts the test's sandbox down."""
+
+    def __init__(self, loop, backend):
+        self.loop, self.backend = loop, backend
+
+    def __call__(self, uid="t0", prompt=PROMPT):
+        async def go():
+            try:
+                return await self.loop.run(prompt, "7006652", uid, "g0")
+            finally:
+                await self.backend.aclose()
+
+        return asyncio.run(go())
+
+
+def observations(traj):
+    return [m.content for m in traj.messages if m.role == "tool"]
 
 
 def test_multi_turn_trajectory_masks_tool_output(renderer, tokenizer):
-    loop, calls = make_loop(renderer, [CALL, ANSWER])
-    traj = asyncio.run(loop.run(PROMPT, "7006652", "t0", "g0"))
+    run, calls = make_loop(renderer, [CALL, ANSWER])
+    traj = run()
     assert traj.finish_reason == "answer" and traj.num_turns == 2 and traj.tool_calls == 1 and traj.tool_errors == 0
     assert len(traj.response_ids) == len(traj.response_mask) == len(traj.rollout_logprobs)
-    # Generated tokens are 1, the observation tokens between the two turns are 0.
     gen1, gen2 = renderer.assistant_ids(CALL), renderer.assistant_ids(ANSWER)
-    obs = renderer.observation_ids([Message("tool", "7006652")])
+    obs = renderer.observation_ids([Message("tool", "7006652")], [*PROMPT, Message("assistant", CALL)])
     assert traj.response_ids == gen1 + obs + gen2
     assert traj.response_mask == [1] * len(gen1) + [0] * len(obs) + [1] * len(gen2)
+    assert sum(traj.response_mask) == len(gen1) + len(gen2)
     assert traj.rollout_logprobs == [-0.5] * len(gen1) + [0.0] * len(obs) + [-0.5] * len(gen2)
-    assert tokenizer.decode([t for t, m in zip(traj.response_ids, traj.response_mask) if not m]).count("7006652") == 1
-    # The second generate call saw exactly prompt + first turn + observation.
-    assert calls[1] == traj.prompt_ids + gen1 + obs
-    # Token-exact against the template's rendering of the recorded messages.
-    text = renderer.conversation_text(traj.messages)
+    assert calls[1] == traj.prompt_ids + gen1 + obs  # the second call saw prompt + turn + observation
+    text = renderer.conversation_text(traj.messages)  # token-exact against the template's rendering
     assert tokenizer.decode(traj.prompt_ids + traj.response_ids) == text[: text.rfind(tokenizer.eos_token) + len(tokenizer.eos_token)]
     assert reward_view(traj)["response"] == ANSWER and traj.policy_version == 7
+    # The trace: each turn's text and timing, each call with its status and output.
+    assert [t["text"] for t in traj.turns] == [CALL, ANSWER]
+    assert traj.turns[0]["calls"][0]["status"] == "ok" and traj.turns[0]["calls"][0]["output"] == "7006652"
+    assert traj.timings["total_s"] >= traj.timings["generate_s"] > 0
 
 
-def test_malformed_call_is_answered_with_an_error(renderer):
-    loop, _ = make_loop(renderer, ["<code>\n```python\nprint(1)\n", ANSWER])
-    traj = asyncio.run(loop.run(PROMPT, "1", "t1", "g1"))
-    tool_msgs = [m.content for m in traj.messages if m.role == "tool"]
-    assert tool_msgs == ["Error: malformed tool call: <code> opened but never closed with </code>"]
-    assert traj.tool_calls == 1 and traj.tool_errors == 1 and traj.finish_reason == "answer"
+def test_state_persists_within_a_trajectory_and_not_across(renderer):
+    first = "<code>\nx = 41\n</code>"
+    second = "<code>\nx + 1\n</code>"
+    run, _ = make_loop(renderer, [first, second, ANSWER])
+    loop, backend = run.loop, run.backend
+
+    async def go():
+        try:
+            a = await loop.run(PROMPT, "42", "traj-a", "g")
+            loop.generate, _ = scripted(renderer, [second, ANSWER])
+            b = await loop.run(PROMPT, "42", "traj-b", "g")
+            return a, b
+        finally:
+            await backend.aclose()
+
+    a, b = asyncio.run(go())
+    assert observations(a) == ["(no output; use print() to see a value)", "42"]
+    assert "NameError" in observations(b)[0] and b.tool_error_kinds == {"exit_error": 1}
+    assert backend.sessions == {}  # released in finally (the backend was closed, too)
 
 
-def test_failing_code_reports_stderr(renderer):
-    loop, _ = make_loop(renderer, ["<code>\n```python\n1/0\n```\n</code>", ANSWER])
-    traj = asyncio.run(loop.run(PROMPT, "1", "t2", "g2"))
-    tool_msg = next(m.content for m in traj.messages if m.role == "tool")
-    assert tool_msg.startswith("Error:") and "ZeroDivisionError" in tool_msg and traj.tool_errors == 1
+@pytest.mark.parametrize("turn, kind, phrase", [
+    ("<code>\n```python\nprint(1)\n", "unterminated_tag", "never closed"),
+    ("<code>   </code>", "empty_call", "empty"),
+    ("<code>\n1/0\n</code>", "exit_error", "ZeroDivisionError"),
+    ("<code>\nimport os; os._exit(3)\n</code>", "exit_error", "exited with code 3"),
+    ("<code>\nx = bytearray(1 << 33)\n</code>", "oom", "memory"),
+    ("<code>\nwhile True: pass\n</code>", "timeout", "time limit"),
+    ("<code>\nimport os, signal; os.kill(os.getpid(), signal.SIGKILL)\n</code>", "killed", "killed"),
+])
+def test_each_retool_error_kind_is_answered_and_counted(renderer, turn, kind, phrase):
+    run, _ = make_loop(renderer, [turn, ANSWER], cell_timeout_s=1)
+    traj = run()
+    (obs,) = observations(traj)
+    assert obs.startswith(f"Error ({kind})") and phrase in obs, obs
+    assert traj.tool_error_kinds == {kind: 1} and traj.tool_errors == 1 and traj.tool_calls == 1
+    assert traj.finish_reason == "answer" and traj.turns[0]["calls"][0]["kind"] == kind
 
 
-def test_turn_limit_and_token_budget(renderer):
-    loop, _ = make_loop(renderer, [CALL, CALL, CALL], max_turns=2)
-    traj = asyncio.run(loop.run(PROMPT, "1", "t3", "g3"))
-    assert traj.num_turns == 2 and traj.finish_reason == "max_turns"
-    assert traj.response_mask[-1] == 1  # ends on generated tokens; no dangling observation
+def _hermes(renderer):
+    tok = copy.deepcopy(renderer.tokenizer)
+    tok.chat_template = CHATML_TOOLS
+    return tok
 
-    loop, _ = make_loop(renderer, [CALL, ANSWER], max_response_tokens=10, max_tokens_per_turn=10)
-    traj = asyncio.run(loop.run(PROMPT, "1", "t4", "g4"))
+
+def hermes_loop(renderer, turns, **agent):
+    """A hermes-format loop on the Qwen-style template, with the code interpreter and an `add` tool."""
+    tok = _hermes(renderer)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    async def execute(code, session):
+        return ExecResult(status="infra_error", stderr="sandbox down")
+
+    tools = {"code_interpreter": CodeInterpreterTool(execute, tokenizer=tok), "add": function_tool(add)}
+    r = ChatRenderer(tok, tools=[t.schema for t in tools.values()])
+    return make_loop(r, turns, tools=tools, format="hermes", **agent), r
+
+
+@pytest.mark.parametrize("call, kind, phrase", [
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}</tool_call>', "invalid_json", "not valid JSON"),
+    ('<tool_call>{"name": "mul", "arguments": {"a": 1}}</tool_call>', "unknown_tool", "add, code_interpreter"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', "missing_argument", "b"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": "two"}}</tool_call>', "wrong_argument_type", "b"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', "unterminated_tag", "never closed"),
+    ('<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(1)"}}</tool_call>', "sandbox_error", "sandbox"),
+])
+def test_each_hermes_error_kind_is_answered_and_counted(renderer, call, kind, phrase):
+    (run, _), _ = hermes_loop(renderer, [call, "\\boxed{3}"])
+    traj = run()
+    (obs,) = observations(traj)
+    assert obs.startswith(f"Error ({kind})") and phrase in obs, obs
+    assert traj.tool_error_kinds == {kind: 1} and traj.finish_reason == "answer"
+
+
+def test_hermes_calls_run_concurrently_in_text_order_with_a_per_turn_limit(renderer):
+    calls = "".join(f'<tool_call>{{"name": "add", "arguments": {{"a": {i}, "b": 100}}}}</tool_call>' for i in range(4))
+    broken = '<tool_call>{"name": "add" "arguments": {}}</tool_call>'
+    (run, _), r = hermes_loop(renderer, [calls[:2 * len(calls) // 4] + broken + calls[2 * len(calls) // 4:], "\\boxed{1}"],
+                              max_tool_calls_per_turn=3, max_tokens_per_turn=400, max_response_tokens=1200)
+    traj = run()
+    obs = observations(traj)
+    assert obs[:2] == ["100", "101"] and obs[2].startswith("Error (invalid_json)") and obs[3] == "102"
+    assert obs[4].startswith("Error (too_many_calls)")  # the 4th well-formed call, beyond the limit of 3
+    assert traj.tool_calls == 5 and traj.tool_error_kinds == {"invalid_json": 1, "too_many_calls": 1}
+    # The five outputs are one observation (one merged <tool_response> turn), masked 0, token-exact.
+    full = r.encode(r.conversation_text(traj.messages))
+    ids = traj.prompt_ids + traj.response_ids
+    assert ids == full[: len(ids)]
+
+
+def test_repaired_json_is_counted_not_punished(renderer):
+    call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(len(\'\\frac\'))",}}</tool_call>'
+    (run, _), _ = hermes_loop(renderer, [call, "\\boxed{5}"])
+    traj = run()
+    assert traj.tool_repaired == 1 and "invalid_json" not in traj.tool_error_kinds
+
+
+def test_in_turn_observations_stay_inside_the_assistant_turn(renderer, tokenizer):
+    turn1 = "Let me compute.\n<code>\nprint(1234 * 5678)\n</code>"
+    turn2 = " So the answer is \\boxed{7006652}."
+    run, calls = make_loop(renderer, [turn1, turn2], observation_style="in_turn")
+    traj = run()
+    block = interpreter_block("7006652")
+    assert traj.finish_reason == "answer" and traj.num_turns == 2 and traj.tool_calls == 1
+    assert [m.role for m in traj.messages] == ["system", "user", "assistant"]  # no turn boundary
+    assert traj.messages[-1].content == turn1 + block + turn2
+    gen1, obs, gen2 = renderer.encode(turn1), renderer.encode(block), renderer.assistant_ids(turn2)
+    assert traj.response_ids == gen1 + obs + gen2 and traj.response_mask == [1] * len(gen1) + [0] * len(obs) + [1] * len(gen2)
+    assert calls[1] == traj.prompt_ids + gen1 + obs
+    text = renderer.conversation_text(traj.messages)
+    assert tokenizer.decode(traj.prompt_ids + traj.response_ids) == text[: text.rfind(tokenizer.eos_token) + len(tokenizer.eos_token)]
+
+
+def test_turn_limit_token_budget_and_wall_clock(renderer):
+    run, _ = make_loop(renderer, [CALL, CALL, CALL], max_turns=2)
+    traj = run()
+    assert traj.num_turns == 2 and traj.finish_reason == "max_turns" and traj.response_mask[-1] == 1
+
+    run, _ = make_loop(renderer, [CALL, ANSWER], max_response_tokens=10, max_tokens_per_turn=10)
+    traj = run()
     assert traj.finish_reason == "length" and len(traj.response_ids) == 10
 
+    # The observation would not fit the budget: the trajectory ends, the output is not cut.
+    gen = len(renderer.assistant_ids(CALL))
+    run, _ = make_loop(renderer, [CALL, ANSWER], max_response_tokens=gen + 3)
+    traj = run()
+    assert traj.finish_reason == "length" and traj.response_ids == renderer.assistant_ids(CALL) and traj.turns[0]["observation_dropped"]
 
-@pytest.mark.parametrize("parser", ["hermes"])
-def test_hermes_parser_drives_the_same_loop(renderer, parser):
-    call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(40 + 2)"}}</tool_call>'
-    loop, _ = make_loop(renderer, [call, "\\boxed{42}"], tool_parser=parser)
-    traj = asyncio.run(loop.run(PROMPT, "42", "t5", "g5"))
-    assert [m.content for m in traj.messages if m.role == "tool"] == ["42"]
+    run, _ = make_loop(renderer, [CALL, ANSWER], delay_s=0.4, max_trajectory_s=0.6)
+    t = time.monotonic()
+    traj = run()
+    assert traj.finish_reason == "time_limit" and time.monotonic() - t < 3 and traj.num_turns == 1
+
+
+def test_a_custom_agent_loop_is_picked_by_name(renderer):
+    @register_agent_loop("echo_test_agent")
+    class EchoLoop(ToolAgentLoop):
+        """Answers at once with the question, to show that a row's agent_name picks the loop."""
+
+        async def _turns(self, state, uid):
+            state.finish = "echo"
+
+    assert get_agent_loop("echo_test_agent") is EchoLoop and get_agent_loop("tool_agent") is ToolAgentLoop
+    with pytest.raises(ValueError, match="unknown agent loop 'nope'"):
+        get_agent_loop("nope")
+    AGENT_LOOPS.pop("echo_test_agent")
+
+
+def test_readme_custom_agent_example_runs(renderer):
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"<!-- custom-agent-example -->\s*```python\n(.*?)```", readme, re.DOTALL)
+    assert block, "README.md lost its custom agent example"
+    try:
+        namespace: dict = {}
+        exec(compile(block.group(1), "README.md:custom-agent-example", "exec"), namespace)
+        loop_cls = get_agent_loop("careful_agent")
+        run, calls = make_loop(renderer, [ANSWER])
+        run.loop = loop_cls(run.loop.renderer, run.loop.tools, run.loop.generate, run.loop.agent, run.loop.rollout)
+        traj = run()
+        assert traj.messages[0].content == "Check every result with the code interpreter."
+        assert traj.finish_reason == "answer" and renderer.tokenizer.decode(calls[0]).count("Check every result") == 1
+    finally:
+        AGENT_LOOPS.pop("careful_agent", None)
+
+
+def test_a_turns_tool_calls_run_concurrently(renderer):
+    async def slow(seconds: float) -> str:
+        """Sleep, then say so.
+
+        Args:
+            seconds: how long
+        """
+        await asyncio.sleep(seconds)
+        return "done"
+
+    tok = _hermes(renderer)
+    tools = {"slow": function_tool(slow)}
+    r = ChatRenderer(tok, tools=[t.schema for t in tools.values()])
+    three = '<tool_call>{"name": "slow", "arguments": {"seconds": 0.4}}</tool_call>' * 3
+    run, _ = make_loop(r, [three, "\\boxed{1}"], tools=tools, format="hermes", max_tokens_per_turn=200)
+    t = time.monotonic()
+    traj = run()
+    assert observations(traj) == ["done"] * 3 and traj.turns[0]["tools_s"] < 0.8 and time.monotonic() - t < 3

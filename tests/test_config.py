@@ -38,8 +38,8 @@ def test_bad_yaml_file_names_the_key(tmp_path):
 def test_unknown_section_and_bad_literal():
     with pytest.raises(ConfigError, match="unknown config key 'optimizer'"):
         load_config(None, ["optimizer.lr=1"])
-    with pytest.raises(ConfigError, match="agent.tool_parser"):
-        load_config(None, ["agent.tool_parser=xml"])
+    with pytest.raises(ConfigError, match="agent.format"):
+        load_config(None, ["agent.format=xml"])
 
 
 def test_cross_key_validation():

@@ -1,5 +1,11 @@
 """Token-exactness of the rendered conversation: what the loop builds is what the template renders."""
 
+import copy
+from pathlib import Path
+
+import pytest
+
+from raytool.agent.render import ChatRenderer
 from raytool.data import make_splits, sft_messages
 from raytool.types import Message
 
@@ -27,3 +33,60 @@ def test_sft_example_masks_only_assistant_turns(renderer, tokenizer):
     assert learned == msgs[2].content + eos + msgs[4].content + eos
     ignored = tokenizer.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if not m])
     assert problem.question in ignored and f"tool\n{problem.answer}" in ignored
+
+
+CHATML_TOOLS = (Path(__file__).parent / "fixtures" / "chatml_tools_template.jinja").read_text()
+SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "description": "Run Python.",
+                                           "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+
+
+@pytest.fixture
+def chatml_tools(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CHATML_TOOLS
+    return ChatRenderer(tok, tools=[SCHEMA])
+
+
+def test_qwen_style_template_merged_tool_messages_are_token_exact(chatml_tools):
+    r = chatml_tools
+    assert r.stability_problems == []
+    msgs = [Message("system", "Use tools."), Message("user", "2+3 and 4*5?")]
+    call = 'Two calls.\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(2+3)"}}\n</tool_call>\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(4*5)"}}\n</tool_call>'
+    obs = [Message("tool", "5"), Message("tool", "20")]
+    answer = "So \\boxed{5} and \\boxed{20}."
+    history = [*msgs, Message("assistant", call)]
+    ids = r.prompt_ids(msgs) + r.assistant_ids(call) + r.observation_ids(obs, history) + r.assistant_ids(answer)
+    full = r.conversation_text([*history, *obs, Message("assistant", answer)])
+    assert "code_interpreter" in r.tokenizer.decode(r.prompt_ids(msgs))  # the tools are in the system turn
+    assert full.count("<|im_start|>user") == 2  # the two tool outputs share one user turn
+    expected = r.encode(full)
+    assert ids == expected[: len(ids)] and r.tokenizer.decode(expected[len(ids):]) == "\n"
+    # The trap: rendering the tool messages one at a time gives other tokens.
+    one_by_one = r.observation_ids(obs[:1], history) + r.observation_ids(obs[1:], [*history, obs[0]])
+    assert one_by_one != r.observation_ids(obs, history)
+
+
+def test_unstable_templates_are_reported_at_start_up(tokenizer, caplog):
+    tok = copy.deepcopy(tokenizer)
+    # Strips earlier reasoning from past assistant turns, as Qwen3's template does.
+    tok.chat_template = CHATML_TOOLS.replace(
+        "{{ m.content }}\n{%- if m.tool_calls %}",
+        "{{ m.content.split('</think>')[-1] if not loop.last else m.content }}\n{%- if m.tool_calls %}")
+    with caplog.at_level("WARNING"):
+        r = ChatRenderer(tok, tools=[SCHEMA])
+    assert any("past assistant turn renders differently" in p for p in r.stability_problems)
+    assert "not prefix-stable" in caplog.text
+
+
+def test_in_turn_sft_traces_mask_the_interpreter_blocks(renderer, tokenizer):
+    from raytool.agent.loop import interpreter_block
+    from raytool.agent.render import as_in_turn
+
+    problem = make_splits(3, 1, seed=0)[0][0]
+    msgs = as_in_turn(sft_messages(problem))
+    assert [m.role for m in msgs] == ["system", "user", "assistant"]
+    assert interpreter_block(problem.answer) in msgs[-1].content
+    ex = renderer.sft_example(msgs)
+    learned = tokenizer.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
+    masked = tokenizer.decode([t for t, m in zip(ex.input_ids[len(renderer.prompt_ids(msgs[:2])):], ex.loss_mask[len(renderer.prompt_ids(msgs[:2])):]) if not m])
+    assert masked == interpreter_block(problem.answer) and "<interpreter>" not in learned and learned.endswith(tokenizer.eos_token)

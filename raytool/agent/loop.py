@@ -1,35 +1,39 @@
-"""The multi-turn agent loop: generate -> parse tool calls -> run tools -> append observation -> ...
+"""The multi-turn tool agent loop: generate -> parse tool calls -> run tools -> append observation -> ...
 
 Token-in-token-out: the engine's ids are appended verbatim (mask 1, with their log-probs); only
-tool observations are tokenized, as a chat-template delta (mask 0). The loop ends on a turn with no
-tool call (the answer), on the turn limit, or on the response token budget.
+observations are tokenized (mask 0). Two observation styles:
+- `tool_message` (hermes, and retool as verl's recipe runs it): a turn ends at the end-of-turn
+  token; the tool outputs become `tool` messages, rendered all at once as the chat template's
+  delta between the conversation so far and the conversation plus those messages.
+- `in_turn` (retool, the ReTool paper): generation stops after `</code>`, the output goes in as
+  `<interpreter>...</interpreter>` and generation continues in the same assistant turn.
+
+Every malformed call, unknown tool, bad argument and failed execution is answered with a short,
+model-readable error observation and counted by kind (`tool_error_kinds`, logged as
+`tool/errors/<kind>`); nothing is dropped. The loop ends on an answer (a turn without a tool
+call), the turn limit, the response token budget (an observation that does not fit ends the
+trajectory rather than being cut), or the wall-clock limit. Tools are released in `finally`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from raytool.agent.parsers import get_parser
+from raytool.agent.parsers import ParseResult, ToolError, check_arguments, get_parser
+from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
-from raytool.tools.base import Tool, ToolContext
-from raytool.types import Message, SamplingParams, TokenOutput, Trajectory
+from raytool.config import AgentConfig, RolloutConfig
+from raytool.tools.base import Tool, ToolContext, ToolResult
+from raytool.types import Message, SamplingParams, TokenOutput, ToolCall, Trajectory
 
 # (prompt_ids, sampling, request_id, session_id) -> TokenOutput; in the actor graph, LLMManager.generate.
 Generate = Callable[[list[int], SamplingParams, str, str], Awaitable[TokenOutput]]
 
-
-@dataclass
-class AgentLoopConfig:
-    max_turns: int = 3
-    max_response_tokens: int = 384
-    max_tokens_per_turn: int = 96
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    tool_parser: str = "retool"
-    seed: int | None = None  # per-request sampling seeds from (seed, trajectory id, turn): reproducible rollouts
+CODE_END = "</code>"
 
 
 def request_seed(seed: int | None, uid: str, turn: int) -> int | None:
@@ -37,100 +41,208 @@ def request_seed(seed: int | None, uid: str, turn: int) -> int | None:
     return None if seed is None else zlib.crc32(f"{seed}:{uid}:{turn}".encode()) & 0x7FFFFFFF
 
 
-class AgentLoop:
-    def __init__(self, renderer: ChatRenderer, tools: dict[str, Tool], generate: Generate, cfg: AgentLoopConfig):
+def interpreter_block(output: str) -> str:
+    """How an in-turn observation is written into the assistant's text (the ReTool paper's tags;
+    `raytool.agent.render` masks exactly this shape in SFT traces)."""
+    return f"\n<interpreter>\n{output}\n</interpreter>\n"
+
+
+@dataclass
+class _State:
+    """Everything recorded so far; what a trajectory is built from, however the loop ended."""
+
+    messages: list[Message]
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)  # the trace: one entry per generate call
+    calls: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    repaired: int = 0
+    finish: str = "max_turns"
+    version: int = 0
+
+    def generated(self, out: TokenOutput) -> None:
+        self.response_ids += out.token_ids
+        self.mask += [1] * len(out.token_ids)
+        self.logprobs += out.logprobs
+        self.version = out.policy_version
+
+    def observed(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+@register_agent_loop("tool_agent")
+class ToolAgentLoop:
+    """The default agent: multi-turn tool calling in the configured format and observation style."""
+
+    def __init__(self, renderer: ChatRenderer, tools: dict[str, Tool], generate: Generate, agent: AgentConfig, rollout: RolloutConfig):
         self.renderer = renderer
         self.tools = tools
         self.generate = generate
-        self.cfg = cfg
-        self.parse = get_parser(cfg.tool_parser)
+        self.agent = agent
+        self.rollout = rollout
+        self.parse = get_parser(agent.format)
+        self.in_turn = agent.observation_style == "in_turn"
 
-    async def _call_tools(self, text: str, uid: str, counts: dict) -> list[Message] | None:
-        """Run the turn's tool calls; None if the turn made none (it is the answer)."""
-        parsed = self.parse(text)
-        if not parsed.any:
-            return None
-        observations = []
-        for call in parsed.calls:
-            counts["calls"] += 1
-            tool = self.tools.get(call.name)
-            if tool is None:
-                counts["errors"] += 1
-                observations.append(Message("tool", f"Error: unknown tool '{call.name}'; available: {sorted(self.tools)}"))
-                continue
-            result = await tool.execute(call, ToolContext(trajectory_id=uid))
-            counts["errors"] += 0 if result.ok else 1
-            observations.append(Message("tool", result.text))
-        for error in parsed.errors:  # malformed calls are answered, not dropped
-            counts["calls"] += 1
-            counts["errors"] += 1
-            observations.append(Message("tool", f"Error: {error}"))
-        return observations
+    def _sampling(self, budget: int, uid: str, turn: int) -> SamplingParams:
+        r = self.rollout
+        return SamplingParams(
+            max_tokens=min(r.max_tokens_per_turn, budget), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            stop_token_ids=(self.renderer.eos_id,), stop=(CODE_END,) if self.in_turn else (), seed=request_seed(r.seed, uid, turn),
+        )
 
     async def run(self, messages: list[Message], ground_truth: str, uid: str, group_id: str) -> Trajectory:
-        cfg = self.cfg
-        messages = list(messages)
-        prompt_ids = self.renderer.prompt_ids(messages)
-        response_ids: list[int] = []
-        mask: list[int] = []
-        logprobs: list[float] = []
-        counts = {"calls": 0, "errors": 0}
-        finish = "max_turns"
-        turns = 0
-        version = 0
-        for turn in range(cfg.max_turns):
-            budget = cfg.max_response_tokens - len(response_ids)
-            if budget <= 0:
-                finish = "length"
-                break
-            sampling = SamplingParams(
-                max_tokens=min(cfg.max_tokens_per_turn, budget),
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                stop_token_ids=(self.renderer.eos_id,),
-                seed=request_seed(cfg.seed, uid, turn),
-            )
-            out = await self.generate(prompt_ids + response_ids, sampling, f"{uid}-{turn}", uid)
-            version = out.policy_version
-            turns += 1
-            response_ids += out.token_ids
-            mask += [1] * len(out.token_ids)
-            logprobs += out.logprobs
-            text = self.renderer.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            messages.append(Message("assistant", text))
-            if out.finish_reason != "stop":
-                finish = "length" if out.finish_reason == "length" else out.finish_reason
-                break
-            observations = await self._call_tools(text, uid, counts)
-            if observations is None:
-                finish = "answer"
-                break
-            if turn == cfg.max_turns - 1:
-                break  # no turn left to read the output in
-            obs_ids = self.renderer.observation_ids(observations)
-            if len(response_ids) + len(obs_ids) >= cfg.max_response_tokens:
-                finish = "length"
-                break
-            messages.extend(observations)
-            response_ids += obs_ids
-            mask += [0] * len(obs_ids)
-            logprobs += [0.0] * len(obs_ids)
+        state = _State(messages=list(messages), prompt_ids=self.renderer.prompt_ids(messages))
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(self._turns(state, uid), self.agent.max_trajectory_s)
+        except asyncio.TimeoutError:
+            state.finish = "time_limit"
+        finally:
+            await self._release(uid)
         return Trajectory(
-            uid=uid,
-            group_id=group_id,
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            response_mask=mask,
-            rollout_logprobs=logprobs,
-            messages=messages,
-            ground_truth=ground_truth,
-            num_turns=turns,
-            tool_calls=counts["calls"],
-            tool_errors=counts["errors"],
-            finish_reason=finish,
-            policy_version=version,
+            uid=uid, group_id=group_id, prompt_ids=state.prompt_ids, response_ids=state.response_ids,
+            response_mask=state.mask, rollout_logprobs=state.logprobs, messages=state.messages,
+            ground_truth=ground_truth, num_turns=len(state.turns), tool_calls=state.calls,
+            tool_errors=sum(state.errors.values()), tool_error_kinds=dict(state.errors), tool_repaired=state.repaired,
+            finish_reason=state.finish, policy_version=state.version, turns=state.turns,
+            timings={"total_s": time.monotonic() - start, "generate_s": sum(t["generate_s"] for t in state.turns),
+                     "tools_s": sum(t.get("tools_s", 0.0) for t in state.turns)},
         )
+
+    async def _release(self, uid: str) -> None:
+        ctx = ToolContext(trajectory_id=uid)
+        for tool in self.tools.values():
+            release = getattr(tool, "release", None)
+            if release is not None:
+                try:
+                    await release(ctx)
+                except Exception:  # a failed release must not lose the trajectory; the pool expires idle sessions
+                    pass
+
+    async def _generate(self, state: _State, uid: str, turn: int) -> tuple[TokenOutput, dict] | None:
+        budget = self.agent.max_response_tokens - len(state.response_ids)
+        if budget <= 0:
+            state.finish = "length"
+            return None
+        t = time.monotonic()
+        out = await self.generate(state.prompt_ids + state.response_ids, self._sampling(budget, uid, turn), f"{uid}-{turn}", uid)
+        state.generated(out)
+        info = {"text": self.renderer.tokenizer.decode(out.token_ids, skip_special_tokens=True), "tokens": len(out.token_ids),
+                "finish": out.finish_reason, "generate_s": time.monotonic() - t}
+        state.turns.append(info)
+        return out, info
+
+    async def _turns(self, state: _State, uid: str) -> None:
+        if self.in_turn:
+            return await self._in_turn(state, uid)
+        for turn in range(self.agent.max_turns):
+            got = await self._generate(state, uid, turn)
+            if got is None:
+                return
+            out, info = got
+            state.messages.append(Message("assistant", info["text"]))
+            if out.finish_reason != "stop":
+                state.finish = "length" if out.finish_reason == "length" else out.finish_reason
+                return
+            parsed = self.parse(info["text"])
+            if not parsed.any:
+                state.finish = "answer"
+                return
+            if turn == self.agent.max_turns - 1:
+                state.finish = "max_turns"  # no turn left to read the output in
+                return
+            outputs = await self._observe(parsed, uid, state, info)
+            observations = [Message("tool", text) for text in outputs]
+            obs_ids = self.renderer.observation_ids(observations, state.messages)
+            if len(state.response_ids) + len(obs_ids) >= self.agent.max_response_tokens:
+                state.finish = "length"  # the observation does not fit: end here rather than cut it
+                info["observation_dropped"] = True
+                return
+            state.messages.extend(observations)
+            state.observed(obs_ids)
+
+    async def _in_turn(self, state: _State, uid: str) -> None:
+        """ReTool-paper style: one assistant turn, code results spliced in as <interpreter> blocks."""
+        content = ""
+        try:
+            for turn in range(self.agent.max_turns):
+                got = await self._generate(state, uid, turn)
+                if got is None:
+                    return
+                out, info = got
+                content += info["text"]
+                if out.finish_reason != "stop":
+                    state.finish = "length" if out.finish_reason == "length" else out.finish_reason
+                    return
+                if not info["text"].rstrip().endswith(CODE_END):  # ended on the end-of-turn token
+                    state.finish = "answer"
+                    return
+                if turn == self.agent.max_turns - 1:
+                    state.finish = "max_turns"
+                    return
+                parsed = self.parse(info["text"])
+                outputs = await self._observe(parsed, uid, state, info)
+                block = "".join(interpreter_block(text) for text in outputs)
+                obs_ids = self.renderer.encode(block)
+                if len(state.response_ids) + len(obs_ids) >= self.agent.max_response_tokens:
+                    state.finish = "length"
+                    info["observation_dropped"] = True
+                    return
+                content += block
+                state.observed(obs_ids)
+        finally:
+            state.messages.append(Message("assistant", content))
+
+    async def _observe(self, parsed: ParseResult, uid: str, state: _State, info: dict) -> list[str]:
+        """Answer every item of a turn (calls run concurrently, up to the per-turn limit) in text order."""
+        state.repaired += parsed.repaired
+        items = parsed.items()
+        limit = self.agent.max_tool_calls_per_turn
+        t = time.monotonic()
+
+        # The limit counts well-formed calls, in text order; a malformed one costs nothing to answer.
+        call_index = {id(item): i for i, item in enumerate(x for x in items if not isinstance(x, ToolError))}
+
+        async def answer(item: ToolCall | ToolError) -> tuple[str, dict]:
+            if isinstance(item, ToolError):
+                return item.message, {"kind": item.kind, "ok": False}
+            if call_index[id(item)] >= limit:
+                return (f"Error (too_many_calls): at most {limit} tool calls per turn; this one was not run. "
+                        "Make fewer calls and wait for their results."), {"name": item.name, "kind": "too_many_calls", "ok": False}
+            result = await self._call(item, uid)
+            return result.text, {"name": item.name, "arguments": item.arguments, "ok": result.ok, "kind": result.kind, **result.metrics}
+
+        answers = await asyncio.gather(*[answer(item) for item in items])
+        info["tools_s"] = time.monotonic() - t
+        info["calls"] = []
+        for text, record in answers:
+            state.calls += 1
+            if not record["ok"]:
+                state.error(record["kind"] or "tool_exception")
+            info["calls"].append({**record, "output": text})
+        return [text for text, _ in answers]
+
+    async def _call(self, call: ToolCall, uid: str) -> ToolResult:
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return ToolResult(f"Error (unknown_tool): there is no tool named '{call.name}'; the tools are: {', '.join(sorted(self.tools))}.",
+                              ok=False, kind="unknown_tool")
+        bad = check_arguments(call, tool.schema)
+        if bad is not None:
+            return ToolResult(bad.message, ok=False, kind=bad.kind)
+        try:
+            return await tool.execute(call, ToolContext(trajectory_id=uid))
+        except Exception as exc:  # the tool's own bug: the model still gets an answer
+            return ToolResult(f"Error (tool_exception): the tool '{call.name}' failed: {type(exc).__name__}: {str(exc)[:200]}",
+                              ok=False, kind="tool_exception")
 
 
 def reward_view(traj: Trajectory) -> dict:

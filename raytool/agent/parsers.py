@@ -1,82 +1,402 @@
-"""Tool-call parsers: find tool calls in one assistant turn's text.
+r"""Tool-call parsers: find tool calls in one assistant turn's text, repair what is unambiguous,
+and describe the rest as `ToolError`s the model can read.
 
-A parser returns the well-formed calls and, for each malformed one, an error text that goes back to
-the model as the tool's answer (so the trajectory goes on and the model can learn the format).
 - `retool`: ReTool's code tags, <code>```python ...```</code>, each a `code_interpreter` call.
 - `hermes`: Hermes/Qwen JSON, <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
+- `check_arguments`: a call's arguments against its tool's OpenAI function schema.
+
+A malformed call is not dropped: its `ToolError.message` goes back to the model as the tool's
+answer (so the trajectory goes on and the model learns the format) and its `kind` (one of
+`ERROR_KINDS`) is counted in the metrics.
+
+Repairs to a <tool_call> body (each call that needed any counts once in `ParseResult.repaired`):
+1. A code fence around the JSON (```json ... ```) is removed.
+2. Inside JSON strings, a backslash that does not start a JSON escape is read as a literal
+   backslash, i.e. the text as the model typed it (`"\d+"` for `"\\d+"`): `\sqrt`, `\d`, `\(`,
+   `\$`, `\'`, and `\u` without four hex digits (`\underline`). Valid escapes are left alone.
+3. Inside JSON strings, `\f`, `\b` and `\r` followed by an ASCII letter keep their backslash
+   too: form feed, backspace and a carriage return before a letter are never what a model means,
+   while `\frac`, `\forall`, `\beta`, `\boxed`, `\bar`, `\rho`, `\right` (LaTeX) and `\b`
+   (a regex word boundary) are common. `\n` and `\t` are always newline and tab, whatever
+   follows: code strings use them as real line breaks and indents (`"import x\nprint(x)"`), so
+   `\nu` or `\theta` written without doubling the backslash stay a newline/tab (ambiguous).
+   This rule applies even when the JSON is valid as written.
+4. Raw control characters inside strings (a literal newline or tab) are escaped.
+5. A trailing comma before `}` or `]` is dropped.
+6. `arguments` given as a string holding a JSON object is decoded (with the same repairs);
+   `parameters` in place of a missing `arguments` (Llama's spelling) is taken as `arguments`.
+A call without `arguments` (nor `parameters`) gets `{}`. Anything else is an error.
+
+All scanning is linear in the text (str.find and single-character regex searches), so no input
+can make a parser slow.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import textwrap
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
+from raytool.tools.base import ERROR_KINDS
 from raytool.types import ToolCall
+
+_HERMES_FORMAT = 'Write {"name": "...", "arguments": {...}}.'
+
+
+@dataclass
+class ToolError:
+    """A malformed tool call: `kind` (one of ERROR_KINDS) for the metrics, `message` for the model."""
+
+    kind: str
+    message: str
+
+    def __post_init__(self):
+        if self.kind not in ERROR_KINDS:
+            raise ValueError(f"unknown tool error kind '{self.kind}'; expected one of {ERROR_KINDS}")
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _error(kind: str, text: str) -> ToolError:
+    return ToolError(kind, f"Error ({kind}): {text}")
+
+
+def _cut(text: str, limit: int = 40) -> str:
+    """`text` cut to `limit` characters, to quote the model's words inside a message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _quote(value, limit: int = 30) -> str:
+    """`value` as JSON, cut to `limit` characters."""
+    return _cut(json.dumps(value, ensure_ascii=False, default=str), limit)
 
 
 @dataclass
 class ParseResult:
+    """The calls and errors of one turn, and how many calls parsed only after a repair.
+
+    `calls` and `errors` are each in text order; `order` says how they interleave ("call" or
+    "error" per item) and `items()` walks both in the order they appear in the text.
+    """
+
     calls: list[ToolCall] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    errors: list[ToolError] = field(default_factory=list)
+    repaired: int = 0
+    order: list[str] = field(default_factory=list)
 
     @property
     def any(self) -> bool:
         return bool(self.calls or self.errors)
 
-
-_CODE_BLOCK = re.compile(r"<code>(.*?)</code>", re.DOTALL)
-_FENCE = re.compile(r"^\s*```(?:python|py)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
-
-
-def parse_retool(text: str) -> ParseResult:
-    result = ParseResult()
-    for block in _CODE_BLOCK.findall(text):
-        fenced = _FENCE.match(block)
-        code = fenced.group(1) if fenced else block.strip()
-        if not code.strip():
-            result.errors.append("malformed tool call: the <code> block is empty")
+    def add(self, item: ToolCall | ToolError) -> None:
+        if isinstance(item, ToolError):
+            self.errors.append(item)
+            self.order.append("error")
         else:
-            result.calls.append(ToolCall(name="code_interpreter", arguments={"code": code}))
-    tail = _CODE_BLOCK.sub("", text)
-    if "<code>" in tail:
-        result.errors.append("malformed tool call: <code> opened but never closed with </code>")
-    return result
+            self.calls.append(item)
+            self.order.append("call")
+
+    def items(self) -> list[ToolCall | ToolError]:
+        """Calls and errors in text order (calls first when built by hand without `order`)."""
+        if not self.order:
+            return [*self.calls, *self.errors]
+        if len(self.order) != len(self.calls) + len(self.errors):
+            raise ValueError(
+                f"ParseResult.order has {len(self.order)} entries for {len(self.calls)} calls and "
+                f"{len(self.errors)} errors; build it with add()"
+            )
+        calls, errors = iter(self.calls), iter(self.errors)
+        return [next(calls) if kind == "call" else next(errors) for kind in self.order]
 
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+def _tagged_bodies(text: str, open_tag: str, close_tag: str) -> Iterator[str | None]:
+    """The body of each `open_tag` in text order, or None where it is never closed: no
+    `close_tag` follows it before the next `open_tag`. Linear: each find resumes where it stopped."""
+    i = text.find(open_tag)
+    close = -1
+    while i >= 0:
+        start = i + len(open_tag)
+        if close < start:  # the last close found is behind us (or none was looked for yet)
+            close = text.find(close_tag, start)
+            if close < 0:  # no close anywhere after this point: every tag from here is unclosed
+                close = len(text) + 1
+        nxt = text.find(open_tag, start)
+        closed = close <= len(text) and not 0 <= nxt < close
+        yield text[start:close] if closed else None
+        i = nxt
+
+
+_FENCE_INFO = re.compile(r"[A-Za-z0-9_.+-]*")
+
+
+def _strip_fence(body: str) -> tuple[str, bool]:
+    """The text inside a ``` fence (with or without a language name, closed or not), and whether
+    there was one. Text after the closing fence is dropped."""
+    s = body.strip()
+    if not s.startswith("```"):
+        return body, False
+    s = s[3:]
+    newline = s.find("\n")
+    if newline >= 0 and _FENCE_INFO.fullmatch(s[:newline].strip()):
+        s = s[newline + 1 :]
+    end = s.rfind("```")
+    return (s[:end] if end >= 0 else s), True
+
+
+# --- JSON repair ---------------------------------------------------------------------------------
+
+_STRING_SPECIAL = re.compile(r'["\\\x00-\x1f]')
+_OUTSIDE_SPECIAL = re.compile(r'[",]')
+_CLOSER_AHEAD = re.compile(r"\s*[}\]]")
+_HEX4 = re.compile(r"[0-9A-Fa-f]{4}")
+_CONTROL_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
+
+
+def _repair_json(s: str) -> tuple[str, list[tuple[int, int]]]:
+    """`s` with repairs 2-5 of the module docstring applied, and anchors (repaired position,
+    original position) at each edit, to point errors at what the model wrote."""
+    out: list[str] = []
+    out_len = 0
+    anchors = [(0, 0)]
+    copied = 0  # s[:copied] is already in `out`
+    i, in_string = 0, False
+
+    def edit(upto: int, replacement: str, resume: int):
+        nonlocal out_len, copied
+        out.append(s[copied:upto])
+        out.append(replacement)
+        out_len += upto - copied + len(replacement)
+        copied = resume
+        anchors.append((out_len, resume))
+
+    while True:
+        if in_string:
+            m = _STRING_SPECIAL.search(s, i)
+            if m is None:
+                break
+            j = m.start()
+            c = s[j]
+            if c == '"':
+                in_string, i = False, j + 1
+            elif c == "\\":
+                nxt, after = s[j + 1 : j + 2], s[j + 2 : j + 3]
+                latex = nxt in ("f", "b", "r") and after.isascii() and after.isalpha()  # \frac, \beta, \rho
+                if nxt in ('"', "\\", "/", "n", "t", "f", "b", "r") and not latex:
+                    i = j + 2
+                elif nxt == "u" and _HEX4.match(s, j + 2):
+                    i = j + 6
+                else:  # not a JSON escape, or LaTeX: keep the backslash
+                    edit(j, "\\\\", j + 1)
+                    i = j + 1
+            else:  # a raw control character inside a string
+                edit(j, _CONTROL_ESCAPES.get(c, f"\\u{ord(c):04x}"), j + 1)
+                i = j + 1
+        else:
+            m = _OUTSIDE_SPECIAL.search(s, i)
+            if m is None:
+                break
+            j = m.start()
+            if s[j] == '"':
+                in_string = True
+            elif _CLOSER_AHEAD.match(s, j + 1):  # a trailing comma
+                edit(j, "", j + 1)
+            i = j + 1
+    if len(anchors) == 1:
+        return s, anchors
+    out.append(s[copied:])
+    return "".join(out), anchors
+
+
+def _where(s: str, anchors: list[tuple[int, int]], pos: int) -> str:
+    """Line and column in the original `s` of position `pos` in its repaired text."""
+    out_at, in_at = max((a for a in anchors if a[0] <= pos), default=(0, 0))
+    orig = min(in_at + (pos - out_at), len(s))
+    line = s.count("\n", 0, orig) + 1
+    column = orig - (s.rfind("\n", 0, orig) + 1) + 1
+    return f"line {line} column {column}"
+
+
+def _loads(s: str):
+    """(value, repaired, None) or (None, False, 'what is wrong and where')."""
+    fixed, anchors = _repair_json(s)
+    try:
+        return json.loads(fixed), len(anchors) > 1, None
+    except json.JSONDecodeError as exc:
+        return None, False, f"{exc.msg.removesuffix(' at')} at {_where(s, anchors, exc.pos)}"
+    except RecursionError:
+        return None, False, "nested too deeply"
+
+
+_JSON_TYPE = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+
+
+def _json_type(value) -> str:
+    return "null" if value is None else _JSON_TYPE.get(type(value), type(value).__name__)
+
+
+# --- parsers -------------------------------------------------------------------------------------
+
+
+def _hermes_call(body: str) -> tuple[ToolCall | ToolError, bool]:
+    """One <tool_call> body as a call (and whether it needed a repair) or an error."""
+    inner, fenced = _strip_fence(body)
+    obj, repaired, problem = _loads(inner)
+    if problem:
+        return _error("invalid_json", f"the <tool_call> body is not valid JSON ({problem}). {_HERMES_FORMAT}"), False
+    if not isinstance(obj, dict):
+        return _error(
+            "invalid_json",
+            f"the <tool_call> body must be one JSON object, got {_json_type(obj)}. {_HERMES_FORMAT[:-1]}, "
+            "one per <tool_call>.",
+        ), False
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return _error("invalid_json", f'the call has no "name" string naming the tool. {_HERMES_FORMAT}'), False
+    if "arguments" in obj:
+        args = obj["arguments"]
+    elif "parameters" in obj:
+        args, repaired = obj["parameters"], True
+    else:
+        args = {}
+    if isinstance(args, str):
+        decoded, _, problem = _loads(args) if args.strip() else ({}, False, None)
+        if problem is None and isinstance(decoded, dict):
+            args, repaired = decoded, True
+    if not isinstance(args, dict):
+        return _error(
+            "wrong_argument_type",
+            f"\"arguments\" of the call to '{_cut(name)}' must be a JSON object, got {_json_type(args)}. "
+            + _HERMES_FORMAT,
+        ), False
+    return ToolCall(name=name, arguments=args), repaired or fenced
 
 
 def parse_hermes(text: str) -> ParseResult:
+    """Each <tool_call>...</tool_call> is one call, JSON repaired as the module docstring says."""
     result = ParseResult()
-    for body in _TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as exc:
-            result.errors.append(f"malformed tool call: invalid JSON ({exc.msg} at char {exc.pos})")
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            result.errors.append('malformed tool call: expected {"name": str, "arguments": object}')
-            continue
-        args = obj.get("arguments", {})
-        if isinstance(args, str):  # some models emit arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(args, dict):
-            result.errors.append(f"malformed tool call to '{obj['name']}': arguments must be an object")
-            continue
-        result.calls.append(ToolCall(name=obj["name"], arguments=args))
-    if "<tool_call>" in _TOOL_CALL.sub("", text):
-        result.errors.append("malformed tool call: <tool_call> opened but never closed with </tool_call>")
+    for body in _tagged_bodies(text, "<tool_call>", "</tool_call>"):
+        if body is None:
+            result.add(
+                _error("unterminated_tag", "<tool_call> was opened but never closed. End each call with </tool_call>.")
+            )
+        elif not body.strip():
+            result.add(
+                _error(
+                    "empty_call",
+                    'the <tool_call> is empty. Write <tool_call>{"name": "...", "arguments": {...}}</tool_call>.',
+                )
+            )
+        else:
+            item, repaired = _hermes_call(body)
+            result.add(item)
+            result.repaired += repaired
     return result
+
+
+def parse_retool(text: str) -> ParseResult:
+    """Each <code> block is a `code_interpreter` call; its code may be fenced (```python, ```py,
+    ``` or any language name) or bare, and is dedented. No repairs are counted."""
+    result = ParseResult()
+    for body in _tagged_bodies(text, "<code>", "</code>"):
+        if body is None:
+            result.add(
+                _error("unterminated_tag", "<code> was opened but never closed. Write <code>```python ... ```</code>.")
+            )
+            continue
+        code = textwrap.dedent(_strip_fence(body)[0]).strip("\n").rstrip()
+        if not code.strip():
+            result.add(
+                _error("empty_call", "the <code> block is empty. Put Python in it: <code>```python ... ```</code>.")
+            )
+        else:
+            result.add(ToolCall(name="code_interpreter", arguments={"code": code}))
+    return result
+
+
+# --- arguments against a schema ------------------------------------------------------------------
+
+_TYPE_CHECKS: dict[str, Callable[[object], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None,
+}
+
+
+def _expected_arguments(params: dict, limit: int) -> str:
+    """The schema's arguments, required ones first, as `name (type, required)`, within `limit` chars."""
+    required = params.get("required", ())
+    properties = params.get("properties", {})
+    parts = []
+    for arg in [*required, *(a for a in properties if a not in required)]:
+        types = properties.get(arg, {}).get("type", "any")
+        types = " or ".join(types) if isinstance(types, list) else types
+        parts.append(f"{arg} ({types}{', required' if arg in required else ''})")
+    listing = ", ".join(parts) or "none"
+    while len(listing) > limit and len(parts) > 1:  # drop whole entries from the end
+        parts.pop()
+        listing = ", ".join(parts) + ", ..."
+    return _cut(listing, limit)
+
+
+def check_arguments(call: ToolCall, schema: dict) -> ToolError | None:
+    """`call.arguments` against the tool's OpenAI function schema (`schema["function"]["parameters"]`,
+    top level only): required arguments, each property's `type` (a name or a list of names) and
+    `enum`. An integer is a valid number; a boolean is not an integer; `integer` means a Python int
+    (3.0 is a number). Arguments the schema does not name are ignored: models add them, and
+    punishing that teaches nothing about the task. An enum miss is a `wrong_argument_type`."""
+    function = schema.get("function")
+    if not isinstance(function, dict):
+        raise ValueError(
+            f"the schema of tool '{call.name}' has no \"function\" object; expected OpenAI function format "
+            '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
+        )
+    params = function.get("parameters", {})
+    tool = _cut(call.name)
+    for arg in params.get("required", ()):
+        if arg not in call.arguments:
+            text = f"the call to '{tool}' lacks the required argument '{_cut(arg)}'. Expected arguments: "
+            return _error("missing_argument", text + _expected_arguments(params, 170 - len(text)) + ".")
+    for arg, spec in params.get("properties", {}).items():
+        if arg not in call.arguments:
+            continue
+        value = call.arguments[arg]
+        types = spec.get("type")
+        if types is not None:
+            types = types if isinstance(types, list) else [types]
+            unknown = [t for t in types if t not in _TYPE_CHECKS]
+            if unknown:
+                raise ValueError(
+                    f"tool '{call.name}' schema: argument '{arg}' has unknown type(s) {unknown}; "
+                    f"expected JSON type names {sorted(_TYPE_CHECKS)}"
+                )
+            if not any(_TYPE_CHECKS[t](value) for t in types):
+                return _error(
+                    "wrong_argument_type",
+                    f"argument '{_cut(arg)}' of '{tool}' must be {' or '.join(types)}, "
+                    f"got {_json_type(value)} ({_quote(value)}).",
+                )
+        enum = spec.get("enum")
+        if enum is not None and not any(
+            value == e and isinstance(value, bool) == isinstance(e, bool) for e in enum
+        ):
+            return _error(
+                "wrong_argument_type",
+                f"argument '{_cut(arg)}' of '{tool}' must be one of {_quote(enum, 60)}, got {_quote(value)}.",
+            )
+    return None
 
 
 PARSERS = {"retool": parse_retool, "hermes": parse_hermes}
 
 
-def get_parser(name: str):
+def get_parser(name: str) -> Callable[[str], ParseResult]:
     try:
         return PARSERS[name]
     except KeyError:

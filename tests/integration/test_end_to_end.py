@@ -155,15 +155,17 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
         graph.shutdown()
 
 
-def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster, tmp_path, tokenizer):
-    """The default model, a short cold-start SFT, one GRPO step: real multi-turn tool use."""
+@pytest.mark.parametrize("style", ["tool_message", "in_turn"])
+def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster, tmp_path, tokenizer, style):
+    """The default model on the real engine, a short cold-start SFT, one GRPO step: real multi-turn
+    tool use, with the tool output as a tool message or inside the assistant turn (ReTool paper)."""
     from actors.pipeline import run
 
     cfg = load_config(None, [
         "trainer.sft_warmup_steps=10", "trainer.total_steps=1", "data.prompts_per_step=2", "rollout.n=2",
-        "trainer.save_final=false", "logging.trace_samples=2", "rollout.temperature=0.7",
+        "trainer.save_final=false", "logging.trace_samples=2", "rollout.temperature=0.7", f"agent.observation_style={style}",
     ])
-    run_dir = run(cfg, tmp_path / "smol")
+    run_dir = run(cfg, tmp_path / f"smol-{style}")
     (metrics,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics["tool/calls_per_traj"] > 0
     traces = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
@@ -172,9 +174,18 @@ def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster,
     t = with_tool[0]
     mask, ids = t["response_mask"], t["response_ids"]
     assert len(mask) == len(ids) == len(t["rollout_logprobs"]) and mask[0] == 1 and mask[-1] == 1
+    assert sum(mask) == sum(turn["tokens"] for turn in t["turns"])  # exactly the generated tokens are trained
     masked_text = tokenizer.decode([i for i, m in zip(ids, mask) if m == 0])
-    tool_outputs = [m["content"] for m in t["messages"] if m["role"] == "tool"]
-    assert masked_text.startswith("\n<|im_start|>tool\n") and all(out in masked_text for out in tool_outputs)
+    outputs = [c["output"] for turn in t["turns"] for c in turn.get("calls", [])]
+    assert outputs and all(out in masked_text for out in outputs)
+    if style == "in_turn":
+        assert [m["role"] for m in t["messages"]].count("assistant") == 1 and masked_text.startswith("\n<interpreter>\n")
+    else:
+        assert masked_text.startswith("\n<|im_start|>tool\n")
+    # The ids decode to the conversation recorded in the trace, as the chat template renders it.
+    text = tokenizer.apply_chat_template(t["messages"], tokenize=False)
+    assert tokenizer.decode(t["prompt_ids"] + ids) == text[: text.rfind("<|im_end|>") + len("<|im_end|>")]
+    assert t["prompt_text"] == tokenizer.decode(t["prompt_ids"])
     # Generated tokens carry the engine's log-probs; observation tokens carry none.
     assert all(lp == 0.0 for lp, m in zip(t["rollout_logprobs"], mask) if m == 0)
     assert any(lp < 0.0 for lp, m in zip(t["rollout_logprobs"], mask) if m == 1)
