@@ -295,3 +295,9 @@ def test_a_turns_tool_calls_run_concurrently(renderer):
     t = time.monotonic()
     traj = run()
     assert observations(traj) == ["done"] * 3 and traj.turns[0]["tools_s"] < 0.8 and time.monotonic() - t < 3
+
+
+def test_in_turn_stop_without_a_code_block_is_answered(renderer):
+    run, _ = make_loop(renderer, ["I will write </code>", " \\boxed{1}"], observation_style="in_turn")
+    traj = run()
+    assert traj.tool_error_kinds == {"unterminated_tag": 1} and "closes no <code>" in traj.messages[-1].content

@@ -189,6 +189,9 @@ class ToolAgentLoop:
                     state.finish = "max_turns"
                     return
                 parsed = self.parse(info["text"])
+                if not parsed.any:  # stopped at a </code> that closes no <code>: say so rather than go on silently
+                    parsed.add(ToolError("unterminated_tag", f"Error (unterminated_tag): {CODE_END} closes no <code> block; "
+                                                             "write <code>\n```python\n...\n```\n</code>."))
                 outputs = await self._observe(parsed, uid, state, info)
                 block = "".join(interpreter_block(text) for text in outputs)
                 obs_ids = self.renderer.encode(block)
