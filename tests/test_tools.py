@@ -514,3 +514,14 @@ def test_code_tool_without_an_executor_answers_sandbox_error():
     ts = load_tool_config(REPO / "examples/tools/sandbox_fusion.yaml")
     r = call_code(ts.tools["code_interpreter"])
     assert not r.ok and r.kind == "sandbox_error"
+
+
+def test_a_runs_tool_yaml_configures_its_sandbox_where_the_config_left_defaults():
+    from actors.compose import with_tool_sandbox_settings
+    from raytool.config import load_config
+
+    yaml_path = str(REPO / "examples/tools/retool_e2b_ags.yaml")
+    cfg = with_tool_sandbox_settings(load_config(None, [f"agent.tools={yaml_path}"]))
+    assert (cfg.sandbox.backend, cfg.sandbox.e2b_domain, cfg.sandbox.e2b_template) == ("e2b", "ap-shanghai.tencentags.com", "code-interpreter-v1")
+    with pytest.raises(ConfigError, match="sandbox.backend"):
+        with_tool_sandbox_settings(load_config(None, [f"agent.tools={yaml_path}", "sandbox.backend=sandbox_fusion"]))
