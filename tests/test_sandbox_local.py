@@ -62,6 +62,18 @@ def test_session_state_persists_and_never_leaks(sandbox):
     loop.run_until_complete(backend.close_session("s2"))
 
 
+def test_concurrent_first_cells_of_a_session_share_one_interpreter(sandbox):
+    async def both():
+        return await asyncio.gather(*[sandbox.backend.run(code, session="par", timeout_s=5) for code in ("a = 1", "import os; os.getpid()")])
+
+    spawned = sandbox.backend.counts["spawned"]
+    first, second = sandbox.loop.run_until_complete(both())
+    assert first.status == second.status == "ok"
+    assert sandbox("a", session="par").stdout == "1\n"  # the same interpreter ran both
+    assert sandbox.backend.counts["spawned"] - spawned <= 2  # one for the session, at most one warm refill
+    sandbox.loop.run_until_complete(sandbox.backend.close_session("par"))
+
+
 def test_a_crashed_session_is_reported_not_silently_reset(sandbox):
     sandbox("x = 1", session="c")
     crash = sandbox("import os; os._exit(7)", session="c")

@@ -184,6 +184,7 @@ class LocalBackend:
         self._starting: asyncio.Task | None = None
         self._refilling = False
         self._closing = False
+        self._naming: dict[str, asyncio.Lock] = {}  # session -> lock held while its interpreter is found or made
         self._tasks: set[asyncio.Task] = set()
 
     # -- the zygote --------------------------------------------------------------------------
@@ -316,8 +317,15 @@ class LocalBackend:
 
     async def _session_for(self, name: str | None, memory_mb: int) -> tuple[_Session, str]:
         """The live session to run in, and a note if an earlier interpreter of it died."""
-        if name is not None and name in self.sessions:
-            return self.sessions[name], ""
+        if name is None:
+            return await self._new_session(None, memory_mb)
+        # Concurrent first cells of one session (a turn's parallel tool calls) must share one interpreter.
+        async with self._naming.setdefault(name, asyncio.Lock()):
+            if name in self.sessions:
+                return self.sessions[name], ""
+            return await self._new_session(name, memory_mb)
+
+    async def _new_session(self, name: str | None, memory_mb: int) -> tuple[_Session, str]:
         s = None
         while self._warm and s is None:
             cand = self._warm.pop()
@@ -445,6 +453,7 @@ class LocalBackend:
 
     async def close_session(self, session: str) -> None:
         self.lost.pop(session, None)
+        self._naming.pop(session, None)
         s = self.sessions.pop(session, None)
         if s is not None:
             async with s.lock:
