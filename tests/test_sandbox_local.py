@@ -5,6 +5,7 @@ Hostile code lives in tests/sandbox_security/; these tests check the behaviour a
 
 import asyncio
 import os
+import tempfile
 
 import pytest
 
@@ -155,3 +156,26 @@ def test_user_namespace_isolation_as_non_root_hosts_get_it():
     assert state.stdout == "42\n"
     if caps["proc"]:
         assert procs.stdout == "[1, 2]\n"  # the session's reaper and interpreter, nothing of the host
+
+
+def test_without_namespaces_cells_still_run_under_their_own_uid(tmp_path, monkeypatch):
+    """isolate=false (what a kernel that refuses namespaces gives): rlimits, an empty environment,
+    a working dir of its own, even when the temp dir is private to us (mode 0700)."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+
+    async def go():
+        backend = LocalBackend(isolate=False, warm_sessions=0)
+        await backend.start()
+        try:
+            r = await backend.run("import os; print(os.getuid() != 0, os.getcwd().startswith('/tmp/raytool-cell-'), len(os.environ) < 12)", timeout_s=5)
+            t = await backend.run("while True: pass", timeout_s=0.5)
+            return r, t, backend.caps
+        finally:
+            await backend.aclose()
+
+    r, t, caps = asyncio.run(go())
+    assert caps["mountns"] is False and r.status == "ok"
+    assert r.stdout == f"{caps['setuid']} True True\n"
+    assert t.status == "timeout"

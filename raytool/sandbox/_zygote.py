@@ -211,7 +211,8 @@ def build_root(root: str, keep_proc: bool) -> None:
         os.makedirs(os.path.join(root, d))
     if keep_proc:
         mount("/proc", os.path.join(root, "proc"), None, MS_BIND | MS_REC)
-    os.symlink("/sandbox", os.path.join(root, "tmp"))
+    if not os.path.exists(os.path.join(root, "tmp")):  # (it exists when the interpreter itself lives under /tmp)
+        os.symlink("/sandbox", os.path.join(root, "tmp"))
     if SYS_PIVOT_ROOT is None:
         raise OSError(errno.ENOSYS, f"pivot_root: unknown syscall number on {os.uname().machine}")
     _check(_libc.syscall(SYS_PIVOT_ROOT, root.encode(), (root + "/.old").encode()), "pivot_root")

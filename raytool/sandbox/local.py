@@ -287,7 +287,7 @@ class LocalBackend:
         spawned = asyncio.get_running_loop().create_future()
         self._pending[req] = spawned
         uid = random.randrange(*UID_RANGE)
-        workdir = None if self.caps.get("mountns") else tempfile.mkdtemp(prefix="raytool-cell-")
+        workdir = None if self.caps.get("mountns") else tempfile.mkdtemp(prefix="raytool-cell-", dir=self._cell_parent())
         spec = {"op": "spawn", "id": req, "uid": uid, "env": CELL_ENV | ({"HOME": workdir, "TMPDIR": workdir} if workdir else {}),
                 "workdir": workdir, "limits": self.limits | {"memory_mb": memory_mb}}
         try:
@@ -314,6 +314,18 @@ class LocalBackend:
             await self._end(s)
             raise SandboxDown(f"local sandbox: a session failed to start: {err.strip()[-400:] or 'no reason given'}")
         return s
+
+    def _cell_parent(self) -> str:
+        """Where cells' working dirs go without a mount namespace: a dir every uid can pass through
+        (a session's own uid must reach its cwd), the temp dir if it is one, else /tmp."""
+        path = os.path.realpath(tempfile.gettempdir())
+        probe = path
+        while True:
+            if not os.stat(probe).st_mode & 0o001:
+                return "/tmp"
+            if probe == "/":
+                return path
+            probe = os.path.dirname(probe)
 
     async def _session_for(self, name: str | None, memory_mb: int) -> tuple[_Session, str]:
         """The live session to run in, and a note if an earlier interpreter of it died."""
