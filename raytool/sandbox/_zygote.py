@@ -211,7 +211,9 @@ def build_root(root: str, keep_proc: bool) -> None:
         os.makedirs(os.path.join(root, d))
     if keep_proc:
         mount("/proc", os.path.join(root, "proc"), None, MS_BIND | MS_REC)
-    if not os.path.exists(os.path.join(root, "tmp")):  # (it exists when the interpreter itself lives under /tmp)
+    # /tmp is the session's own /sandbox, except when the interpreter itself is installed under
+    # /tmp (a CI checkout): then /tmp is the read-only view holding it, and TMPDIR still says /sandbox.
+    if not os.path.exists(os.path.join(root, "tmp")):
         os.symlink("/sandbox", os.path.join(root, "tmp"))
     if SYS_PIVOT_ROOT is None:
         raise OSError(errno.ENOSYS, f"pivot_root: unknown syscall number on {os.uname().machine}")

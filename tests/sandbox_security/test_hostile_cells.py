@@ -331,7 +331,9 @@ ENOENT = f"[Errno {errno.ENOENT}] No such file or directory"
 @pytest.mark.parametrize("directory, refusals", [
     ("/etc", [EROFS]),
     ("/usr", [EROFS]),
-    ("/tmp", []),  # allowed: the cell's /tmp is its own /sandbox
+    # allowed: the cell's /tmp is its own /sandbox, unless the interpreter itself is installed under
+    # /tmp (a CI checkout): then /tmp is the read-only view that holds it (TMPDIR still points to /sandbox)
+    ("/tmp", [EROFS] if os.path.realpath(sys.prefix).startswith("/tmp/") else []),
     (str(REPO), [EROFS, ENOENT]),  # read-only when the venv inside it is bound, absent otherwise
     (sysconfig.get_paths()["purelib"], [EROFS]),  # the interpreter's packages, shared by every cell
 ], ids=["etc", "usr", "tmp", "repo", "site-packages"])
