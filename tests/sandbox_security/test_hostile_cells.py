@@ -9,6 +9,7 @@ dir behind, so it must stay last in this file.
 import errno
 import os
 import socket
+import sys
 import sysconfig
 import textwrap
 from dataclasses import dataclass
