@@ -13,7 +13,6 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import msgspec
 import ray
 
 from actors.compose import Graph, build

@@ -7,7 +7,6 @@ import json
 import re
 import subprocess
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
