@@ -44,10 +44,6 @@ def scripted(renderer, turns: list[str], delay_s: float = 0.0):
 
 def make_loop(renderer, turns, tools=None, delay_s=0.0, **agent):
     backend = LocalBackend(warm_sessions=0)
-
-    async def execute(code, session):
-        return await backend.run(code, session=session, timeout_s=agent.pop("cell_timeout_s", 5), memory_mb=512)
-
     cell_timeout = agent.pop("cell_timeout_s", 5)
 
     async def execute_with_timeout(code, session):

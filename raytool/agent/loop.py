@@ -18,6 +18,7 @@ trajectory rather than being cut), or the wall-clock limit. Tools are released i
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.tools.base import Tool, ToolContext, ToolResult
 from raytool.types import Message, SamplingParams, TokenOutput, ToolCall, Trajectory
+
+log = logging.getLogger(__name__)
 
 # (prompt_ids, sampling, request_id, session_id) -> TokenOutput; in the actor graph, LLMManager.generate.
 Generate = Callable[[list[int], SamplingParams, str, str], Awaitable[TokenOutput]]
@@ -124,8 +127,8 @@ class ToolAgentLoop:
             if release is not None:
                 try:
                     await release(ctx)
-                except Exception:  # a failed release must not lose the trajectory; the pool expires idle sessions
-                    pass
+                except Exception as exc:  # a failed release must not lose the trajectory; the pool expires idle sessions
+                    log.warning("agent loop: releasing tool %s for %s failed: %s", tool.name, uid, exc)
 
     async def _generate(self, state: _State, uid: str, turn: int) -> tuple[TokenOutput, dict] | None:
         budget = self.agent.max_response_tokens - len(state.response_ids)

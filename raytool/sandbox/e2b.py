@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from raytool.errors import RaytoolError, one_line
+from raytool.sandbox import cap_output
 from raytool.types import ExecResult, ExecStatus
 
 log = logging.getLogger(__name__)
@@ -64,13 +65,6 @@ def _exception_names(exc: BaseException) -> set[str]:
     # optional extra, a test's fake SDK defines its own classes, and SDK versions move classes
     # between modules (e2b.exceptions vs e2b) while keeping their names.
     return {cls.__name__ for cls in type(exc).__mro__}
-
-
-def _cut(text: str, limit: int) -> tuple[str, bool]:
-    data = text.encode("utf-8", "replace")
-    if len(data) <= limit:
-        return text, False
-    return data[:limit].decode("utf-8", "ignore"), True  # "ignore": never end on half a character
 
 
 def _with_newline(text: str) -> str:
@@ -133,8 +127,8 @@ class E2BBackend:
             status, stdout, stderr = await self._run_throwaway(code, timeout_s)
         else:
             status, stdout, stderr = await self._run_in_session(code, session, timeout_s)
-        stdout, cut_out = _cut(self._scrub(stdout), self.max_output_bytes)
-        stderr, cut_err = _cut(self._scrub(stderr), self.max_output_bytes)
+        stdout, cut_out = cap_output(self._scrub(stdout), self.max_output_bytes)
+        stderr, cut_err = cap_output(self._scrub(stderr), self.max_output_bytes)
         # A notebook has no exit code; 0 / 1 are what `python file.py` would have returned.
         exit_code = {"ok": 0, "error": 1, "oom": 1}.get(status)
         return ExecResult(

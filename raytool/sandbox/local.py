@@ -126,7 +126,6 @@ class _Session:
     workdir: str | None = None  # only without a mount namespace: a host temp dir
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
-    cells: int = 0
 
 
 def _describe_exit(code: int | None) -> tuple[str, str]:
@@ -407,7 +406,6 @@ class LocalBackend:
         async with s.lock:
             s.last_used = time.monotonic()
             result = await self._run_cell(s, code, timeout_s)
-            s.cells += 1
         if note:
             result.stderr = note + result.stderr
         result.duration_s = time.monotonic() - start

@@ -22,6 +22,7 @@ import time
 
 import aiohttp
 
+from raytool.sandbox import cap_output
 from raytool.types import ExecResult
 
 log = logging.getLogger(__name__)
@@ -179,13 +180,6 @@ class SandboxFusionBackend:
         return None, f"{failure} (gave up after {attempts} attempts)"
 
 
-def _cut(text: str | None, limit: int) -> tuple[str, bool]:
-    data = (text or "").encode("utf-8", "replace")
-    if len(data) <= limit:
-        return text or "", False
-    return data[:limit].decode("utf-8", "replace"), True
-
-
 def _is_signal(return_code: int) -> bool:
     # Negative: the process itself died of signal -n. 129..192: a shell around it reports 128 + n.
     return return_code < 0 or 128 < return_code <= 128 + 64
@@ -198,15 +192,15 @@ def to_exec_result(body: dict, max_output_bytes: int, duration_s: float) -> Exec
     message = body.get("message") or ""
     if compile_result and (compile_result.get("status") != "Finished" or compile_result.get("return_code") != 0):
         # The program never ran; what the compiler said is what the model needs to see.
-        stderr, cut_err = _cut(compile_result.get("stderr") or message, max_output_bytes)
+        stderr, cut_err = cap_output(compile_result.get("stderr") or message, max_output_bytes)
         status = "timeout" if compile_result.get("status") == "TimeLimitExceeded" else "error"
         return ExecResult(status=status, stderr=stderr, exit_code=compile_result.get("return_code"), duration_s=duration_s, truncated=cut_err)
     if not run_result:
         # A refusal of the request itself (e.g. raytool's server asked for a language it lacks).
-        stderr, cut_err = _cut(message or f"the sandbox answered {body.get('status')!r} without a run_result", max_output_bytes)
+        stderr, cut_err = cap_output(message or f"the sandbox answered {body.get('status')!r} without a run_result", max_output_bytes)
         return ExecResult(status="error", stderr=stderr, duration_s=duration_s, truncated=cut_err)
-    stdout, cut_out = _cut(run_result.get("stdout"), max_output_bytes)
-    stderr, cut_err = _cut(run_result.get("stderr"), max_output_bytes)
+    stdout, cut_out = cap_output(run_result.get("stdout"), max_output_bytes)
+    stderr, cut_err = cap_output(run_result.get("stderr"), max_output_bytes)
     return_code = run_result.get("return_code")
     run_status = run_result.get("status")
     if run_status == "TimeLimitExceeded":
