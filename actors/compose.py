@@ -54,8 +54,8 @@ class Graph:
         return worker.run_group.remote(prompt_messages(problem, self.cfg.agent.system_prompt), problem.answer, group_id, self.cfg.rollout.n)
 
     def rollout(self, problems: list[Problem], prefix: str = "g", progress: str | None = None) -> tuple[list[dict], list]:
-        """Roll out every problem rollout.n times; returns (per-trajectory stats, one trajectories
-        ref per problem). The trajectories stay in the object store until someone asks.
+        """Roll out every problem rollout.n times; returns (per-trajectory stats, with the index of
+        their group, and one trajectories ref per problem). The trajectories stay in the object store until someone asks.
         `progress`: the label of a progress bar on stderr (None: no bar)."""
         refs = [self.submit_group(p, f"{prefix}{i}") for i, p in enumerate(problems)]
         stats_refs = [s for _, s in refs]
@@ -66,6 +66,9 @@ class Graph:
                 ready, pending = ray.wait(pending, num_returns=1)
                 bar.update(n * len(ready))
         stats = ray.get(stats_refs)
+        for g, group in enumerate(stats):
+            for x in group:
+                x["group"] = g
         return [x for group in stats for x in group], [t for t, _ in refs]
 
     def sync_weights(self, version: int, timeout_s: float = 300.0) -> dict:

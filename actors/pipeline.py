@@ -13,6 +13,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import msgspec
 import ray
 
 from actors.compose import Graph, build
@@ -20,7 +21,9 @@ from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import RunConfig, to_yaml
 from raytool.data import PromptLoader, make_splits, sft_messages
 from raytool.models import resolve_model
+from raytool.errors import RaytoolError
 from raytool.tracking import Tracker
+from raytool.training import lr_at
 
 log = logging.getLogger(__name__)
 
@@ -88,25 +91,67 @@ def sandbox_metrics(graph: Graph) -> dict:
     return metrics
 
 
-def run_sft(graph: Graph, cfg: RunConfig, train, tracker: Tracker) -> None:
+def run_sft_warmup(graph: Graph, cfg: RunConfig, train, tracker: Tracker) -> None:
+    """The in-run cold start: SFT steps on the task's own tool-calling traces."""
     from transformers import AutoTokenizer
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(graph.model_path))
     rng = random.Random(cfg.trainer.seed)
-    t = cfg.trainer
-    for step in range(1, t.sft_warmup_steps + 1):
+    sft = cfg.sft
+    for step in range(1, cfg.trainer.sft_warmup_steps + 1):
         start = time.perf_counter()
-        traces = [sft_messages(p, cfg.agent.system_prompt) for p in rng.sample(train, t.sft_batch_size)]
+        traces = [sft_messages(p, cfg.agent.system_prompt) for p in rng.sample(train, sft.batch_size)]
         if cfg.agent.observation_style == "in_turn":
             traces = [as_in_turn(m) for m in traces]
         batch = [renderer.sft_example(m) for m in traces]
-        metrics = graph.trainer.sft_step(batch, t.sft_lr)
+        lr = lr_at(step - 1, sft.lr, sft.warmup_steps, cfg.trainer.sft_warmup_steps, sft.lr_schedule)
+        metrics = graph.trainer.sft_step(batch, lr)
         metrics.update(step=step, **{"timing/step_s": time.perf_counter() - start})
         tracker.log(metrics, phase="sft")
 
 
-def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None) -> Path:
-    """Train per `cfg`, writing config.yaml, metrics.jsonl, traces.jsonl and checkpoints to run_dir."""
+class DriverState(msgspec.Struct):
+    """What the driver needs to continue a run exactly, saved next to the trainer's checkpoint."""
+
+    step: int  # GRPO steps done
+    version: int  # policy version the rollout servers hold
+    loader: dict  # the prompt loader's position
+    sft_done: bool = True
+
+
+def save_checkpoint(graph: Graph, run_dir: Path, state: DriverState) -> Path:
+    directory = (run_dir / "checkpoints" / f"step_{state.step}").resolve()
+    graph.trainer.save_checkpoint(str(directory))
+    (directory / "driver_state.json").write_bytes(msgspec.json.encode(state))
+    log.info("checkpoint: %s", directory)
+    return directory
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from what a user passes to --resume: the checkpoint itself, or a run
+    directory (its latest checkpoint)."""
+    path = Path(path)
+    if (path / "driver_state.json").is_file():
+        return path
+    candidates = [d for d in (path / "checkpoints").glob("step_*") if (d / "driver_state.json").is_file()]
+    if not candidates:
+        raise RaytoolError(f"--resume {path}: no checkpoint there (expected a checkpoints/step_N directory with driver_state.json, or a run directory holding them)")
+    return max(candidates, key=lambda d: int(d.name.removeprefix("step_")))
+
+
+def latest_run_dir(root: Path = Path("runs")) -> Path:
+    runs = sorted((d for d in root.glob("*") if (d / "checkpoints").is_dir()), key=lambda d: d.stat().st_mtime)
+    if not runs:
+        raise RaytoolError(f"--resume: no run with checkpoints under {root.resolve()}; pass the run or checkpoint directory")
+    return runs[-1]
+
+
+def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None) -> Path:
+    """Train per `cfg`, writing config.yaml, metrics.jsonl, traces.jsonl and checkpoints to run_dir.
+    `resume`: a checkpoint or run directory to continue from (the run directory is reused)."""
+    checkpoint = find_checkpoint(resume) if resume is not None else None
+    if checkpoint is not None and run_dir is None:
+        run_dir = checkpoint.parent.parent
     model_path = resolve_model(cfg.model.path)  # once, before any actor needs it (and fails first)
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -120,14 +165,24 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)  # decodes the traces' prompts
     tracker = Tracker(run_dir, console=cfg.logging.console)
+    loader = PromptLoader(train, cfg.data.prompts_per_step, seed=cfg.data.seed)
+    kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     try:
-        version = 0
-        if cfg.trainer.sft_warmup_steps:
-            run_sft(graph, cfg, train, tracker)
-            version += 1
-            graph.sync_weights(version)
-        loader = PromptLoader(train, cfg.data.prompts_per_step, seed=cfg.data.seed)
-        for step in range(1, cfg.trainer.total_steps + 1):
+        state = DriverState(step=0, version=0, loader=loader.state_dict(), sft_done=False)
+        if checkpoint is not None:
+            state = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=DriverState)
+            graph.trainer.load_checkpoint(str(checkpoint))
+            loader.load_state_dict(state.loader)
+            graph.sync_weights(state.version)
+            log.info("resumed from %s at step %d", checkpoint, state.step)
+        elif cfg.trainer.sft_warmup_steps:
+            run_sft_warmup(graph, cfg, train, tracker)
+            if kl_on:  # the KL reference is the cold-started policy
+                graph.trainer.snapshot_reference()
+            state.version += 1
+            graph.sync_weights(state.version)
+        state.sft_done = True
+        for step in range(state.step + 1, cfg.trainer.total_steps + 1):
             step_start = time.perf_counter()
             stats, traj_refs = graph.rollout(
                 loader.next_batch(), f"s{step}g", f"rollout step {step}" if cfg.logging.progress else None
@@ -135,12 +190,12 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
             rollout_s = time.perf_counter() - step_start
 
             train_start = time.perf_counter()
-            train_metrics = graph.trainer.rl_step(traj_refs)
+            train_metrics = graph.trainer.rl_step(traj_refs, stats)
             train_s = time.perf_counter() - train_start
 
             sync_start = time.perf_counter()
-            version += 1
-            sync = graph.sync_weights(version)
+            state.version += 1
+            sync = graph.sync_weights(state.version)
             sync_s = time.perf_counter() - sync_start
 
             metrics = {"step": step, **rollout_metrics(stats), **train_metrics, **serving_metrics(graph), **sandbox_metrics(graph)}
@@ -152,14 +207,18 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
                 "timing/weight_sync_s": sync_s,
                 "weight_sync/bytes": sync["sent"]["bytes"],
                 "weight_sync/failed_servers": len(sync["failed"]),
-                "policy_version": version,
+                "policy_version": state.version,
             })
             tracker.log(metrics)
             if cfg.logging.trace_samples:
                 tracker.trace(step, ray.get(traj_refs[0])[: cfg.logging.trace_samples], tokenizer.decode)
+            state.step, state.loader = step, loader.state_dict()
+            every = cfg.trainer.save_every
+            if every and step % every == 0 and not (cfg.trainer.save_final and step == cfg.trainer.total_steps):
+                save_checkpoint(graph, run_dir, state)
         if cfg.trainer.save_final:
-            path = graph.trainer.save(str((run_dir / "checkpoints" / f"step_{cfg.trainer.total_steps}").resolve()))
-            log.info("final checkpoint: %s", path)
+            directory = save_checkpoint(graph, run_dir, state)
+            log.info("final model (HF format): %s", graph.trainer.export_hf(str(directory / "hf")))
     finally:
         tracker.close()
         graph.shutdown()

@@ -12,17 +12,19 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.common import actor_options
 from raytool.config import RunConfig
 from raytool.device import detect, set_torch_threads
-from raytool.training import Trainer, TrainerSettings
+from raytool.training import Trainer
+from raytool.training.batching import split_across_ranks
+from raytool.training.model import DTYPES
 from raytool.types import SFTExample
 from raytool.weightsync import WeightSender
 
 
 @ray.remote
 class TrainerWorker:
-    def __init__(self, rank: int, world_size: int, model_path: str, settings: TrainerSettings, dtype: str, torch_threads: int):
-        set_torch_threads(torch_threads)
+    def __init__(self, rank: int, world_size: int, model_path: str, cfg: RunConfig):
+        set_torch_threads(cfg.cluster.torch_threads)
         self.rank, self.world_size = rank, world_size
-        self.model_path, self.settings, self.dtype = model_path, settings, dtype
+        self.model_path, self.cfg = model_path, cfg
         self.trainer: Trainer | None = None
         self.sender: WeightSender | None = None
         self._sender_key: tuple = ()
@@ -40,18 +42,31 @@ class TrainerWorker:
 
             dist.init_process_group(device.dist_backend, init_method=init_method, rank=self.rank, world_size=self.world_size)
         local = "cuda" if device.kind == "cuda" else device.kind
-        self.trainer = Trainer(self.model_path, self.settings, dtype=self.dtype, device=local, rank=self.rank, world_size=self.world_size)
+        self.trainer = Trainer(self.cfg, self.model_path, device=local, rank=self.rank, world_size=self.world_size)
 
-    def rl_step(self, trajectory_refs: list) -> dict:
-        groups = ray.get(trajectory_refs)
-        return self.trainer.rl_step([t for group in groups for t in group])
+    def rl_step(self, share: list, rewards: list[float], groups: list[int], offsets: list[int]) -> dict:
+        """`share`: [(trajectories ref of group g, g, positions)] — only this rank's trajectories
+        are fetched from the object store; rewards/groups describe the whole batch."""
+        fetched = ray.get([ref for ref, _, _ in share])
+        own, index = [], []
+        for trajs, (_, g, positions) in zip(fetched, share):
+            for i in positions:
+                own.append(trajs[i])
+                index.append(offsets[g] + i)
+        return self.trainer.rl_step(own, rewards, groups, index)
 
     def sft_step(self, examples: list[SFTExample], lr: float) -> dict:
         return self.trainer.sft_step(examples, lr)
 
+    def sft_val_loss(self, examples: list[SFTExample]) -> float:
+        return self.trainer.sft_val_loss(examples)
+
+    def snapshot_reference(self) -> None:
+        self.trainer.snapshot_reference()
+
     def send_weights(self, addresses: list[str], version: int, bucket_bytes: int) -> dict:
         """Rank 0 streams; the other ranks take part in gathering full tensors from their shards."""
-        weights = self.trainer.named_weights()
+        weights = self.trainer.named_weights(DTYPES[self.cfg.model.dtype])
         if self.rank != 0:
             for _ in weights:  # each step of the iteration is an all-gather rank 0 waits on
                 continue
@@ -63,21 +78,21 @@ class TrainerWorker:
             self.sender, self._sender_key = WeightSender(addresses, bucket_bytes), key
         return self.sender.send(weights, version)
 
-    def save(self, directory: str) -> str:
-        return str(self.trainer.save(directory))
+    def save_checkpoint(self, directory: str) -> str:
+        return str(self.trainer.save_checkpoint(directory))
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.trainer.load_checkpoint(directory)
+
+    def export_hf(self, directory: str) -> str:
+        return str(self.trainer.export_hf(directory))
 
 
 class TrainerGroup:
     """N TrainerWorkers in one placement group, joined in a torch process group when N > 1."""
 
     def __init__(self, cfg: RunConfig, model_path: str):
-        t, a = cfg.trainer, cfg.algorithm
-        settings = TrainerSettings(
-            lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_tokens=t.micro_batch_tokens,
-            adv_estimator=a.adv_estimator, norm_adv_by_std=a.norm_adv_by_std, policy_loss=a.policy_loss,
-            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, loss_agg=a.loss_agg,
-            ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches, seed=t.seed, temperature=cfg.rollout.temperature,
-        )
+        t = cfg.trainer
         bundle = {"CPU": t.num_cpus} | ({"GPU": t.num_gpus} if t.num_gpus else {})
         self.pg = None
         strategy = None
@@ -89,24 +104,53 @@ class TrainerGroup:
             if self.pg is not None:
                 strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
             opts = actor_options(t.num_cpus, t.num_gpus, scheduling_strategy=strategy)
-            self.workers.append(
-                TrainerWorker.options(**opts).remote(rank, t.num_workers, model_path, settings, cfg.model.dtype, cfg.cluster.torch_threads)
-            )
+            self.workers.append(TrainerWorker.options(**opts).remote(rank, t.num_workers, model_path, cfg))
         init = ray.get(self.workers[0].rendezvous_address.remote()) if t.num_workers > 1 else None
         ray.get([w.setup.remote(init) for w in self.workers])
 
-    def rl_step(self, trajectory_refs: list) -> dict:
-        return ray.get([w.rl_step.remote(trajectory_refs) for w in self.workers])[0]
+    def rl_step(self, trajectory_refs: list, stats: list[dict]) -> dict:
+        """One update on a rollout batch: one trajectories ref per group and every trajectory's
+        stats (reward, response_length, group). Each rank fetches only its balanced share."""
+        by_group: dict[int, list[dict]] = {}
+        for s in stats:
+            by_group.setdefault(s["group"], []).append(s)
+        sizes = [len(by_group[g]) for g in range(len(trajectory_refs))]
+        offsets = [sum(sizes[:g]) for g in range(len(sizes))]
+        rewards = [s["reward"] for g in range(len(sizes)) for s in by_group[g]]
+        groups = [g for g in range(len(sizes)) for _ in range(sizes[g])]
+        shares = split_across_ranks([[s["response_length"] + 1 for s in by_group[g]] for g in range(len(sizes))], len(self.workers))
+        calls = [
+            w.rl_step.remote([(trajectory_refs[g], g, positions) for g, positions in sorted(share.items())], rewards, groups, offsets)
+            for w, share in zip(self.workers, shares)
+        ]
+        return ray.get(calls)[0]
+
+    def _slices(self, examples: list[SFTExample]) -> list:
+        """Each rank's share of an SFT batch, in the object store (a rank fetches only its own)."""
+        n = len(self.workers)
+        return [ray.put(examples[rank::n]) for rank in range(n)]
 
     def sft_step(self, examples: list[SFTExample], lr: float) -> dict:
-        return ray.get([w.sft_step.remote(examples, lr) for w in self.workers])[0]
+        return ray.get([w.sft_step.remote(part, lr) for w, part in zip(self.workers, self._slices(examples))])[0]
+
+    def sft_val_loss(self, examples: list[SFTExample]) -> float:
+        return ray.get([w.sft_val_loss.remote(part) for w, part in zip(self.workers, self._slices(examples))])[0]
+
+    def snapshot_reference(self) -> None:
+        ray.get([w.snapshot_reference.remote() for w in self.workers])
 
     def send_weights(self, addresses: list[str], version: int, bucket_bytes: int) -> list:
         """Object refs of the sending calls (the receivers must be listening concurrently)."""
         return [w.send_weights.remote(addresses, version, bucket_bytes) for w in self.workers]
 
-    def save(self, directory: str) -> str:
-        return ray.get([w.save.remote(os.fspath(directory)) for w in self.workers])[0]
+    def save_checkpoint(self, directory: str) -> str:
+        return ray.get([w.save_checkpoint.remote(os.fspath(directory)) for w in self.workers])[0]
+
+    def load_checkpoint(self, directory: str) -> None:
+        ray.get([w.load_checkpoint.remote(os.fspath(directory)) for w in self.workers])
+
+    def export_hf(self, directory: str) -> str:
+        return ray.get([w.export_hf.remote(os.fspath(directory)) for w in self.workers])[0]
 
     def shutdown(self) -> None:
         for w in self.workers:

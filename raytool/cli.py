@@ -1,4 +1,4 @@
-"""The `raytool` command: train (GRPO with optional SFT warm-up), config (print the resolved config), sandbox serve, bench NAME."""
+"""The `raytool` command: train (GRPO with optional SFT warm-up), sft (multi-turn SFT), export (checkpoint -> HF), config, sandbox serve, bench NAME."""
 
 from __future__ import annotations
 
@@ -27,6 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(train)
     train.add_argument("--run-dir", help="where metrics, traces and checkpoints go (default: runs/<timestamp>)")
     train.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local instance)")
+    train.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+                       help="continue a run from its checkpoint: a checkpoints/step_N directory or a run directory (its latest); "
+                            "without PATH: the --run-dir given, else the newest run under runs/")
+    sft = sub.add_parser("sft", help="multi-turn SFT on conversations with tool calls (sft.train_files), the ReTool cold start")
+    _config_args(sft)
+    sft.add_argument("--run-dir", help="where metrics and checkpoints go (default: runs/<timestamp>)")
+    sft.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local instance)")
+    sft.add_argument("--resume", nargs="?", const="latest", metavar="PATH", help="continue from a checkpoint (as for train)")
+    export = sub.add_parser("export", help="write an HF checkpoint (safetensors, config, tokenizer) from a raytool checkpoint")
+    export.add_argument("--ckpt", required=True, help="a checkpoint directory: runs/<run>/checkpoints/step_N")
+    export.add_argument("--out", required=True, help="the HF checkpoint directory to write")
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
     sandbox = sub.add_parser("sandbox", help="sandbox services")
@@ -53,6 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "export":
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from raytool.training.export import export_checkpoint
+
+        try:
+            print(f"exported: {export_checkpoint(args.ckpt, args.out).resolve()}")
+        except RaytoolError as exc:
+            print(f"raytool: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as exc:
@@ -78,9 +99,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(result))
             return 0
-        from actors.pipeline import run  # lazy: the CLI's only import of the Ray layer
+        from actors import pipeline  # lazy: the CLI's only import of the Ray layer
 
-        run_dir = run(cfg, args.run_dir, args.address)
+        resume = args.resume
+        if resume == "latest":
+            resume = args.run_dir or pipeline.latest_run_dir()
+        if args.command == "sft":
+            from actors.sft import run_sft
+
+            run_dir = run_sft(cfg, args.run_dir, args.address, resume)
+        else:
+            run_dir = pipeline.run(cfg, args.run_dir, args.address, resume)
     except (FileNotFoundError, RaytoolError) as exc:  # a missing model or file, a server that cannot start: one line
         print(f"raytool: {exc}", file=sys.stderr)
         return 2

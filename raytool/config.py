@@ -42,7 +42,8 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ModelConfig(_Section):
     path: str = "smollm2-135m-instruct"  # built-in name (smollm2-135m-instruct, tiny-random) or HF checkpoint dir
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer compute and rollout-engine weights
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # rollout-engine weights (and the dtype weight syncs carry)
+    attn_implementation: str = "sdpa"  # transformers attention in the trainer (flash_attention_2 on GPUs that have it: sequences are then packed)
 
 
 class DataConfig(_Section):
@@ -127,31 +128,60 @@ class RewardConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    adv_estimator: str = "grpo"  # registered advantage estimator
+    adv_estimator: str = "grpo"  # registered advantage estimator (grpo, rloo)
     norm_adv_by_std: bool = True  # GRPO: divide by the group std (False: Dr. GRPO)
     policy_loss: str = "ppo_clip"  # registered policy loss
     clip_ratio_low: float = 0.2  # PPO epsilon below 1
     clip_ratio_high: float = 0.28  # PPO epsilon above 1 (DAPO clip-higher)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    clip_ratio_c: float | None = 3.0  # dual-clip bound on the loss of negative-advantage tokens (> 1; None: off)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"  # token-mean counts tokens over the whole mini-batch, all ranks
+    kl_type: Literal["k1", "k2", "k3"] = "k3"  # estimator of KL(policy || reference) (Schulman's k1/k2/k3)
+    kl_loss_coef: float = 0.0  # KL to the reference policy as a loss term (0: off, no reference model is kept)
+    kl_reward_coef: float = 0.0  # KL to the reference policy subtracted from each sequence's reward (0: off)
+    entropy_coeff: float = 0.0  # entropy bonus in the loss (the entropy is reported either way)
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches: int = 1  # optimizer steps per pass
 
 
 class TrainerConfig(_Section):
     total_steps: int = 6  # GRPO steps
-    lr: float = 2e-6
+    lr: float = 2e-6  # peak learning rate of the GRPO phase
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # after the warm-up
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    min_lr_ratio: float = 0.0  # cosine: the final learning rate as a fraction of the peak
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 4096  # token budget of one forward/backward micro-batch
+    grad_clip: float = 1.0  # global gradient-norm clip
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # forward/backward dtype (auto: bfloat16 on GPU/NPU, float32 on CPU); weights and optimizer state are always float32
+    micro_batch_tokens: int = 4096  # token budget of one forward/backward micro-batch (padded tokens; packed tokens when packing)
+    packing: bool | Literal["auto"] = "auto"  # sequences end to end in one row (auto: only with a varlen flash-attention kernel)
+    activation_checkpointing: bool = False  # recompute decoder layers in backward (set it on GPUs: long micro-batches fit)
+    logprob_chunk_tokens: int = 2048  # the LM head and log-softmax run over this many scored tokens at a time (more: recomputed in backward)
+    cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in host memory
+    lora_rank: int = 0  # LoRA adapters of this rank instead of full fine-tuning (0: off; one trainer worker)
+    lora_alpha: int = 16  # LoRA scaling numerator
+    lora_target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])  # module names that get adapters
     num_workers: int = 1  # TrainerWorker actors (data parallel, FSDP2 when > 1)
     num_cpus: float = 1.0  # Ray CPUs each trainer worker reserves
     num_gpus: float = 0.0  # Ray GPUs each trainer worker reserves
     seed: int = 0
-    sft_warmup_steps: int = 24  # cold-start SFT steps on the task's traces before GRPO (0: none)
-    sft_batch_size: int = 8
-    sft_lr: float = 1e-4
-    save_final: bool = True  # write an HF checkpoint at the end of the run
+    sft_warmup_steps: int = 24  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
+    save_every: int = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
+    save_final: bool = True  # write a resumable checkpoint and an HF export at the end of the run
     weight_sync_bucket_mb: int = 64  # size of one ZMQ weight bucket
+
+
+class SFTConfig(_Section):
+    train_files: list[str] = msgspec.field(default_factory=list)  # `raytool sft`: conversations (jsonl/parquet, messages + tools)
+    val_files: list[str] = msgspec.field(default_factory=list)  # validation conversations (none: val_fraction of the train files)
+    val_fraction: float = 0.0  # share of the train conversations held out for validation loss when val_files is empty
+    epochs: int = 1
+    batch_size: int = 8  # conversations per optimizer step (also the in-run warm-up's batch)
+    lr: float = 1e-4  # peak learning rate (also the in-run warm-up's)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0  # linear learning-rate warm-up of `raytool sft`
+    max_length: int = 4096  # tokens per conversation; longer ones are cut (and counted)
+    val_every: int = 0  # validation loss every this many steps (0: after each epoch)
+    save_every: int = 0  # resumable checkpoint every this many steps (0: only at the end)
 
 
 class LoggingConfig(_Section):
@@ -175,6 +205,7 @@ class RunConfig(_Section):
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    sft: SFTConfig = msgspec.field(default_factory=SFTConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
@@ -270,6 +301,11 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "data.prompts_per_step": cfg.data.prompts_per_step,
         "trainer.num_workers": cfg.trainer.num_workers,
         "trainer.micro_batch_tokens": cfg.trainer.micro_batch_tokens,
+        "trainer.logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
+        "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs,
+        "algorithm.mini_batches": cfg.algorithm.mini_batches,
+        "sft.batch_size": cfg.sft.batch_size,
+        "sft.max_length": cfg.sft.max_length,
         "sandbox.max_concurrency": cfg.sandbox.max_concurrency,
         "agent.max_tool_calls_per_turn": cfg.agent.max_tool_calls_per_turn,
         "agent.tool_output_tokens": cfg.agent.tool_output_tokens,
@@ -288,6 +324,10 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
             raise ConfigError(f"{source}: config key '{key}': expected a positive integer, got {value}")
     if cfg.agent.observation_style == "in_turn" and cfg.agent.format != "retool":
         raise ConfigError(f"{source}: config key 'agent.observation_style': in_turn needs agent.format=retool (hermes observations are tool messages)")
+    if cfg.algorithm.clip_ratio_c is not None and cfg.algorithm.clip_ratio_c <= 1.0:
+        raise ConfigError(f"{source}: config key 'algorithm.clip_ratio_c': the dual-clip bound must be > 1 (or null to turn it off), got {cfg.algorithm.clip_ratio_c}")
+    if cfg.trainer.lora_rank and cfg.trainer.num_workers > 1:
+        raise ConfigError(f"{source}: config key 'trainer.lora_rank': LoRA runs on one trainer worker (trainer.num_workers=1), got {cfg.trainer.num_workers} workers")
     if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:
         raise ConfigError(f"{source}: config key 'trainer.total_steps'/'trainer.sft_warmup_steps' must be >= 0")
 

@@ -1,6 +1,6 @@
-"""Training: the HF model on one device (FSDP2 across a process group), RL and SFT steps, checkpoints."""
+"""Training: the policy on one device (FSDP2 across a process group), RL and SFT steps, checkpoints."""
 
-from raytool.training.batching import micro_batches
-from raytool.training.trainer import Trainer, TrainerSettings
+from raytool.training.batching import micro_batches, packed_micro_batches
+from raytool.training.trainer import Trainer, lr_at, write_hf
 
-__all__ = ["Trainer", "TrainerSettings", "micro_batches"]
+__all__ = ["Trainer", "lr_at", "micro_batches", "packed_micro_batches", "write_hf"]

@@ -1,49 +1,50 @@
-"""The trainer: an HF causal LM, AdamW, and the GRPO (PPO-clip) and SFT steps over micro-batches.
+"""The trainer: one per device. fp32 master weights and AdamW state, bf16 compute on accelerators
+(FSDP2 mixed precision), token-budget micro-batches, the RL step (GRPO/RLOO advantages, PPO-clip
+with dual-clip, KL to a reference, entropy) and the SFT step, resumable checkpoints.
 
-One `Trainer` lives in each TrainerWorker process. With `world_size > 1` the model is sharded with
-FSDP2 (`fully_shard` per decoder layer, then the root) over the already-initialized process group,
-and each rank trains on its own slice of the batch.
+With several workers the model is sharded with FSDP2 over the already-initialized process group
+and each rank trains on its own slice of the batch; every normalizer (token count, sequence
+count) is global, so the update equals the single-process update on the whole batch.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import random
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from raytool.algos import get_adv_estimator, get_policy_loss, masked_aggregate
-from raytool.training.batching import micro_batches, pad_right
+from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
+from raytool.config import RunConfig
+from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right
+from raytool.training.model import DTYPES, PolicyModel, load_lm, merged_named_weights, shard
 from raytool.types import SFTExample, Trajectory
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-@dataclass
-class TrainerSettings:
-    lr: float = 2e-6
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 4096
-    adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True
-    policy_loss: str = "ppo_clip"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    loss_agg: str = "token-mean"
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    seed: int = 0
-    temperature: float = 1.0  # the rollout's sampling temperature: log-probs are of softmax(logits / T)
+def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then constant or cosine
+    decay to `min_ratio * peak` at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return peak
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass
@@ -52,60 +53,110 @@ class _Seq:
     mask: list[int]  # aligned with ids[1:]: 1 where the loss sees the token
     adv: float = 0.0
     rollout: list[float] | None = None  # engine log-probs, aligned like mask (0.0 where mask is 0)
-    old: list[float] | None = None  # old-policy log-probs when the update is not purely on-policy
+    old: list[float] | None = None  # log-probs before this update, when the update is not purely on-policy
+    ref: list[float] | None = None  # reference-policy log-probs, when a KL term is on
+
+    def scored(self) -> list[int]:
+        return [t for t, m in enumerate(self.mask) if m]
 
 
-def _token_logprobs(model, input_ids: torch.Tensor, attention: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(x_t | x_<t) for t >= 1 under softmax(logits / temperature), shape [B, T-1]."""
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    labels = input_ids[:, 1:]
-    return -F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="none").view_as(labels)
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[name]
+
+
+def _init_single_process_group(backend: str) -> None:
+    """FSDP2 (mixed precision, offload) needs a process group even with one worker."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 class Trainer:
-    def __init__(self, model_path: str, settings: TrainerSettings, *, dtype: str = "float32", device: str = "cpu", rank: int = 0, world_size: int = 1):
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(settings.seed)
-        self.settings = settings
-        self.model_path = model_path
+    def __init__(self, cfg: RunConfig, model_path: str, *, device: str = "cpu", rank: int = 0, world_size: int = 1):
+        t = cfg.trainer
+        torch.manual_seed(t.seed)
+        self.cfg, self.model_path = cfg, model_path
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device)
-        self.model.train()
-        self.model.config.use_cache = False
-        if world_size > 1:
-            from torch.distributed.fsdp import fully_shard
+        self.dtype = compute_dtype(t.compute_dtype, self.device)
+        self.packed = t.packing is True or (t.packing == "auto" and cfg.model.attn_implementation.startswith("flash_attention"))
+        self.lm = load_lm(model_path, attn_implementation=cfg.model.attn_implementation, activation_checkpointing=t.activation_checkpointing,
+                          lora_rank=t.lora_rank, lora_alpha=t.lora_alpha, lora_target_modules=list(t.lora_target_modules))
+        self.pad_id = self.lm.config.pad_token_id or 0
+        self.policy = PolicyModel(self.lm).to(self.device)
+        self.sharded = world_size > 1 or self.dtype != torch.float32 or t.cpu_offload
+        if self.sharded:
+            if not dist.is_initialized():
+                _init_single_process_group("gloo" if self.device.type == "cpu" else "nccl" if self.device.type == "cuda" else "hccl")
+            shard(self.policy, self.dtype, t.cpu_offload)
+        self.params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
+        self.reference: PolicyModel | None = None  # built on first use (KL on); LoRA uses the base model instead
+        self.step = 0  # optimizer steps taken
+        self.rl_updates = 0  # optimizer steps of the RL phase (drive its learning-rate schedule)
 
-            for layer in self.model.model.layers:
-                fully_shard(layer)
-            fully_shard(self.model)
-        self.pad_id = self.model.config.pad_token_id or 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-        self.step = 0
-
-    # -- helpers -------------------------------------------------------------------------------
-
-    def _tensors(self, seqs: list[_Seq]):
-        ids = pad_right([s.ids for s in seqs], self.pad_id).to(self.device)
-        attention = pad_right([[1] * len(s.ids) for s in seqs], 0).to(self.device)
-        mask = pad_right([s.mask for s in seqs], 0, dtype=torch.float32).to(self.device)
-        width = ids.size(1) - 1
-        return ids, attention, mask[:, :width]
+    # -- log-probs ---------------------------------------------------------------------------------
 
     def _plan(self, seqs: list[_Seq]) -> list[list[_Seq]]:
         """Token-budget micro-batches of `seqs`. Under FSDP every forward/backward is a collective,
         so every rank runs as many micro-batches as the busiest one: the others add a dummy whose
         mask is all 0 (it contributes exactly nothing to the loss or the gradients)."""
-        groups = [[seqs[i] for i in g] for g in micro_batches([len(x.ids) for x in seqs], self.settings.micro_batch_tokens)]
+        split = packed_micro_batches if self.packed else micro_batches
+        groups = [[seqs[i] for i in g] for g in split([len(x.ids) for x in seqs], self.cfg.trainer.micro_batch_tokens)]
         if self.world_size > 1:
             count = torch.tensor([len(groups)], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            dummy = _Seq(ids=[self.pad_id, self.pad_id], mask=[0], rollout=[0.0], old=[0.0])
+            dummy = _Seq(ids=[self.pad_id, self.pad_id], mask=[0], rollout=[0.0], old=[0.0], ref=[0.0])
             groups += [[dummy]] * (int(count.item()) - len(groups))
         return groups
+
+    def _logprobs(self, model: PolicyModel, group: list[_Seq], *, temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
+        """Log-probs (and entropies) of the scored tokens of `group`, as [B, W] grids."""
+        lay = layout([x.ids for x in group], [x.scored() for x in group], self.pad_id, self.packed, self.device)
+        logp, ent = model(lay.input_ids, lay.select, lay.labels, position_ids=lay.position_ids, temperature=temperature,
+                          chunk_tokens=self.cfg.trainer.logprob_chunk_tokens, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        return lay.to_grid(logp), (lay.to_grid(ent) if ent is not None else None)
+
+    def _grid(self, group: list[_Seq], field: str, width: int) -> torch.Tensor:
+        rows = [getattr(x, field) for x in group]
+        return pad_right(rows, 0.0 if field != "mask" else 0, torch.float32)[:, :width].to(self.device)
+
+    @torch.no_grad()
+    def _fill(self, seqs: list[_Seq], field: str, model: PolicyModel) -> None:
+        """Store `model`'s log-probs of each sequence's scored tokens in `seq.<field>`."""
+        for group in self._plan(seqs):
+            grid, _ = self._logprobs(model, group, temperature=self.cfg.rollout.temperature)
+            grid = grid.float().cpu()
+            for row, x in enumerate(group):
+                setattr(x, field, grid[row, : len(x.ids) - 1].tolist())
+
+    def _reference(self) -> torch.nn.Module:
+        """The KL reference: the weights the run started from, or those `snapshot_reference` froze.
+        With LoRA it is the base model (the adapters switched off), which costs no memory."""
+        if self.reference is None:
+            if self.cfg.trainer.lora_rank:
+                self.reference = _AdaptersOff(self.policy)
+            else:
+                lm = load_lm(self.model_path, attn_implementation=self.cfg.model.attn_implementation, activation_checkpointing=False)
+                self.reference = PolicyModel(lm).to(self.device)
+                if self.sharded:
+                    shard(self.reference, self.dtype, self.cfg.trainer.cpu_offload)
+                self.reference.requires_grad_(False)
+        return self.reference
+
+    def snapshot_reference(self) -> None:
+        """Freeze the current weights as the KL reference (after the SFT warm-up: the cold-started
+        policy is what RL should stay close to). No-op with LoRA (the reference is the base model)."""
+        reference = self._reference()
+        if isinstance(reference, PolicyModel):
+            with torch.no_grad():
+                for ref, p in zip(reference.parameters(), self.policy.parameters()):
+                    ref.copy_(p.detach())
+
+    # -- the optimizer -------------------------------------------------------------------------------
 
     def _global_sum(self, value: float) -> float:
         if self.world_size == 1:
@@ -117,135 +168,262 @@ class Trainer:
     def _optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-            for p in group["params"]:  # a step with no gradient still moves AdamW's moments: keep it
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        for p in self.params:  # a step with no gradient still moves AdamW's moments: keep it
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
         return float(grad_norm)
 
-    # -- RL ------------------------------------------------------------------------------------
+    def _rl_lr(self) -> float:
+        t, a = self.cfg.trainer, self.cfg.algorithm
+        return lr_at(self.rl_updates, t.lr, t.warmup_steps, t.total_steps * a.ppo_epochs * a.mini_batches, t.lr_schedule, t.min_lr_ratio)
 
-    def rl_step(self, trajectories: list[Trajectory]) -> dict:
-        """One GRPO/PPO update on a batch of finished trajectories; returns metrics."""
-        s = self.settings
+    # -- RL ------------------------------------------------------------------------------------------
+
+    def rl_step(self, trajectories: list[Trajectory], batch_rewards: list[float] | None = None,
+                batch_groups: list | None = None, index: list[int] | None = None) -> dict:
+        """One policy update on finished trajectories; returns metrics (the same on every rank).
+
+        `trajectories` are this rank's own; `batch_rewards`/`batch_groups` are the whole batch's
+        (all ranks), `index` the position of each own trajectory in it. One process: leave them."""
+        a = self.cfg.algorithm
         start = time.perf_counter()
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        adv = get_adv_estimator(s.adv_estimator)(rewards, [t.group_id for t in trajectories], norm_by_std=s.norm_adv_by_std)
+        if batch_rewards is None:
+            batch_rewards, batch_groups = [t.reward for t in trajectories], [t.group_id for t in trajectories]
+            index = list(range(len(trajectories)))
         seqs = [
-            _Seq(
-                ids=t.prompt_ids + t.response_ids,
-                mask=[0] * (len(t.prompt_ids) - 1) + list(t.response_mask),
-                adv=float(a),
-                rollout=[0.0] * (len(t.prompt_ids) - 1) + list(t.rollout_logprobs),
-            )
-            for t, a in zip(trajectories, adv)
+            _Seq(ids=t.prompt_ids + t.response_ids, mask=[0] * (len(t.prompt_ids) - 1) + list(t.response_mask),
+                 rollout=[0.0] * (len(t.prompt_ids) - 1) + list(t.rollout_logprobs))
+            for t in trajectories
         ]
-        if self.world_size > 1:  # each rank trains on its own slice
-            seqs = seqs[self.rank :: self.world_size]
-        loss_fn = get_policy_loss(s.policy_loss)
-        skip_zero_adv = getattr(loss_fn, "zero_advantage_is_noop", False)
-        active = [x for x in seqs if x.adv != 0.0 or not skip_zero_adv]  # the rest would add exactly nothing
-        on_policy = s.ppo_epochs == 1 and s.mini_batches == 1
-        if not on_policy:
-            self._fill_old_logprobs(active)
-        metrics: dict[str, list[float]] = {"actor/skipped_seq_frac": [1.0 - len(active) / max(len(seqs), 1)]}
-        tokens = 0
-        for _ in range(s.ppo_epochs):
+        on_policy = a.ppo_epochs == 1 and a.mini_batches == 1
+        kl_on = a.kl_loss_coef > 0 or a.kl_reward_coef > 0
+        if kl_on:
+            self._fill(seqs, "ref", self._reference())
+        if not on_policy or a.kl_reward_coef > 0:
+            self._fill(seqs, "old", self.policy)
+        rewards = torch.tensor(batch_rewards, dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        if a.kl_reward_coef > 0:  # r_i - beta * sum_t KL_t, the KL summed over each sequence's tokens
+            kl = torch.zeros(len(batch_rewards), dtype=torch.float64, device=self.device)
+            for i, x in zip(index, seqs):
+                kl[i] = float((kl_penalty(torch.tensor(x.old), torch.tensor(x.ref), a.kl_type) * torch.tensor(x.mask, dtype=torch.float32)).sum())
+            if self.world_size > 1:
+                dist.all_reduce(kl)
+            rewards = rewards - a.kl_reward_coef * kl.cpu().float()
+            metrics["actor/reward_kl_penalty"] = float(kl.mean())
+        adv = get_adv_estimator(a.adv_estimator)(rewards, batch_groups, norm_by_std=a.norm_adv_by_std)
+        for i, x in zip(index, seqs):
+            x.adv = float(adv[i])
+        loss_fn = get_policy_loss(a.policy_loss)
+        skip_zero_adv = getattr(loss_fn, "zero_advantage_is_noop", False) and not kl_on and a.entropy_coeff == 0
+        active = {id(x) for x in seqs if x.adv != 0.0 or not skip_zero_adv}  # the rest would add exactly nothing
+        sums: dict[str, torch.Tensor] = {}  # metric -> token-weighted sum, then its weight
+        tokens, grad_norms = 0, []
+        lr = self._rl_lr()
+        for _ in range(a.ppo_epochs):
             order = torch.randperm(len(seqs)).tolist()
-            for m in range(s.mini_batches):
-                mini = [seqs[i] for i in order[m :: s.mini_batches]]
-                # Normalizers count every sequence, skipped ones too: the loss stays the same.
-                n_tokens = self._global_sum(sum(sum(x.mask) for x in mini))
-                n_seqs = self._global_sum(len(mini))
-                for group in self._plan([x for x in mini if x.adv != 0.0 or not skip_zero_adv]):
-                    ids, attention, mask = self._tensors(group)
-                    width = mask.size(1)
-                    logp = _token_logprobs(self.model, ids, attention, s.temperature)
-                    old_logp = logp.detach() if on_policy else pad_right([x.old for x in group], 0.0, torch.float32).to(logp.device)[:, :width]
-                    adv_t = torch.tensor([x.adv for x in group], device=logp.device).unsqueeze(1).expand_as(logp)
-                    loss, extra = loss_fn(
-                        logp, old_logp, adv_t, mask,
-                        clip_low=s.clip_ratio_low, clip_high=s.clip_ratio_high, agg=s.loss_agg,
-                        num_tokens=max(n_tokens, 1.0),
-                    )
-                    if s.loss_agg != "token-mean":  # per-micro-batch means -> share of the mini-batch
-                        loss = loss * len(group) / max(n_seqs, 1.0)
-                    # FSDP averages gradients over ranks; the global normalizers above already
-                    # divide by the whole batch, so undo that average.
-                    (loss * self.world_size).backward()
-                    tokens += int(attention.sum())
-                    with torch.no_grad():  # how far the trainer's log-probs are from the engine's
-                        rollout = pad_right([x.rollout for x in group], 0.0, torch.float32).to(logp.device)[:, :width]
-                        diff = ((logp.detach() - rollout).abs() * mask).sum() / mask.sum().clamp(min=1.0)
-                    extra["rollout/logprob_abs_diff"] = diff.item()
-                    for k, v in extra.items():
-                        metrics.setdefault(k, []).append(v)
-                    metrics.setdefault("actor/pg_loss", []).append(loss.item())
-                metrics.setdefault("actor/grad_norm", []).append(self._optimizer_step(s.lr))
-        self.step += 1
+            for m in range(a.mini_batches):
+                mini = [seqs[i] for i in order[m :: a.mini_batches]]
+                # Normalizers count every sequence of the mini-batch on every rank, skipped ones too.
+                n_tokens = max(self._global_sum(sum(sum(x.mask) for x in mini)), 1.0)
+                n_seqs = max(self._global_sum(len(mini)), 1.0)
+                lr = self._rl_lr()
+                for group in self._plan([x for x in mini if id(x) in active] if skip_zero_adv else mini):
+                    tokens += sum(len(x.ids) for x in group)
+                    self._rl_micro_step(group, on_policy, n_tokens, n_seqs, sums)
+                grad_norms.append(self._optimizer_step(lr))
+                self.rl_updates += 1
+        out = self._reduce_metrics(sums)
+        out.update(metrics)
         elapsed = time.perf_counter() - start
-        out = {k: sum(v) / len(v) for k, v in metrics.items()}
-        out["actor/pg_loss"] = self._global_sum(sum(metrics.get("actor/pg_loss", [0.0]))) / (s.ppo_epochs * s.mini_batches)
-        out.update({"actor/lr": s.lr, "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9), "adv/abs_mean": adv.abs().mean().item()})
+        out.update({
+            "actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": lr, "adv/abs_mean": adv.abs().mean().item(),
+            "actor/skipped_seq_frac": 1.0 - self._global_sum(len(active)) / max(self._global_sum(len(seqs)), 1.0),
+            "perf/train_tokens_per_s": self._global_sum(tokens) / max(elapsed, 1e-9),
+        })
         return out
 
-    @torch.no_grad()
-    def _fill_old_logprobs(self, seqs: list[_Seq]) -> None:
-        """The policy's log-probs before this update (needed once a batch is used for > 1 step)."""
-        for group in self._plan(seqs):
-            ids, attention, _ = self._tensors(group)
-            logp = _token_logprobs(self.model, ids, attention, self.settings.temperature).cpu()
-            for row, x in enumerate(group):
-                x.old = logp[row, : len(x.ids) - 1].tolist()
+    def _rl_micro_step(self, group: list[_Seq], on_policy: bool, n_tokens: float, n_seqs: float, sums: dict) -> None:
+        a = self.cfg.algorithm
+        logp, entropy = self._logprobs(self.policy, group, temperature=self.cfg.rollout.temperature, with_entropy=True,
+                                       entropy_grad=a.entropy_coeff > 0)
+        width = logp.size(1)
+        mask = self._grid(group, "mask", width)
+        old = logp.detach() if on_policy else self._grid(group, "old", width)
+        adv = torch.tensor([x.adv for x in group], device=self.device).unsqueeze(1).expand_as(logp)
+        pg_loss, extra = get_policy_loss(a.policy_loss)(
+            logp, old, adv, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+            agg=a.loss_agg, num_tokens=n_tokens, num_seqs=n_seqs,
+        )
+        loss = pg_loss
+        with torch.no_grad():
+            rollout = self._grid(group, "rollout", width)
+            extra["rollout/logprob_abs_diff"] = ((logp.detach() - rollout).abs() * mask).sum() / mask.sum().clamp(min=1.0)
+            extra["actor/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1.0)
+        if a.kl_loss_coef > 0:
+            kl = kl_penalty(logp, self._grid(group, "ref", width), a.kl_type)
+            loss = loss + a.kl_loss_coef * masked_aggregate(kl, mask, a.loss_agg, n_tokens, n_seqs)
+            extra["actor/kl_loss"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1.0)
+        if a.entropy_coeff > 0:
+            loss = loss - a.entropy_coeff * masked_aggregate(entropy, mask, a.loss_agg, n_tokens, n_seqs)
+        # FSDP averages gradients over ranks; the global normalizers already divide by the whole
+        # mini-batch, so undo that average.
+        (loss * self.world_size).backward()
+        weight = mask.sum()
+        for k, v in extra.items():
+            acc = sums.setdefault(k, torch.zeros(2, dtype=torch.float64, device=self.device))
+            acc += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) * weight, weight.double()])
+        acc = sums.setdefault("actor/pg_loss", torch.zeros(2, dtype=torch.float64, device=self.device))
+        acc += torch.stack([pg_loss.detach().double(), torch.ones((), dtype=torch.float64, device=self.device)])
 
-    # -- SFT -----------------------------------------------------------------------------------
+    def _reduce_metrics(self, sums: dict) -> dict:
+        """Token-weighted means over every micro-batch of every rank (pg_loss: summed per optimizer
+        step, since each micro-batch holds its share of the mini-batch's loss)."""
+        if not sums:
+            return {}
+        names = sorted(sums)
+        stacked = torch.stack([sums[n] for n in names])
+        if self.world_size > 1:
+            dist.all_reduce(stacked)
+        out = {n: float(v[0] / v[1].clamp(min=1e-12)) for n, v in zip(names, stacked)}
+        a = self.cfg.algorithm
+        if "actor/pg_loss" in sums:
+            out["actor/pg_loss"] = float(stacked[names.index("actor/pg_loss")][0]) / (a.ppo_epochs * a.mini_batches)
+        return out
+
+    # -- SFT -----------------------------------------------------------------------------------------
+
+    def sft_loss(self, examples: list[SFTExample], *, train: bool) -> tuple[float, float]:
+        """Token-mean cross-entropy where loss_mask is 1 over `examples` (this rank's slice); with
+        train=True the gradients are accumulated. Returns (global loss, global token count)."""
+        seqs = [_Seq(ids=e.input_ids, mask=e.loss_mask[1:]) for e in examples]
+        n_tokens = max(self._global_sum(sum(sum(s.mask) for s in seqs)), 1.0)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        with torch.set_grad_enabled(train):
+            for group in self._plan(seqs):
+                logp, _ = self._logprobs(self.policy, group, temperature=1.0)
+                mask = self._grid(group, "mask", logp.size(1))
+                loss = masked_aggregate(-logp, mask, "token-mean", n_tokens)
+                if train:
+                    (loss * self.world_size).backward()
+                total += loss.detach().double()
+        return self._global_sum(float(total)), n_tokens
 
     def sft_step(self, examples: list[SFTExample], lr: float) -> dict:
-        """One supervised step: token-mean cross-entropy where loss_mask is 1."""
-        seqs = [_Seq(ids=e.input_ids, mask=e.loss_mask[1:]) for e in examples]
-        if self.world_size > 1:
-            seqs = seqs[self.rank :: self.world_size]
-        n_tokens = max(self._global_sum(sum(sum(s.mask) for s in seqs)), 1.0)
-        total = 0.0
-        for group in self._plan(seqs):
-            ids, attention, mask = self._tensors(group)
-            nll = -_token_logprobs(self.model, ids, attention)
-            loss = masked_aggregate(nll, mask, "token-mean", n_tokens)
-            (loss * self.world_size).backward()
-            total += loss.item()
+        """One supervised step on this rank's slice of a batch."""
+        loss, n_tokens = self.sft_loss(examples, train=True)
         grad_norm = self._optimizer_step(lr)
-        self.step += 1
-        return {"sft/loss": self._global_sum(total), "sft/grad_norm": grad_norm, "sft/lr": lr}
+        return {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/lr": lr, "sft/tokens": n_tokens}
 
-    # -- weights and checkpoints -----------------------------------------------------------------
+    @torch.no_grad()
+    def sft_val_loss(self, examples: list[SFTExample]) -> float:
+        return self.sft_loss(examples, train=False)[0]
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter by HF name (tied weights once), as full tensors, for weight sync.
+    # -- weights ---------------------------------------------------------------------------------------
 
-        Under FSDP2 gathering a full tensor is a collective: every rank must iterate this.
-        """
-        for name, param in self.model.named_parameters():
-            param = param.detach()
-            yield name, param.full_tensor() if hasattr(param, "full_tensor") else param
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight by HF name (tied weights once, LoRA merged), full tensors in `dtype` (the
+        rollout engine's), for weight sync. Under FSDP2 gathering a full tensor is a collective:
+        every rank must iterate this."""
+        for name, w in merged_named_weights(self.lm):
+            w = w.full_tensor() if hasattr(w, "full_tensor") else w
+            yield name, (w.to(dtype) if dtype is not None else w)
 
-    def save(self, directory: str | Path) -> Path:
-        """An HF checkpoint (safetensors + tokenizer) plus optimizer and trainer state."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def export_hf(self, directory: str | Path) -> Path:
+        """An HF checkpoint (safetensors, config, tokenizer, chat template) that vLLM and
+        transformers load; LoRA adapters merged. Rank 0 writes."""
+        directory = Path(directory)
+        state = {name: w.cpu() for name, w in self.named_weights()}
+        if self.rank == 0:
+            write_hf(state, self.model_path, directory)
+        return directory
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """A resumable, sharded checkpoint (torch.distributed.checkpoint; loadable at any world
+        size): model, optimizer, step and every rank's RNG states. The driver adds its own state."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         directory = Path(directory)
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        has_reference = isinstance(self.reference, PolicyModel)
+        if has_reference:
+            state["reference"] = get_model_state_dict(self.reference)
+        dcp.save(state, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(), "step": self.step, "rl_updates": self.rl_updates}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
+        (directory / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(rng, directory / "rng" / f"rank{self.rank}.pt")
         if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(directory, state_dict=state)
-            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-                src = Path(self.model_path) / name
-                if src.is_file():
-                    shutil.copy(src, directory / name)
-            if self.world_size == 1:
-                torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
-            (directory / "trainer_state.json").write_text(json.dumps({"step": self.step}))
+            meta = {"model_path": self.model_path, "lora": self.cfg.trainer.lora_rank > 0, "reference": has_reference,
+                    "trainer": msgspec.to_builtins(self.cfg.trainer), "model": msgspec.to_builtins(self.cfg.model)}
+            (directory / "hf_meta").mkdir(exist_ok=True)  # what `raytool export` needs besides the weights
+            for name in _HF_FILES:
+                if (Path(self.model_path) / name).is_file():
+                    shutil.copy(Path(self.model_path) / name, directory / "hf_meta" / name)
+            (directory / "trainer_meta.json").write_text(json.dumps(meta, indent=1))
+        if self.world_size > 1:
+            dist.barrier()
         return directory
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+
+        directory = Path(directory)
+        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        meta = json.loads((directory / "trainer_meta.json").read_text())
+        if meta.get("reference"):
+            state["reference"] = get_model_state_dict(self._reference())
+        dcp.load(state, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
+        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if meta.get("reference"):
+            set_model_state_dict(self.reference, state["reference"])
+        rng_file = directory / "rng" / f"rank{self.rank}.pt"
+        if not rng_file.is_file():  # resumed at another world size: ranks beyond the saved ones reseed
+            rng_file = directory / "rng" / "rank0.pt"
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+        self.step, self.rl_updates = rng["step"], rng["rl_updates"]
+
+
+class _AdaptersOff(torch.nn.Module):
+    """The LoRA policy with its adapters disabled: the base model, as a KL reference, for free."""
+
+    def __init__(self, policy: PolicyModel):
+        super().__init__()
+        self.policy = [policy]  # a list: not registered as a submodule (no second copy in state dicts)
+
+    def forward(self, *args, **kwargs):
+        policy = self.policy[0]
+        with policy.lm.disable_adapter():
+            return policy(*args, **kwargs)
+
+
+def write_hf(state: dict[str, torch.Tensor], source: str | Path, directory: str | Path) -> Path:
+    """Save `state` (HF parameter names) as safetensors next to `source`'s config, generation
+    config, tokenizer and chat template."""
+    from huggingface_hub import save_torch_state_dict
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict(state, directory, max_shard_size="5GB")  # model.safetensors, or shards and an index
+    for name in _HF_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy(Path(source) / name, directory / name)
+    return directory

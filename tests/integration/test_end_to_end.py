@@ -24,24 +24,46 @@ TINY = ["model.path=tiny-random", "trainer.total_steps=2", "trainer.sft_warmup_s
         "data.prompts_per_step=2", "rollout.max_tokens_per_turn=24", "agent.max_response_tokens=64"]
 
 
-def test_tiny_training_run_writes_metrics_and_checkpoint(ray_cluster, tmp_path):
+def test_tiny_run_checkpoints_and_a_resumed_run_repeats_step_three_exactly(ray_cluster, tmp_path):
+    """A 3-step run that checkpoints at step 2, and a run resumed from that checkpoint: step 3
+    draws the same prompts, samples the same tokens (seeded) and trains to the same metrics."""
+    from safetensors.torch import load_file
+
     from actors.pipeline import run
 
-    cfg = load_config(REPO / "examples" / "tiny_cpu.yaml", TINY)
+    # An entropy bonus trains every sequence (no zero-advantage skipping: the random model earns
+    # no reward), so the engine/trainer log-prob mismatch is measured on all of them.
+    cfg = load_config(REPO / "examples" / "tiny_cpu.yaml",
+                      TINY + ["trainer.total_steps=3", "trainer.save_every=2", "rollout.seed=7", "algorithm.entropy_coeff=0.001"])
     run_dir = run(cfg, tmp_path / "run")
     grpo = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     sft = [json.loads(line) for line in (run_dir / "sft_metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in sft] == [1, 2] and all(m["sft/loss"] > 0 for m in sft)
-    assert [m["step"] for m in grpo] == [1, 2]
+    assert [m["step"] for m in grpo] == [1, 2, 3]
     for m in grpo:
         assert REQUIRED_KEYS <= m.keys()
         assert m["timing/weight_sync_s"] > 0 and m["response_length/mean"] > 0
+        # After each sync the engine serves the trainer's weights: its log-probs of the sampled
+        # tokens equal the trainer's (fp32 on both sides; tolerance 1e-3 nats per token).
+        assert m["rollout/logprob_abs_diff"] < 1e-3
     # SFT warm-up synced version 1; each GRPO step one more.
-    assert [m["policy_version"] for m in grpo] == [2, 3]
+    assert [m["policy_version"] for m in grpo] == [2, 3, 4]
     traces = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
     assert traces and all(len(t["response_ids"]) == len(t["response_mask"]) for t in traces)
-    assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").is_file()
+    assert {d.name for d in (run_dir / "checkpoints").iterdir()} == {"step_2", "step_3"}
+    exported = run_dir / "checkpoints" / "step_3" / "hf"
+    assert "model.layers.0.mlp.up_proj.weight" in load_file(exported / "model.safetensors")
     assert "tiny-random" in (run_dir / "config.yaml").read_text()
+
+    resumed_dir = run(cfg, tmp_path / "resumed", resume=run_dir / "checkpoints" / "step_2")
+    (again,) = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert again["step"] == 3 and again["policy_version"] == 4
+    step3 = [t for t in traces if t["step"] == 3]
+    resumed_traces = [json.loads(line) for line in (resumed_dir / "traces.jsonl").read_text().splitlines()]
+    assert [t["prompt_text"] for t in resumed_traces] == [t["prompt_text"] for t in step3]
+    assert [t["response_ids"] for t in resumed_traces] == [t["response_ids"] for t in step3]
+    for key in ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert again[key] == pytest.approx(grpo[2][key], rel=1e-4, abs=1e-6), key
 
 
 def test_readme_composition_example_runs(ray_cluster):
@@ -142,11 +164,14 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
                               rollout_logprobs=[0.0] * len(resp), messages=[], ground_truth="", reward=reward)
 
         batch = ray.put([traj("a", [5, 6, 7], 1.0), traj("b", [8, 9], 0.0), traj("c", [5, 6], 1.0)])
-        metrics = graph.trainer.rl_step([batch])
+        stats = [{"group": 0, "reward": r, "response_length": n} for r, n in ((1.0, 3), (0.0, 2), (1.0, 2))]
+        metrics = graph.trainer.rl_step([batch], stats)
         assert metrics["actor/grad_norm"] > 0
         acks = graph.sync_weights(version=4)["acks"]
         assert acks[0]["tensors"] > 0
-        saved = load_file(Path(graph.trainer.save(str(tmp_path / "ckpt"))) / "model.safetensors")
+        graph.trainer.save_checkpoint(str(tmp_path / "ckpt"))
+        assert {p.name for p in (tmp_path / "ckpt" / "rng").iterdir()} == {"rank0.pt", "rank1.pt"}
+        saved = load_file(Path(graph.trainer.export_hf(str(tmp_path / "hf"))) / "model.safetensors")
         base = load_file(Path(graph.model_path) / "model.safetensors")
         name = "model.layers.0.mlp.up_proj.weight"
         assert saved[name].shape == base[name].shape and not torch.equal(saved[name], base[name])

@@ -1,0 +1,119 @@
+"""`raytool sft`: multi-turn SFT on tool-calling conversations (the ReTool cold start) on the
+trainer group alone: epochs, validation loss, resumable checkpoints, an HF export at the end.
+
+The result is an HF checkpoint: point `model.path` of the RL run at it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import msgspec
+
+from actors.pipeline import connect, default_run_dir, find_checkpoint
+from actors.trainer import TrainerGroup
+from raytool.agent.render import as_in_turn
+from raytool.config import RunConfig, to_yaml
+from raytool.data.conversations import load_conversations, sft_examples, split_validation
+from raytool.errors import RaytoolError
+from raytool.models import resolve_model
+from raytool.tracking import Tracker
+from raytool.training import lr_at
+
+log = logging.getLogger(__name__)
+
+
+class SFTState(msgspec.Struct):
+    step: int  # optimizer steps done
+    epoch: int  # the epoch that step belongs to
+    index: int  # batches of that epoch done
+
+
+def _load(files: list[str]):
+    conversations = []
+    for path in files:
+        rows, problems = load_conversations(path)
+        if problems:
+            log.warning("%s: %d rows skipped (see above)", path, len(problems))
+        conversations += rows
+    return conversations
+
+
+def _examples(conversations, cfg: RunConfig, tokenizer, what: str):
+    if cfg.agent.observation_style == "in_turn":
+        conversations = [msgspec.structs.replace(c, messages=as_in_turn(c.messages)) for c in conversations]
+    examples, stats = sft_examples(conversations, tokenizer, cfg.sft.max_length)
+    log.info("%s: %d conversations, %.0f tokens on average, %d cut at sft.max_length, %d dropped", what, stats["count"], stats["mean_tokens"],
+             stats["truncated"], stats["dropped"])
+    return examples
+
+
+def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None) -> Path:
+    from transformers import AutoTokenizer
+
+    s = cfg.sft
+    if not s.train_files:
+        raise RaytoolError("config key 'sft.train_files' is empty: give the conversations to train on (jsonl or parquet, messages + tools)")
+    checkpoint = find_checkpoint(resume) if resume is not None else None
+    if checkpoint is not None and run_dir is None:
+        run_dir = checkpoint.parent.parent
+    model_path = resolve_model(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train = _load(s.train_files)
+    val = _load(s.val_files) if s.val_files else []
+    if not val and s.val_fraction > 0:
+        train, val = split_validation(train, s.val_fraction, seed=cfg.trainer.seed)
+    train_examples = _examples(train, cfg, tokenizer, "train")
+    val_examples = _examples(val, cfg, tokenizer, "validation") if val else []
+    run_dir = Path(run_dir) if run_dir else default_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    connect(address or cfg.cluster.address)
+    trainer = TrainerGroup(cfg, model_path)
+    tracker = Tracker(run_dir, console=cfg.logging.console)
+    per_epoch = math.ceil(len(train_examples) / s.batch_size)
+    total = per_epoch * s.epochs
+    state = SFTState(step=0, epoch=0, index=0)
+    try:
+        if checkpoint is not None:
+            state = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=SFTState)
+            trainer.load_checkpoint(str(checkpoint))
+            log.info("resumed from %s at step %d", checkpoint, state.step)
+
+        def save() -> Path:
+            directory = (run_dir / "checkpoints" / f"step_{state.step}").resolve()
+            trainer.save_checkpoint(str(directory))
+            (directory / "driver_state.json").write_bytes(msgspec.json.encode(state))
+            return directory
+
+        def validate(metrics: dict) -> None:
+            if val_examples:
+                metrics["val/sft_loss"] = trainer.sft_val_loss(val_examples)
+
+        for epoch in range(state.epoch, s.epochs):
+            order = list(range(len(train_examples)))
+            random.Random(cfg.trainer.seed * 7919 + epoch).shuffle(order)
+            first = state.index if epoch == state.epoch else 0
+            for index in range(first, per_epoch):
+                start = time.perf_counter()
+                batch = [train_examples[i] for i in order[index * s.batch_size : (index + 1) * s.batch_size]]
+                metrics = trainer.sft_step(batch, lr_at(state.step, s.lr, s.warmup_steps, total, s.lr_schedule))
+                state = SFTState(step=state.step + 1, epoch=epoch, index=index + 1)
+                if index + 1 == per_epoch:  # the epoch is done: a resume starts the next one
+                    state = SFTState(step=state.step, epoch=epoch + 1, index=0)
+                metrics.update(step=state.step, epoch=epoch + (index + 1) / per_epoch, **{"timing/step_s": time.perf_counter() - start})
+                if (s.val_every and state.step % s.val_every == 0) or (not s.val_every and index + 1 == per_epoch):
+                    validate(metrics)
+                tracker.log(metrics, phase="sft")
+                if s.save_every and state.step % s.save_every == 0 and state.step != total:
+                    log.info("checkpoint: %s", save())
+        directory = save()
+        log.info("final model (HF format): %s", trainer.export_hf(str(directory / "hf")))
+    finally:
+        tracker.close()
+        trainer.shutdown()
+    return run_dir

@@ -1,0 +1,133 @@
+"""`raytool bench trainer`: tokens/s of raytool's RL step against a plain HF loop on the same batch.
+
+The plain loop is what a first GRPO implementation looks like: pad each micro-batch, run the HF
+model with its attention mask, log-softmax over the full fp32 logits, PPO-clip token mean,
+backward, AdamW. Both see the same trajectories, the same micro-batches and the same model, in
+the same process, alternating (A B A B ...) so that a noisy machine hits both alike. On a GPU
+(model.path: e.g. a 1.5B checkpoint) MFU and peak memory are reported too.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from raytool.config import RunConfig
+
+# Dense bf16 peak of the accelerators MFU is reported against (TFLOP/s).
+_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def _batch(vocab: int, n: int, prompt: int, response: tuple[int, int], seed: int = 0):
+    from raytool.types import Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = [rng.randrange(3, vocab) for _ in range(prompt)]
+        r = [rng.randrange(3, vocab) for _ in range(rng.randint(*response))]
+        out.append(Trajectory(uid=str(i), group_id=str(i // 4), prompt_ids=p, response_ids=r, response_mask=[1] * len(r),
+                              rollout_logprobs=[-1.0] * len(r), messages=[], ground_truth="", reward=float(rng.random() < 0.5)))
+    return out
+
+
+def _plain_step(model, optimizer, trajectories, groups, device, lr: float) -> None:
+    """A straightforward HF training step over the same micro-batches."""
+    from raytool.algos import get_adv_estimator
+    from raytool.training.batching import pad_right
+
+    rewards = torch.tensor([t.reward for t in trajectories])
+    adv = get_adv_estimator("grpo")(rewards, [t.group_id for t in trajectories])
+    n_tokens = sum(len(t.response_ids) for t in trajectories)
+    for group in groups:
+        seqs = [trajectories[i] for i in group]
+        ids = pad_right([t.prompt_ids + t.response_ids for t in seqs], 0).to(device)
+        attention = pad_right([[1] * (len(t.prompt_ids) + len(t.response_ids)) for t in seqs], 0).to(device)
+        mask = pad_right([[0] * (len(t.prompt_ids) - 1) + t.response_mask for t in seqs], 0, torch.float32).to(device)[:, : ids.size(1) - 1]
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        a = adv[torch.tensor(group)].to(device)[:, None]
+        ratio = torch.exp(logp - logp.detach())
+        loss = -(torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a) * mask).sum() / n_tokens
+        loss.backward()
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
+    from transformers import AutoModelForCausalLM
+
+    from raytool.models import resolve_model
+    from raytool.training import Trainer
+    from raytool.training.batching import micro_batches
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model_path = resolve_model(cfg.model.path)
+    trainer = Trainer(cfg, model_path, device=device)
+    vocab = trainer.lm.config.vocab_size
+    # ReTool-like shapes: a short prompt, long multi-turn responses, GRPO groups of 4.
+    n, prompt, response = (64, 256, (1024, 4096)) if cuda else (16, 96, (64, 320))
+    trajectories = _batch(vocab, n, prompt, response)
+    tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    groups = micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in trajectories], cfg.trainer.micro_batch_tokens)
+
+    plain_dtype = trainer.dtype
+    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=cfg.model.attn_implementation).to(device)
+    plain.config.use_cache = False
+    if cfg.trainer.activation_checkpointing:
+        plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain.train()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.trainer.lr)
+
+    def run_plain():
+        with torch.autocast(device, dtype=plain_dtype, enabled=plain_dtype != torch.float32):
+            _plain_step(plain, optimizer, trajectories, groups, device, cfg.trainer.lr)
+
+    def timed(fn) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed(lambda: trainer.rl_step(trajectories))  # warm-up both (allocator, kernels, thread pools)
+    timed(run_plain)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(timed(lambda: trainer.rl_step(trajectories)))
+        theirs.append(timed(run_plain))
+    ours_s, plain_s = min(ours), min(theirs)
+    result = {
+        "tokens_per_step": tokens,
+        "trainer_tokens_per_s": tokens / ours_s,
+        "plain_tokens_per_s": tokens / plain_s,
+        "trainer_vs_plain": plain_s / ours_s,
+        "compute_dtype": str(trainer.dtype).removeprefix("torch."),
+        "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+    }
+    if cuda:
+        params = sum(p.numel() for p in plain.parameters())
+        peak = next((v for k, v in _PEAK_TFLOPS.items() if k in result["device"]), None)
+        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if peak:
+            result["mfu"] = 6 * params * tokens / ours_s / (peak * 1e12)
+    rows = [("raytool RL step", ours_s, tokens / ours_s), ("plain HF loop", plain_s, tokens / plain_s)]
+    table = "\n".join(
+        [f"trainer bench: {n} trajectories, {tokens} tokens, micro-batches of {cfg.trainer.micro_batch_tokens} tokens, {result['compute_dtype']} on {result['device']}",
+         f"{'':18} {'s/step':>8} {'tokens/s':>10}"]
+        + [f"{name:18} {s:8.3f} {tps:10.0f}" for name, s, tps in rows]
+        + [f"trainer_vs_plain = {result['trainer_vs_plain']:.2f}"]
+        + ([f"mfu = {result['mfu']:.1%}  peak memory = {result['peak_mem_gib']:.1f} GiB"] if "mfu" in result else [])
+    )
+    return table, result

@@ -1,0 +1,303 @@
+"""Multi-turn SFT conversations: load and check rows from jsonl / json / parquet, tokenize them as the
+agent loop would (loss on assistant tokens only), cut them to a length, split off a validation set.
+
+A row is one conversation:
+- `messages`: a list of {role: system|user|assistant|tool, content: str}. An assistant message may
+  carry `tool_calls`, each {name, arguments} or OpenAI's {type: function, function: {name,
+  arguments}}, with `arguments` an object or a string holding one; its `content` may then be null.
+  A tool message's `name` / `tool_call_id` are accepted and not used: raytool's `Message` is
+  role + content, and so is what the agent loop renders.
+- `tools` (optional): OpenAI function schemas {type: function, function: {name, description,
+  parameters}} (a bare {name, ...} schema is wrapped in that form). In parquet, store `tools` and
+  tool-call `arguments` as JSON strings: a struct column gives every row the union of all rows' keys.
+- `messages` or `tools` may be a JSON string holding the list. Other columns are kept in `extra`.
+
+Structured tool calls become text in the assistant's content, in the Hermes/Qwen form the agent loop
+parses (`raytool.agent.parsers.parse_hermes`) and Qwen2.5's template writes: the content, then per
+call `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, joined by newlines. The
+trained tokens are what the model must generate at rollout time, and `ChatRenderer.sft_example`
+tokenizes the assistant content as the engine emits it (it never sees a `tool_calls` field).
+Retool-format data (`<code>` blocks, `<interpreter>` output) is already text and is used as it is.
+
+Rows are located as `FILE line N` (jsonl / json lines: 1-based line) or `FILE row N (0-based)`
+(parquet, or the items of a .json file holding one array).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import msgspec
+from jinja2 import TemplateError
+
+from raytool.agent.render import ChatRenderer
+from raytool.errors import RaytoolError, one_line
+from raytool.types import Message, SFTExample, ToolCall
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+_MAX_WARNINGS = 10  # bad rows logged one per line; the rest as a count
+_CALL_FORMS = '{"name": ..., "arguments": {...}} or {"type": "function", "function": {"name": ..., "arguments": ...}}'
+
+
+class DataError(RaytoolError):
+    """A data file or data set that cannot be used; the message names the file (and row)."""
+
+
+class Conversation(msgspec.Struct):
+    """One SFT conversation; `source` says where it came from (`FILE line N` / `FILE row N (0-based)`)."""
+
+    messages: list[Message]
+    tools: list[dict] | None = None
+    source: str = ""
+    extra: dict = {}
+
+
+class _BadRow(Exception):
+    """What is wrong with one row; the loader prefixes the file and row."""
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+# --- reading rows --------------------------------------------------------------------------------
+
+
+def _jsonl_rows(text: str) -> list[tuple[str, object]]:
+    """(location, row) per non-blank line; a line that is not JSON gives a _BadRow as its row."""
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((f"line {n}", json.loads(line)))
+        except json.JSONDecodeError as exc:
+            rows.append((f"line {n}", _BadRow(f"not valid JSON ({exc.msg} at column {exc.colno})")))
+    return rows
+
+
+def _parquet_rows(path: Path) -> list[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow, which is not installed "
+                        "(pip install pyarrow), or give the data as jsonl") from None
+    rows: list[tuple[str, object]] = []
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        rows += [(f"row {len(rows) + i} (0-based)", row) for i, row in enumerate(batch.to_pylist())]
+    return rows
+
+
+def _read_rows(path: Path) -> list[tuple[str, object]]:
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".parquet"):
+        raise DataError(f"{path}: unknown data file type '{suffix}'; expected .jsonl, .json or .parquet")
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    try:
+        if suffix == ".parquet":
+            return _parquet_rows(path)
+        text = path.read_text(encoding="utf-8")
+        if suffix == ".json" and text.lstrip().startswith("["):  # one array of rows, not one row per line
+            return [(f"row {i} (0-based)", row) for i, row in enumerate(json.loads(text))]
+        return _jsonl_rows(text)
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON / parquet (ArrowInvalid is a ValueError)
+        raise DataError(f"{path}: cannot read the file ({one_line(exc)})") from exc
+
+
+# --- checking rows -------------------------------------------------------------------------------
+
+
+def _json_list(value, key: str) -> list:
+    """`value` as a list, decoding it first where it is a JSON string (as parquet stores nested data)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _BadRow(f"'{key}' is a string but not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, list):
+        raise _BadRow(f"'{key}' must be a list, got {_kind(value)}")
+    return value
+
+
+def _tool_calls(value, where: str) -> list[ToolCall]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _BadRow(f"{where}.tool_calls must be a list of calls ({_CALL_FORMS}), got {_kind(value)}")
+    calls = []
+    for j, call in enumerate(value):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise _BadRow(f"{at} must be {_CALL_FORMS} with a non-empty name")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise _BadRow(f"{at} ('{fn['name']}'): arguments are not valid JSON "
+                              f"({exc.msg} at column {exc.colno})") from None
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise _BadRow(f"{at} ('{fn['name']}'): arguments must be a JSON object, got {_kind(args)}")
+        calls.append(ToolCall(name=fn["name"], arguments=args))
+    return calls
+
+
+def _hermes_text(content: str, calls: list[ToolCall]) -> str:
+    """The assistant text that makes these calls, as the model writes it and `parse_hermes` reads it."""
+    blocks = [f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments}, ensure_ascii=False)}\n</tool_call>"
+              for c in calls]
+    return "\n".join([content, *blocks] if content else blocks)
+
+
+def _message(value, i: int) -> Message:
+    where = f"messages[{i}]"
+    if not isinstance(value, dict):
+        raise _BadRow(f"{where} must be an object with 'role' and 'content', got {_kind(value)}")
+    role = value.get("role")
+    if role not in ROLES:
+        raise _BadRow(f"{where} has role {role!r}; expected one of {', '.join(ROLES)}")
+    calls = _tool_calls(value.get("tool_calls"), where)
+    if calls and role != "assistant":
+        raise _BadRow(f"{where} is a {role} message with tool_calls; only assistant messages call tools")
+    content = value.get("content")
+    if content is None and calls:  # OpenAI's form of a turn that only calls tools
+        content = ""
+    if not isinstance(content, str):
+        raise _BadRow(f"{where} ({role}) content must be a string, got {_kind(content)}")
+    if calls:
+        if "<tool_call>" in content:
+            raise _BadRow(f"{where} has tool_calls and also <tool_call> text in its content; give the calls one way")
+        content = _hermes_text(content, calls)
+    return Message(role, content)
+
+
+def _tools(value) -> list[dict] | None:
+    if value is None:
+        return None
+    tools = []
+    for j, tool in enumerate(_json_list(value, "tools")):
+        if isinstance(tool, dict) and "function" not in tool and isinstance(tool.get("name"), str):
+            tool = {"type": "function", "function": tool}  # a bare function schema
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _BadRow(f"tools[{j}] must be an OpenAI function schema "
+                          '{"type": "function", "function": {"name": ..., "parameters": {...}}}')
+        tools.append(tool)
+    return tools or None
+
+
+def _conversation(row, source: str) -> Conversation:
+    if not isinstance(row, dict):
+        raise _BadRow(f"a row must be an object with 'messages', got {_kind(row)}")
+    if row.get("messages") is None:
+        raise _BadRow(f"no 'messages' (the row has: {', '.join(sorted(row)) or 'nothing'})")
+    raw = _json_list(row["messages"], "messages")
+    messages = [_message(m, i) for i, m in enumerate(raw)]
+    first_reply = next((i for i, m in enumerate(messages) if m.role == "assistant"), None)
+    if first_reply is None:
+        raise _BadRow("no assistant message, so nothing to train on")
+    if first_reply == 0:
+        raise _BadRow("messages[0] is the first assistant message and nothing comes before it; a reply needs a prompt")
+    extra = {k: v for k, v in row.items() if k not in ("messages", "tools")}
+    return Conversation(messages=messages, tools=_tools(row.get("tools")), source=source, extra=extra)
+
+
+def _warn_each(problems: list[str], where: str) -> None:
+    for problem in problems[:_MAX_WARNINGS]:
+        log.warning("skipped %s", problem)
+    if len(problems) > _MAX_WARNINGS:
+        log.warning("skipped %d more in %s", len(problems) - _MAX_WARNINGS, where)
+
+
+def load_conversations(path: str | Path) -> tuple[list[Conversation], list[str]]:
+    """The usable conversations of a .jsonl / .json / .parquet file, and one line per skipped row
+    (`FILE line N: what is wrong`). Raises DataError when the file cannot be read or no row is usable."""
+    path = Path(path)
+    rows = _read_rows(path)
+    conversations, problems = [], []
+    for where, row in rows:
+        source = f"{path} {where}"
+        try:
+            if isinstance(row, _BadRow):
+                raise row
+            conversations.append(_conversation(row, source))
+        except _BadRow as exc:
+            problems.append(f"{source}: {exc}")
+    _warn_each(problems, str(path))
+    if not conversations:
+        why = f"first problem: {problems[0]}" if problems else "the file has no rows"
+        raise DataError(f"{path}: no usable conversation in {len(rows)} rows; {why}")
+    log.info("%s: %d conversations, %d rows skipped", path, len(conversations), len(problems))
+    return conversations, problems
+
+
+# --- tokenizing ----------------------------------------------------------------------------------
+
+
+def sft_examples(conversations: list[Conversation], tokenizer, max_length: int) -> tuple[list[SFTExample], dict]:
+    """Each conversation tokenized by a `ChatRenderer` for its tools (loss on assistant tokens only),
+    cut to `max_length` tokens, and stats: `count`, `truncated`, `dropped` (no assistant token
+    within `max_length`), `unrenderable` (the chat template rejected it), `mean_tokens`, `loss_tokens`."""
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    renderers: dict[str, ChatRenderer] = {}  # by the tools' JSON: the template lists them in the prompt
+    examples, problems = [], []
+    truncated = dropped = 0
+    for conv in conversations:
+        key = json.dumps(conv.tools, sort_keys=True)
+        if key not in renderers:
+            renderers[key] = ChatRenderer(tokenizer, conv.tools)
+        try:
+            ex = renderers[key].sft_example(conv.messages)
+        except TemplateError as exc:  # e.g. a template that requires alternating roles
+            problems.append(f"{conv.source}: the chat template cannot render it ({one_line(exc)})")
+            continue
+        if len(ex.input_ids) > max_length:
+            ex = SFTExample(input_ids=ex.input_ids[:max_length], loss_mask=ex.loss_mask[:max_length])
+            if not any(ex.loss_mask):
+                dropped += 1
+                continue
+            truncated += 1
+        examples.append(ex)
+    _warn_each(problems, "the SFT data")
+    if not examples:
+        raise DataError(f"no SFT example from {len(conversations)} conversations: {dropped} have no assistant "
+                        f"token within max_length={max_length}, {len(problems)} could not be rendered"
+                        + (f" (first: {problems[0]})" if problems else ""))
+    lengths = [len(ex.input_ids) for ex in examples]
+    stats = {"count": len(examples), "truncated": truncated, "dropped": dropped, "unrenderable": len(problems),
+             "mean_tokens": sum(lengths) / len(lengths), "loss_tokens": sum(sum(ex.loss_mask) for ex in examples)}
+    log.info("SFT data: %d examples (%d truncated to %d tokens, %d dropped, %d unrenderable), %.0f tokens on average",
+             stats["count"], truncated, max_length, dropped, len(problems), stats["mean_tokens"])
+    return examples, stats
+
+
+def split_validation(
+    conversations: list[Conversation], size: float | int, seed: int = 0,
+) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, validation): `size` conversations (an int) or that fraction of them (a float in [0, 1),
+    at least one when > 0) picked by `seed`; both keep the input order."""
+    n = len(conversations)
+    if isinstance(size, bool) or not isinstance(size, (int, float)):
+        raise TypeError(f"validation size must be a count (int) or a fraction (float), got {size!r}")
+    if isinstance(size, float):
+        if not 0.0 <= size < 1.0:
+            raise ValueError(f"validation fraction must be in [0, 1), got {size}")
+        count = max(round(n * size), 1) if size > 0 else 0
+    else:
+        count = size
+    if not 0 <= count < n:
+        raise ValueError(f"a validation set of {count} leaves no training conversation out of {n}")
+    picked = set(random.Random(seed).sample(range(n), count))
+    train = [c for i, c in enumerate(conversations) if i not in picked]
+    val = [c for i, c in enumerate(conversations) if i in picked]
+    return train, val

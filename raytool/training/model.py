@@ -1,0 +1,144 @@
+"""The policy network the trainer optimizes: an HF causal LM whose forward returns the log-probs
+(and entropy) of chosen tokens without ever holding a whole micro-batch's logits.
+
+Why a wrapper: the LM head over a 152k vocabulary is the largest activation of a step (16k tokens
+x 152k x 4 bytes = 10 GB in fp32). `PolicyModel.forward` runs the decoder to hidden states, then
+the head over only the positions whose log-prob is needed (response tokens), in chunks that are
+recomputed in the backward pass instead of stored. It is also the FSDP2 root, so calling it
+gathers the root's parameters (embeddings, final norm, head) exactly as calling the HF model does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _chunk_logprobs(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, inv_temperature: float, with_entropy: bool, entropy_grad: bool):
+    """log softmax(h W^T / T)[label] and, optionally, the entropy of that distribution, for [N, H] hidden states."""
+    logits = (hidden @ weight.t()).float()
+    if inv_temperature != 1.0:
+        logits = logits * inv_temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+class PolicyModel(nn.Module):
+    """`lm` is an HF causal LM (optionally a peft model around one)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def _parts(self):
+        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        return base.model, base.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        select: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        chunk_tokens: int = 1024,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [R, T]; select [N] flat indices into R*T of the positions to score; labels [N]
+        the token that follows each. Returns log-probs [N] and entropies [N] (or None).
+
+        No attention mask: sequences are right-padded (a causal model never lets a real token see
+        a later pad, and SDPA takes its causal fast path) or packed with position_ids restarting
+        at 0 per sequence (a varlen kernel keeps them apart)."""
+        trunk, head = self._parts()
+        hidden = trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, select)
+        inv_t = 1.0 / temperature if temperature > 0 else 1.0
+        # One chunk: its logits are kept for backward. Several: each is recomputed in backward, so
+        # only one chunk's fp32 logits exist at any time.
+        recompute = torch.is_grad_enabled() and hidden.size(0) > chunk_tokens
+        logps, entropies = [], []
+        for start in range(0, hidden.size(0), chunk_tokens):
+            args = (hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens], head.weight, inv_t, with_entropy, entropy_grad)
+            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
+            logps.append(lp)
+            if ent is not None:
+                entropies.append(ent)
+        return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+def load_lm(model_path: str, *, attn_implementation: str, activation_checkpointing: bool, lora_rank: int = 0,
+            lora_alpha: int = 16, lora_target_modules: list[str] | None = None) -> nn.Module:
+    """The HF model in fp32 (the master weights), with LoRA adapters and activation checkpointing if asked."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn_implementation)
+    lm.config.use_cache = False
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = lora_target_modules or ["all-linear"]
+        lm = get_peft_model(lm, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets[0] if targets == ["all-linear"] else targets))
+    if activation_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora_rank:
+            lm.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need an input that requires grad
+    lm.train()
+    return lm
+
+
+def shard(policy: PolicyModel, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
+    """FSDP2 over the current process group: one unit per decoder layer, then the root.
+
+    Parameters stay fp32 (master weights, optimizer state); forward and backward run in
+    `compute_dtype`; gradients are reduced in fp32."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    trunk, _ = policy._parts()
+    for layer in trunk.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(policy, **kwargs)
+
+
+def merged_named_weights(lm: nn.Module):
+    """(HF name, tensor) of every weight the rollout engine needs; LoRA adapters are merged out of
+    place (W + B A s), so the trainer's own fp32 weights never round-trip through a merge."""
+    if not hasattr(lm, "get_base_model"):
+        yield from ((name, p.detach()) for name, p in lm.named_parameters())
+        return
+    from peft.tuners.lora import LoraLayer
+
+    base = lm.get_base_model()
+    deltas = {}
+    for module_name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            deltas[module_name] = module
+    for name, p in base.named_parameters():
+        if "lora_" in name:
+            continue
+        w = p.detach()
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".base_layer"):
+            layer = deltas[owner.removesuffix(".base_layer")]
+            if leaf == "weight":
+                for adapter in layer.active_adapters:
+                    w = w + layer.get_delta_weight(adapter).to(w.dtype)
+            owner = owner.removesuffix(".base_layer")
+        yield f"{owner}.{leaf}" if owner else leaf, w

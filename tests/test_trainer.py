@@ -1,0 +1,174 @@
+"""The trainer's numerics without Ray: mixed precision, chunked log-probs, packing, schedules,
+KL, LoRA, checkpoints. On the tiny random model, in fp32 on the CPU unless a test says otherwise."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from raytool.config import load_config
+from raytool.training import Trainer, lr_at
+from raytool.training.batching import layout, packed_micro_batches, split_across_ranks
+from raytool.types import Trajectory
+
+
+def _trainer(path, *overrides):
+    return Trainer(load_config(None, list(overrides)), path)
+
+
+def _traj(uid, group, prompt, response, reward, logprobs=None):
+    return Trajectory(uid=uid, group_id=group, prompt_ids=prompt, response_ids=response, response_mask=[1] * len(response),
+                      rollout_logprobs=logprobs or [0.0] * len(response), messages=[], ground_truth="", reward=reward)
+
+
+BATCH = [_traj("a", "g", [1, 2, 3], [5, 6, 7], 1.0), _traj("b", "g", [1, 2, 3], [8, 9], 0.0),
+         _traj("c", "h", [1, 4], [5, 6, 7, 8, 9], 0.0), _traj("d", "h", [1, 4], [10, 11], 1.0)]
+
+
+@pytest.fixture
+def process_group_cleanup():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_bf16_compute_with_fp32_master_weights_applies_a_tiny_update(tiny_model_path, process_group_cleanup):
+    """At lr 1e-6 (the reference recipes'), a bf16 weight rounds most of an AdamW step away; the
+    trainer's fp32 master weights keep it, while forward and backward still run in bf16."""
+    trainer = _trainer(tiny_model_path, "trainer.compute_dtype=bfloat16", "trainer.lr=1e-6")
+    before = {n: w.clone() for n, w in trainer.named_weights()}
+    assert all(w.dtype == torch.float32 for w in before.values())
+    trainer.rl_step(BATCH)
+    changed = sum(int((w != before[n]).sum()) for n, w in trainer.named_weights())
+    total = sum(w.numel() for w in before.values())
+    assert changed / total > 0.99
+
+    # The same update applied to bf16 weights: almost every element rounds back to where it was.
+    pure = {n: w.to(torch.bfloat16) for n, w in before.items()}
+    after = {n: w.to(torch.bfloat16) for n, w in trainer.named_weights()}
+    updated_bf16 = sum(int((pure[n] + (after[n].float() - before[n]).to(torch.bfloat16) != pure[n]).sum()) for n in pure)
+    assert updated_bf16 / total < 0.5
+
+
+def test_chunked_logprobs_match_a_full_log_softmax(tiny_model_path):
+    trainer = _trainer(tiny_model_path, "trainer.logprob_chunk_tokens=3")
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 7, 8]]
+    lay = layout(seqs, [[0, 1, 2, 3, 4], [0, 1]], trainer.pad_id, packed=False, device="cpu")
+    with torch.no_grad():
+        logp, ent = trainer.policy(lay.input_ids, lay.select, lay.labels, temperature=0.7, chunk_tokens=3, with_entropy=True)
+        logits = trainer.lm(input_ids=torch.tensor([seqs[0]])).logits[0, :-1].float() / 0.7
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seqs[0][1:])[:, None]).squeeze(-1)
+    assert torch.allclose(lay.to_grid(logp)[0], expected, atol=1e-5)
+    probs = torch.softmax(logits, -1)
+    assert torch.allclose(lay.to_grid(ent)[0], -(probs * probs.log()).sum(-1), atol=1e-4)
+
+
+def test_packed_and_padded_micro_batches_give_the_same_update(tiny_model_path):
+    """Packing (position_ids restarting per sequence) is only chosen with a varlen kernel, but
+    its bookkeeping must equal padding's: same loss, same gradients."""
+    results = []
+    for packing in ("false", "true"):
+        trainer = _trainer(tiny_model_path, f"trainer.packing={packing}", "trainer.lr=1e-2", "trainer.micro_batch_tokens=64")
+        grads = {}
+        step = trainer.optimizer.step
+
+        def capture(*args, _t=trainer, _g=grads, _s=step, **kwargs):
+            _g.update({n: p.grad.clone() for n, p in _t.lm.named_parameters()})
+            return _s(*args, **kwargs)
+
+        trainer.optimizer.step = capture
+        results.append((trainer.rl_step(BATCH), grads))
+    (m_pad, g_pad), (m_pack, g_pack) = results
+    assert math.isclose(m_pad["actor/pg_loss"], m_pack["actor/pg_loss"], abs_tol=1e-6)
+    for name in g_pad:
+        assert torch.allclose(g_pad[name], g_pack[name], atol=1e-5), name
+
+
+def test_packed_micro_batches_fit_the_budget():
+    lengths = [50, 10, 30, 60, 5, 100]
+    groups = packed_micro_batches(lengths, 64)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert all(sum(lengths[i] for i in g) <= 64 or len(g) == 1 for g in groups)
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[100], [60], [10, 50], [5, 30]]  # first-fit decreasing
+
+
+def test_learning_rate_schedules():
+    assert [lr_at(s, 1.0, 4, 20, "constant") for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr_at(4, 1.0, 4, 20, "cosine") == 1.0
+    assert math.isclose(lr_at(12, 1.0, 4, 20, "cosine"), 0.5)  # half-way through the decay
+    assert math.isclose(lr_at(20, 1.0, 4, 20, "cosine", min_ratio=0.1), 0.1)
+
+
+def test_ranks_get_balanced_shares_of_the_batch():
+    lengths = [[100, 10, 10, 10], [50, 50], [5]]
+    shares = split_across_ranks(lengths, 2)
+    flat = sorted((g, i) for share in shares for g, pos in share.items() for i in pos)
+    assert flat == [(g, i) for g, group in enumerate(lengths) for i in range(len(group))]
+    loads = [sum(lengths[g][i] for g, pos in share.items() for i in pos) for share in shares]
+    assert abs(loads[0] - loads[1]) <= 10
+    assert len(split_across_ranks([[7]], 4)[3]) == 0  # fewer trajectories than ranks: some ranks idle
+
+
+def test_kl_to_the_reference_is_zero_then_grows(tiny_model_path):
+    trainer = _trainer(tiny_model_path, "algorithm.kl_loss_coef=0.1", "algorithm.kl_reward_coef=0.05", "trainer.lr=1e-2")
+    first = trainer.rl_step(BATCH)
+    assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6) and first["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    second = trainer.rl_step(BATCH)
+    assert second["actor/kl_loss"] > 1e-6 and second["actor/reward_kl_penalty"] > 1e-6
+    assert first["actor/entropy"] > 0
+
+
+def test_lora_trains_adapters_and_syncs_merged_weights(tiny_model_path):
+    trainer = _trainer(tiny_model_path, "trainer.lora_rank=4", "trainer.lr=1e-2")
+    base = {n: w.clone() for n, w in trainer.named_weights()}
+    trainable = [n for n, p in trainer.lm.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    trainer.rl_step(BATCH)
+    trainer.rl_step(BATCH)  # lora_B starts at 0: the second step moves the merged weights
+    merged = dict(trainer.named_weights())
+    assert merged.keys() == base.keys()  # HF names: what the rollout engine loads
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[name], base[name])
+    assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"])  # no adapter: untouched
+
+
+def test_checkpoint_resumes_the_exact_same_next_step(tiny_model_path, tmp_path):
+    cfg = ("trainer.lr=1e-2", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "trainer.lr_schedule=cosine", "trainer.warmup_steps=1")
+    trainer = _trainer(tiny_model_path, *cfg)
+    trainer.rl_step(BATCH)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    expected = trainer.rl_step(BATCH)
+    weights = dict(trainer.named_weights())
+
+    resumed = _trainer(tiny_model_path, *cfg)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    got = resumed.rl_step(BATCH)  # mini-batch order comes from the restored RNG
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/ppo_kl"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
+    for name, w in resumed.named_weights():
+        assert torch.equal(w, weights[name]), name
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_two_fsdp_ranks_compute_the_single_process_gradient(tiny_model_path, tmp_path, agg):
+    """torchrun with 2 ranks (FSDP2 over gloo), each on its share of the batch, vs one process on
+    the whole batch: the same gradient, loss and grad norm."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).parent / "helpers" / "fsdp_step.py")
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    extra = [f"algorithm.loss_agg={agg}"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, script, tiny_model_path, str(tmp_path / "one.pt"), *extra], check=True, env=env, timeout=300)
+    subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", script, tiny_model_path, str(tmp_path / "two.pt"), *extra],
+                   check=True, env=env, timeout=300, capture_output=True)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert one["grads"].keys() == two["grads"].keys()
+    for name, g in one["grads"].items():
+        assert torch.allclose(g, two["grads"][name], rtol=1e-4, atol=1e-7), name
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4), key
