@@ -30,3 +30,21 @@ def test_engine_and_trainer_on_cuda(tiny_model_path):
                         rollout_logprobs=out.logprobs, messages=[], ground_truth="", reward=float(i)) for i in range(2)]
     assert trainer.rl_step(batch)["actor/grad_norm"] > 0
     engine.load_weights(trainer.named_weights(torch.bfloat16))
+
+
+def test_offloaded_checkpointed_bf16_step_on_cuda(tiny_model_path):
+    """CPU offload (FSDP2 keeps parameters and optimizer state in host memory), activation
+    checkpointing and chunked log-probs together, on one GPU."""
+    from raytool.config import load_config
+    from raytool.training import Trainer
+    from raytool.types import Trajectory
+
+    cfg = load_config(None, ["trainer.cpu_offload=true", "trainer.activation_checkpointing=true", "trainer.logprob_chunk_tokens=4",
+                             "trainer.lr=1e-6"])
+    trainer = Trainer(cfg, tiny_model_path, device="cuda")
+    before = {n: w.clone() for n, w in trainer.named_weights()}
+    batch = [Trajectory(uid=str(i), group_id="g", prompt_ids=[1, 2, 3], response_ids=list(range(5, 17)), response_mask=[1] * 12,
+                        rollout_logprobs=[0.0] * 12, messages=[], ground_truth="", reward=float(i)) for i in range(2)]
+    assert trainer.rl_step(batch)["actor/grad_norm"] > 0
+    changed = sum(int((w != before[n]).sum()) for n, w in trainer.named_weights())
+    assert changed / sum(w.numel() for w in before.values()) > 0.99

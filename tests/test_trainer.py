@@ -172,3 +172,11 @@ def test_two_fsdp_ranks_compute_the_single_process_gradient(tiny_model_path, tmp
         assert torch.allclose(g, two["grads"][name], rtol=1e-4, atol=1e-7), name
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4), key
+    # The 2-rank sharded checkpoint loads in one process (another world size) with its weights.
+    from transformers import AutoModelForCausalLM
+
+    from raytool.training.export import export_checkpoint
+
+    exported = dict(AutoModelForCausalLM.from_pretrained(export_checkpoint(str(tmp_path / "two.pt.ckpt"), tmp_path / "hf")).named_parameters())
+    for name, w in two["weights"].items():
+        assert torch.equal(exported[name], w), name

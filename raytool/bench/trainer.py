@@ -72,7 +72,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     trainer = Trainer(cfg, model_path, device=device)
     vocab = trainer.lm.config.vocab_size
     # ReTool-like shapes: a short prompt, long multi-turn responses, GRPO groups of 4.
-    n, prompt, response = (64, 256, (1024, 4096)) if cuda else (16, 96, (64, 320))
+    n, prompt, response = (64, 256, (1024, 4096)) if cuda else (8, 96, (64, 320))
     trajectories = _batch(vocab, n, prompt, response)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
     groups = micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in trajectories], cfg.trainer.micro_batch_tokens)

@@ -87,6 +87,8 @@ class Trainer:
                           lora_rank=t.lora_rank, lora_alpha=t.lora_alpha, lora_target_modules=list(t.lora_target_modules))
         self.pad_id = self.lm.config.pad_token_id or 0
         self.policy = PolicyModel(self.lm).to(self.device)
+        if t.cpu_offload and self.device.type == "cpu":
+            raise ValueError("config key 'trainer.cpu_offload' offloads accelerator memory to the host; on a CPU the weights already are there: set it false")
         self.sharded = world_size > 1 or self.dtype != torch.float32 or t.cpu_offload
         if self.sharded:
             if not dist.is_initialized():

@@ -3,8 +3,8 @@
     torchrun --nproc-per-node 2 tests/helpers/fsdp_step.py MODEL OUT   # 2 ranks, FSDP2 over gloo
     python tests/helpers/fsdp_step.py MODEL OUT                        # one process
 
-Writes OUT (torch.save): the full gradient of every parameter as the optimizer sees it, and the
-step's metrics. Each rank trains on its share of the batch, as TrainerGroup hands it out.
+Writes OUT (torch.save): the full gradient of every parameter as the optimizer sees it, the
+step's metrics and the weights after it; and a resumable checkpoint in OUT.ckpt. Each rank trains on its share of the batch, as TrainerGroup hands it out.
 """
 
 import os
@@ -55,8 +55,10 @@ def main(model: str, out: str) -> None:
 
     trainer.optimizer.step = capture
     metrics = trainer.rl_step(own, rewards, group_ids, index)
+    weights = {name: w.clone() for name, w in trainer.named_weights()}  # a collective: every rank
+    trainer.save_checkpoint(out + ".ckpt")
     if rank == 0:
-        torch.save({"grads": grads, "metrics": metrics}, out)
+        torch.save({"grads": grads, "metrics": metrics, "weights": weights}, out)
     if world > 1:
         dist.destroy_process_group()
 

@@ -1,5 +1,6 @@
 """The ReTool cold start end to end: `raytool sft` on conversations with tool calls, `raytool
-export` of its checkpoint, then GRPO from the exported model on the vLLM engine."""
+export` of its checkpoint, then GRPO (with LoRA: the engine gets merged weights) from the
+exported model on the vLLM engine."""
 
 from __future__ import annotations
 
@@ -41,6 +42,6 @@ def test_sft_then_export_then_rl_from_the_exported_model(ray_cluster, tmp_path):
 
     rl = load_config(None, [f"model.path={out}", "trainer.total_steps=1", "trainer.sft_warmup_steps=0", "rollout.n=2",
                             "data.prompts_per_step=1", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=32",
-                            "trainer.save_final=false", "algorithm.entropy_coeff=0.001"])
+                            "trainer.save_final=false", "algorithm.entropy_coeff=0.001", "trainer.lora_rank=4"])
     (metrics,) = [json.loads(line) for line in (run(rl, tmp_path / "rl") / "metrics.jsonl").read_text().splitlines()]
     assert metrics["policy_version"] == 1 and metrics["rollout/logprob_abs_diff"] < 1e-3
