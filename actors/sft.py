@@ -43,13 +43,10 @@ def _load(files: list[str]):
     return conversations
 
 
-def _examples(conversations, cfg: RunConfig, tokenizer, what: str):
+def _examples(conversations, cfg: RunConfig, tokenizer):
     if cfg.agent.observation_style == "in_turn":
         conversations = [msgspec.structs.replace(c, messages=as_in_turn(c.messages)) for c in conversations]
-    examples, stats = sft_examples(conversations, tokenizer, cfg.sft.max_length)
-    log.info("%s: %d conversations, %.0f tokens on average, %d cut at sft.max_length, %d dropped", what, stats["count"], stats["mean_tokens"],
-             stats["truncated"], stats["dropped"])
-    return examples
+    return sft_examples(conversations, tokenizer, cfg.sft.max_length)[0]  # (it logs its own counts)
 
 
 def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None) -> Path:
@@ -67,8 +64,8 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     val = _load(s.val_files) if s.val_files else []
     if not val and s.val_fraction > 0:
         train, val = split_validation(train, s.val_fraction, seed=cfg.trainer.seed)
-    train_examples = _examples(train, cfg, tokenizer, "train")
-    val_examples = _examples(val, cfg, tokenizer, "validation") if val else []
+    train_examples = _examples(train, cfg, tokenizer)
+    val_examples = _examples(val, cfg, tokenizer) if val else []
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))

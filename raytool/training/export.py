@@ -20,7 +20,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from raytool.training.trainer import write_hf
+    from raytool.training.trainer import single_process_quiet, write_hf
 
     ckpt = Path(ckpt)
     meta_file, hf_meta = ckpt / "trainer_meta.json", ckpt / "hf_meta"
@@ -39,7 +39,8 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
     policy = PolicyModel(lm).to_empty(device="cpu")
     (lm.get_base_model() if meta["lora"] else lm).tie_weights()  # to_empty gives tied parameters storage of their own
     state = {"model": get_model_state_dict(policy)}
-    dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)  # one process reads every shard
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)  # one process reads every shard
     set_model_state_dict(policy, state["model"])
     weights = {name: w.contiguous() for name, w in merged_named_weights(policy.lm)}
     out = write_hf(weights, hf_meta, out)

@@ -9,6 +9,7 @@ count) is global, so the update equals the single-process update on the whole ba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -16,6 +17,7 @@ import random
 import shutil
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -360,7 +362,8 @@ class Trainer:
         has_reference = isinstance(self.reference, PolicyModel)
         if has_reference:
             state["reference"] = get_model_state_dict(self.reference)
-        dcp.save(state, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
+        with single_process_quiet():
+            dcp.save(state, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(), "step": self.step, "rl_updates": self.rl_updates}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -388,7 +391,8 @@ class Trainer:
         meta = json.loads((directory / "trainer_meta.json").read_text())
         if meta.get("reference"):
             state["reference"] = get_model_state_dict(self._reference())
-        dcp.load(state, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
         set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if meta.get("reference"):
             set_model_state_dict(self.reference, state["reference"])
@@ -402,6 +406,14 @@ class Trainer:
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
         self.step, self.rl_updates = rng["step"], rng["rl_updates"]
+
+
+@contextlib.contextmanager
+def single_process_quiet():
+    """torch.distributed.checkpoint warns on every single-process save or load, which is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
 
 
 class _AdaptersOff(torch.nn.Module):
