@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,6 +32,9 @@ from raytool.config import ConfigError, RunConfig, SandboxConfig, sandbox_backen
 from raytool.data.tool_arith import Problem, prompt_messages
 from raytool.errors import RaytoolError, one_line
 from raytool.models import resolve_model
+from raytool.weightsync import undelivered_address
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,21 +78,48 @@ class Graph:
     def sync_weights(self, version: int, timeout_s: float = 300.0) -> dict:
         """Stream the trainer's weights to every healthy rollout server (and to recovered ones that
         wait for current weights); returns bytes, seconds, acks and the servers that failed.
-        A server that fails its sync is ejected by the manager; the run goes on without it."""
+        A server that fails its sync is ejected by the manager; the run goes on without it.
+
+        The buckets travel down a relay chain of the servers' receivers, so one dead server also
+        starves the servers after it. Those are synced again at once, in a chain without the
+        servers that broke it (a dead actor, or an address a forwarder could not deliver to)."""
         targets = ray.get(self.manager.weight_targets.remote())
         failed = self._unresponsive(targets)
         targets = {name: addresses for name, addresses in targets.items() if name not in failed}
+        sent, acks, broken = self._send_and_ack(targets, version, timeout_s)
+        culprits = {name for name, (reason, is_dead) in broken.items() if is_dead}
+        undelivered = {undelivered_address(reason) for reason, _ in broken.values()}
+        culprits |= {name for name in broken if undelivered & set(targets[name])}
+        collateral = {name: targets[name] for name in broken if name not in culprits}
+        if culprits and collateral:
+            log.warning("weight sync v%d: %s broke the chain; syncing %s again without them", version, sorted(culprits), sorted(collateral))
+            _, more_acks, broken_again = self._send_and_ack(collateral, version, timeout_s)
+            acks += more_acks
+            broken = {name: broken[name] for name in culprits} | broken_again
+        failed.update({name: reason for name, (reason, _) in broken.items()})
+        ray.get(self.manager.synced.remote(version, [a["server"] for a in acks], failed))
+        return {"sent": sent, "acks": acks, "failed": failed}
+
+    def _send_and_ack(self, targets: dict, version: int, timeout_s: float) -> tuple[dict, list, dict]:
+        """One pass: every target listens, the trainer sends. Returns (sender stats, acks, and per
+        failed server (one-line reason, whether its actor died))."""
         receiving = {name: self.servers[name].receive_weights.remote(version, timeout_s) for name in targets}
         addresses = [address for name in targets for address in targets[name]]
-        sent = ray.get(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20))
-        acks = []
+        acks, broken = [], {}
+        try:
+            sent, *_ = ray.get(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20, timeout_s))
+        except ray.exceptions.RayTaskError as exc:  # a receiver did not take a bucket (or its ack never came)
+            sent, reason = {"bytes": 0, "buckets": 0, "seconds": 0.0}, one_line(exc)
+            named = [name for name in targets if any(address in reason for address in targets[name])]
+            if not named:
+                raise
+            broken.update({name: (reason, True) for name in named})
         for name, ref in receiving.items():
             try:
                 acks.append(ray.get(ref))
             except ray.exceptions.RayError as exc:
-                failed[name] = one_line(exc)
-        ray.get(self.manager.synced.remote(version, [a["server"] for a in acks], failed))
-        return {"sent": sent[0], "acks": acks, "failed": failed}
+                broken.setdefault(name, (one_line(exc), isinstance(exc, ray.exceptions.RayActorError)))
+        return sent, acks, broken
 
     def _unresponsive(self, targets: dict, timeout_s: float = 10.0) -> dict:
         """Servers that do not answer a health call in time: a server that died after its last

@@ -64,19 +64,26 @@ class TrainerWorker:
     def snapshot_reference(self) -> None:
         self.trainer.snapshot_reference()
 
-    def send_weights(self, addresses: list[str], version: int, bucket_bytes: int) -> dict:
+    def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float) -> dict:
         """Rank 0 streams; the other ranks take part in gathering full tensors from their shards."""
         weights = self.trainer.named_weights(DTYPES[self.cfg.model.dtype])
         if self.rank != 0:
             for _ in weights:  # each step of the iteration is an all-gather rank 0 waits on
                 continue
             return {}
-        key = (tuple(addresses), bucket_bytes)
+        key = (tuple(addresses), bucket_bytes, timeout_s)
         if self.sender is None or self._sender_key != key:
             if self.sender is not None:
                 self.sender.close()
-            self.sender, self._sender_key = WeightSender(addresses, bucket_bytes), key
-        return self.sender.send(weights, version)
+            # Ray's node IP: receivers on this node then read the weights in place (CUDA IPC, shared memory).
+            self.sender, self._sender_key = WeightSender(
+                addresses, bucket_bytes, timeout_s, node_ip=ray.util.get_node_ip_address(), ipc=None if self.cfg.trainer.weight_sync_in_place else False,
+            ), key
+        try:
+            return self.sender.send(weights, version)
+        finally:
+            for _ in weights:  # a failed send still takes part in the other ranks' all-gathers
+                continue
 
     def save_checkpoint(self, directory: str) -> str:
         return str(self.trainer.save_checkpoint(directory))
@@ -139,9 +146,9 @@ class TrainerGroup:
     def snapshot_reference(self) -> None:
         ray.get([w.snapshot_reference.remote() for w in self.workers])
 
-    def send_weights(self, addresses: list[str], version: int, bucket_bytes: int) -> list:
+    def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float = 120.0) -> list:
         """Object refs of the sending calls (the receivers must be listening concurrently)."""
-        return [w.send_weights.remote(addresses, version, bucket_bytes) for w in self.workers]
+        return [w.send_weights.remote(addresses, version, bucket_bytes, timeout_s) for w in self.workers]
 
     def save_checkpoint(self, directory: str) -> str:
         return ray.get([w.save_checkpoint.remote(os.fspath(directory)) for w in self.workers])[0]

@@ -167,7 +167,8 @@ class TrainerConfig(_Section):
     sft_warmup_steps: int = 24  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
     save_every: int = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
     save_final: bool = True  # write a resumable checkpoint and an HF export at the end of the run
-    weight_sync_bucket_mb: int = 64  # size of one ZMQ weight bucket
+    weight_sync_bucket_mb: int = 64  # size of one ZMQ weight bucket (larger tensors are split)
+    weight_sync_in_place: bool = True  # servers on the trainer's node read its staging buffers in place (CUDA IPC, shared memory) instead of TCP
 
 
 class SFTConfig(_Section):

@@ -1,56 +1,311 @@
+import os
 import threading
+import time
+import types
 
 import pytest
 import torch
+import zmq
 
-from raytool.weightsync import WeightReceiver, WeightSender
-
-
-def _receive_all(receiver, version, out):
-    for bucket in receiver.receive(version, timeout_s=30):
-        for name, tensor in bucket:
-            out[name] = tensor.clone()
+from raytool.weightsync import ChecksumError, WeightReceiver, WeightSender, undelivered_address
+from raytool.weightsync import same_node, sender as sender_module
+from raytool.weightsync.protocol import BucketHeader, Piece, checksum, encode
 
 
-def test_round_trip_to_two_receivers_is_exact():
-    torch.manual_seed(0)
-    weights = {
-        "embed.weight": torch.randn(300, 64),
-        "layer.0.bf16": torch.randn(128, 128).to(torch.bfloat16),
-        "big": torch.randn(1024, 1024),  # 4 MiB: bigger than a bucket, travels alone
+def _weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(300, 64, generator=g),
+        "layer.0.bf16": torch.randn(128, 128, generator=g).to(torch.bfloat16),
+        "big": torch.randn(700, 1024, generator=g),  # 2.8 MB: split over three 1 MiB buckets
         "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
         "ints": torch.arange(10),
+        "mask": torch.tensor([True, False, True]),
+        "half": torch.randn(33, generator=g).half(),
     }
-    receivers = [WeightReceiver(), WeightReceiver()]
-    got = [{}, {}]
-    threads = [threading.Thread(target=_receive_all, args=(r, 5, g)) for r, g in zip(receivers, got)]
+
+
+def _receive_all(receiver, version, got, timeout_s=30):
+    """Collect a sync into got['tensors'] (bucket by bucket names in got['buckets']) or its error."""
+    got.update(tensors={}, buckets=[])
+    try:
+        for bucket in receiver.receive(version, timeout_s=timeout_s):
+            got["buckets"].append([name for name, _ in bucket])
+            for name, tensor in bucket:
+                got["tensors"][name] = tensor.clone()
+    except Exception as exc:  # noqa: BLE001 - the test asserts on it
+        got["error"] = exc
+
+
+def _start(receivers, version, timeout_s=30):
+    got = [{} for _ in receivers]
+    threads = [threading.Thread(target=_receive_all, args=(r, version, g, timeout_s)) for r, g in zip(receivers, got)]
     for t in threads:
         t.start()
-    sender = WeightSender([r.address for r in receivers], bucket_bytes=1 << 20)
+    return got, threads
+
+
+def _assert_exact(got, weights):
+    assert "error" not in got, got.get("error")
+    assert got["tensors"].keys() == weights.keys()
+    for name, w in weights.items():
+        t = got["tensors"][name]
+        assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t, w), name
+
+
+@pytest.mark.parametrize("kind", ["bytes", "shm"])
+@pytest.mark.parametrize("n_receivers", [1, 3])
+def test_chain_round_trip_is_exact_and_joins_split_tensors(n_receivers, kind):
+    weights = _weights()
+    receivers = [WeightReceiver() for _ in range(n_receivers)]
+    got, threads = _start(receivers, 5)
+    sender = WeightSender([r.address for r in receivers], bucket_bytes=1 << 20, ipc=kind == "shm")
     stats = sender.send(weights.items(), version=5)
     for t in threads:
         t.join(30)
-    assert stats["buckets"] >= 3 and stats["bytes"] >= sum(w.numel() * w.element_size() for w in weights.values())
+    payload = sum(w.numel() * w.element_size() for w in weights.values())
+    assert stats["fanout"] == "chain" and stats["kind"] == kind
+    assert stats["buckets"] == 3 and stats["bytes"] == payload  # 2.98 MB: 3 full MiB buckets
+    # Bytes go down the chain; read in place, every receiver gets its own small headers.
+    assert list(sender._sockets) == ([receivers[0].address] if kind == "bytes" else [r.address for r in receivers])
     for g in got:
-        assert g.keys() == weights.keys()
-        for name, w in weights.items():
-            assert g[name].dtype == w.dtype and g[name].shape == w.shape and torch.equal(g[name], w)
+        _assert_exact(g, weights)
+        # 'big' fills the rest of bucket 0, all of bucket 1, and comes whole with bucket 2
+        assert g["buckets"] == [["embed.weight", "layer.0.bf16"], [], ["big", "scalar", "empty", "ints", "mask", "half"]]
     sender.close()
     for r in receivers:
         r.close()
 
 
+def test_direct_fanout_is_exact_and_a_second_sync_reuses_the_sender():
+    weights = _weights()
+    receivers = [WeightReceiver(), WeightReceiver()]
+    sender = WeightSender([r.address for r in receivers], bucket_bytes=1 << 20, fanout="direct", ipc=False)
+    for version in (1, 2):
+        weights["scalar"] = torch.tensor(float(version))
+        got, threads = _start(receivers, version)
+        assert sender.send(weights.items(), version)["fanout"] == "direct"
+        for t in threads:
+            t.join(30)
+        for g in got:
+            _assert_exact(g, weights)
+    assert set(sender._sockets) == {r.address for r in receivers}
+    sender.close()
+    for r in receivers:
+        r.close()
+
+
+def test_an_empty_sync_is_one_empty_last_bucket():
+    receiver = WeightReceiver()
+    sender = WeightSender([receiver.address], ipc=False)
+    assert sender.send([], 1)["buckets"] == 1
+    assert list(receiver.receive(1, timeout_s=10)) == [[]]
+    sender.close()
+    receiver.close()
+
+
+def _hand_made_bucket(route, hop, corrupt: bool, last: bool = True):
+    payload = bytearray(torch.arange(16, dtype=torch.float32).numpy().tobytes())
+    header = BucketHeader(3, 0, last, "bytes", checksum([payload]), [Piece("w", "float32", [16], 0, 64, 0, 64)], route, hop, "test")
+    if corrupt:
+        payload[10] ^= 0xFF
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(route[hop])
+    push.send_multipart([encode(header), bytes(payload)])
+    return push
+
+
+def test_a_corrupted_bucket_fails_its_checksum_naming_bucket_and_hop():
+    first, second = WeightReceiver(), WeightReceiver()
+    push = _hand_made_bucket([second.address], 0, corrupt=False)
+    (bucket,) = list(second.receive(3, timeout_s=10))
+    assert torch.equal(bucket[0][1], torch.arange(16, dtype=torch.float32))
+    push.close()
+    push = _hand_made_bucket([first.address, second.address], 1, corrupt=True)  # as if forwarded by `first`
+    with pytest.raises(ChecksumError, match=f"v3: bucket 0 failed its checksum on the hop {first.address} -> {second.address}"):
+        next(second.receive(3, timeout_s=10))
+    push.close()
+    for r in (first, second):
+        r.close()
+
+
+def test_a_sender_corrupting_in_transit_is_caught_by_the_first_receiver(monkeypatch):
+    receiver = WeightReceiver()
+    real = sender_module.checksum
+    monkeypatch.setattr(sender_module, "checksum", lambda payload: real(payload) ^ 1)  # header and bytes disagree
+    sender = WeightSender([receiver.address], bucket_bytes=1 << 20, ipc=False)
+    sender.send(_weights().items(), 4)
+    with pytest.raises(ChecksumError, match=r"v4: bucket 0 failed its checksum on the hop the sender \("):
+        next(receiver.receive(4, timeout_s=10))
+    sender.close()
+    receiver.close()
+
+
+def _dead_address() -> str:
+    r = WeightReceiver()
+    r.close()  # nothing listens there any more
+    return r.address
+
+
+def test_a_dead_receiver_mid_chain_is_named_by_the_one_forwarding_to_it():
+    a, c, dead = WeightReceiver(), WeightReceiver(), _dead_address()
+    got, threads = _start([a, c], 6, timeout_s=0.5)
+    sender = WeightSender([a.address, dead, c.address], bucket_bytes=1 << 20, send_timeout_s=2, ipc=False)
+    start = time.monotonic()
+    sender.send(_weights().items(), 6)  # the first hop is fine
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - start < 3
+    error = got[0]["error"]
+    assert isinstance(error, TimeoutError) and f"could not deliver bucket 0 to {dead} within 0.5s" in str(error)
+    assert undelivered_address(str(error)) == dead
+    assert isinstance(got[1]["error"], TimeoutError)
+    assert f"v6: bucket 0 did not reach {c.address} within 0.5s" in str(got[1]["error"])
+    sender.close()
+    for r in (a, c):
+        r.close()
+
+
+def test_a_dead_first_receiver_times_out_the_sender_naming_it():
+    dead = _dead_address()
+    sender = WeightSender([dead], bucket_bytes=1 << 20, send_timeout_s=0.3, ipc=False)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"could not deliver bucket 0 to {dead} within 0.3s"):
+        sender.send(_weights().items(), 1)
+    assert time.monotonic() - start < 5  # the 0.5 s timeout, not a hang
+    assert not [t for t in threading.enumerate() if t.name == "weight-sender"]
+    sender.close()
+
+
+def test_a_receiver_waiting_in_vain_names_the_bucket_and_its_upstream():
+    a, b = WeightReceiver(), WeightReceiver()
+    push = _hand_made_bucket([a.address, b.address], 1, corrupt=False, last=False)  # bucket 0 from `a`, then nothing
+    buckets = b.receive(3, timeout_s=0.2)
+    assert [name for name, _ in next(buckets)] == ["w"]
+    with pytest.raises(TimeoutError, match=f"v3: bucket 1 did not reach {b.address} within 0.2s; it was to come from {a.address}"):
+        next(buckets)
+    push.close()
+    for r in (a, b):
+        r.close()
+
+
 def test_stale_buckets_are_dropped_and_a_newer_version_refused():
     receiver = WeightReceiver()
-    sender = WeightSender([receiver.address])
+    sender = WeightSender([receiver.address], ipc=False)
     sender.send([("w", torch.ones(2))], version=2)  # e.g. left over from a failed sync
     sender.send([("w", torch.full((2,), 3.0))], version=3)
     (bucket,) = list(receiver.receive(version=3, timeout_s=10))
     assert torch.equal(bucket[0][1], torch.full((2,), 3.0))
     sender.send([("w", torch.ones(2))], version=5)
-    with pytest.raises(RuntimeError, match="expected v4 bucket 0, got v5 bucket 0"):
+    with pytest.raises(RuntimeError, match="expected v4 bucket 0, got v5 bucket 0 from the sender"):
         next(receiver.receive(version=4, timeout_s=10))
-    with pytest.raises(TimeoutError, match="no bucket 0"):
+    with pytest.raises(TimeoutError, match="v6: bucket 0 did not reach .* within 0.2s"):
         next(receiver.receive(version=6, timeout_s=0.2))
     sender.close()
     receiver.close()
+
+
+def test_an_error_in_the_sender_thread_surfaces_in_send(monkeypatch):
+    receiver = WeightReceiver()
+    sender = WeightSender([receiver.address], bucket_bytes=1 << 20, ipc=False)
+    real = WeightSender._deliver
+
+    def deliver(self, version, bucket, kind):
+        if bucket.index == 1:
+            raise OSError("network gone at bucket 1")
+        real(self, version, bucket, kind)
+
+    monkeypatch.setattr(WeightSender, "_deliver", deliver)
+    with pytest.raises(OSError, match="network gone at bucket 1"):
+        sender.send(_weights().items(), 1)
+    assert not [t for t in threading.enumerate() if t.name == "weight-sender"]
+    sender.close()
+    receiver.close()
+
+
+def test_an_error_while_gathering_the_tensors_surfaces_and_stops_the_sender_thread():
+    receiver = WeightReceiver()
+    sender = WeightSender([receiver.address], bucket_bytes=1 << 20, ipc=False)
+
+    def gather():
+        yield "big", torch.randn(700, 1024)
+        raise RuntimeError("all-gather failed on rank 1")
+
+    with pytest.raises(RuntimeError, match="all-gather failed on rank 1"):
+        sender.send(gather(), 1)
+    assert not [t for t in threading.enumerate() if t.name == "weight-sender"]
+    sender.close()
+    receiver.close()
+
+
+def test_receivers_on_this_node_read_in_place_others_get_bytes():
+    gpu, cpu = types.SimpleNamespace(device=torch.device("cuda", 0)), torch.zeros(1)
+    local = ["tcp://127.0.0.1:5000", "tcp://10.1.2.3:5001"]
+    assert same_node.choose_kind(gpu, local, node_ip="10.1.2.3", ipc=None) == "cuda"
+    assert same_node.choose_kind(cpu, local, node_ip="10.1.2.3", ipc=None, staging_bytes=1 << 20) == "shm"
+    # /dev/shm without room for the staging buffers (a container's 64 MB default): bytes
+    assert same_node.choose_kind(cpu, local, node_ip="10.1.2.3", ipc=None, staging_bytes=1 << 60) == "bytes"
+    assert same_node.choose_kind(cpu, local, node_ip="10.1.2.3", ipc=True) == "shm"
+    assert same_node.choose_kind(gpu, local, node_ip=None, ipc=None) == "bytes"  # 10.1.2.3 is another node then
+    assert same_node.choose_kind(gpu, local, node_ip="10.1.2.3", ipc=False) == "bytes"
+    assert same_node.choose_kind(None, local[:1], node_ip=None, ipc=True) == "shm"
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        same_node.address_host("127.0.0.1:5000")
+
+
+def test_in_place_buckets_wait_for_every_receivers_ack_and_name_the_missing_one():
+    a, b = WeightReceiver(), WeightReceiver()
+    sender = WeightSender([a.address, b.address], bucket_bytes=1 << 20, send_timeout_s=0.5, ipc=True)
+    got, threads = _start([a], 3, timeout_s=1)  # b forwards nothing and acks nothing: nobody reads it
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"v3: no ack for bucket 0 from {b.address} within 0.5s"):
+        sender.send(_weights().items(), 3)
+    assert time.monotonic() - start < 5  # the 0.5 s timeout, not a hang
+    sender.close()  # its shared-memory files go
+    threads[0].join(10)
+    # two buckets are in flight at most: `a` got 0 and 1, then the sender gave up
+    assert got[0]["buckets"] == [["embed.weight", "layer.0.bf16"], []] and "v3: bucket 2 did not reach" in str(got[0]["error"])
+    assert not [f for f in os.listdir(same_node.SHM_DIR) if f.startswith(f"raytool-weights-{os.getpid()}-")]
+    for r in (a, b):
+        r.close()
+
+
+def test_the_header_names_each_hop_upstream():
+    header = BucketHeader(1, 0, True, "bytes", 0, [], ["tcp://a:1", "tcp://b:2"], 0, "trainer pid 7")
+    assert header.upstream() == "the sender (trainer pid 7)"
+    header.hop = 1
+    assert header.upstream() == "tcp://a:1"
+
+
+def _ipc_receive(address_queue, result_queue):
+    receiver = WeightReceiver()
+    address_queue.put(receiver.address)
+    out = {}
+    for bucket in receiver.receive(9, timeout_s=60):
+        for name, tensor in bucket:
+            out[name] = (tensor.device.type, tensor.cpu().clone())
+    result_queue.put(out)
+    receiver.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_publishes_a_tensor_set_to_another_process():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    addresses, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_ipc_receive, args=(addresses, results))
+    proc.start()
+    weights = {name: w.cuda() for name, w in _weights().items()}
+    sender = WeightSender([addresses.get(timeout=60)], bucket_bytes=1 << 20)
+    stats = sender.send(weights.items(), 9)  # auto: GPU weights, receiver on this node
+    got = results.get(timeout=60)
+    proc.join(30)
+    assert stats["kind"] == "cuda" and stats["buckets"] == 3
+    assert got.keys() == weights.keys()
+    for name, w in weights.items():
+        device, t = got[name]
+        assert device == "cuda" and t.dtype == w.dtype and torch.equal(t, w.cpu()), name
+    sender.close()

@@ -31,4 +31,16 @@ def _sandbox(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
-BENCHES: dict[str, Bench] = {"router": _router, "rollout": _rollout, "sandbox": _sandbox}
+def _weight_sync(cfg: RunConfig) -> tuple[str, dict]:
+    from raytool.bench.weight_sync import bench
+
+    return bench(cfg)
+
+
+def _trainer(cfg: RunConfig) -> tuple[str, dict]:
+    from raytool.bench.trainer import bench
+
+    return bench(cfg)
+
+
+BENCHES: dict[str, Bench] = {"router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}

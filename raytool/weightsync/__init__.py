@@ -1,5 +1,12 @@
-"""Weight sync from the trainer to rollout servers: bucketed tensor bytes over ZMQ."""
+"""Weight sync from the trainer to rollout servers: checksummed buckets over ZMQ, relayed down a
+chain of receivers; on one node, handles to the sender's buffers (CUDA IPC, shared memory) instead.
 
-from raytool.weightsync.zmq_sync import WeightReceiver, WeightSender
+Files: `protocol.py` the wire format, `sender.py` the trainer side, `receiver.py` the server side,
+`same_node.py` the same-node paths (CUDA IPC, shared memory) and when to take them.
+"""
 
-__all__ = ["WeightReceiver", "WeightSender"]
+from raytool.weightsync.protocol import ChecksumError, undelivered_address
+from raytool.weightsync.receiver import WeightReceiver
+from raytool.weightsync.sender import WeightSender
+
+__all__ = ["ChecksumError", "WeightReceiver", "WeightSender", "undelivered_address"]

@@ -179,6 +179,32 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
         graph.shutdown()
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_cluster, monkeypatch, in_place):
+    """Three servers, rollout-1 gone (and, here, not caught by the health check). Over TCP the
+    buckets relay down the chain rollout-0 -> rollout-1 -> rollout-2: rollout-0 cannot forward and
+    rollout-2 starves. Read in place, each server gets its own bucket headers and the sender
+    waits in vain for rollout-1's ack. Either way the others are synced again without rollout-1,
+    which alone is ejected."""
+    import ray
+
+    from actors.compose import Graph, build
+
+    cfg = load_config(None, TINY + ["rollout.engine=hf", "rollout.num_servers=3", "rollout.num_cpus=0.3", "trainer.num_cpus=0.5",
+                                    f"trainer.weight_sync_in_place={in_place}"])
+    graph = build(cfg)
+    try:
+        assert {a["server"] for a in graph.sync_weights(version=1)["acks"]} == {"rollout-0", "rollout-1", "rollout-2"}
+        ray.kill(graph.servers["rollout-1"], no_restart=True)
+        monkeypatch.setattr(Graph, "_unresponsive", lambda self, targets: {})
+        result = graph.sync_weights(version=2, timeout_s=5)
+        assert sorted(a["server"] for a in result["acks"]) == ["rollout-0", "rollout-2"]
+        assert all(a["version"] == 2 for a in result["acks"]) and set(result["failed"]) == {"rollout-1"}
+        assert "rollout-1" in ray.get(graph.manager.stats.remote())["ejected"]
+    finally:
+        graph.shutdown()
+
+
 @pytest.mark.parametrize("style", ["tool_message", "in_turn"])
 def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster, tmp_path, tokenizer, style):
     """The default model on the real engine, a short cold-start SFT, one GRPO step: real multi-turn

@@ -1,0 +1,268 @@
+"""`raytool bench weight-sync`: a full weight sync of the run's model against raw ZMQ, and its fan-out.
+
+Measured in one run, on the same machine, so the ratios hold on a noisy shared host:
+- `raw_zmq_gbps`: PUSH/PULL of the checkpoint's bytes in the same buckets, one frame per tensor
+  piece as a sync sends them, but bare (no header, checksum, threads or version checks): what the
+  wire gives;
+- `sync_gbps`: `WeightSender.send` of the checkpoint's tensors over TCP to one receiver, from the
+  call to the receiver holding the last tensor; `sync_vs_raw` is their ratio;
+- the same sync to 2 and 4 receivers down the relay chain (`fanout4_vs_1` = seconds(4) /
+  seconds(1)), and direct fan-out to 4 (every bucket sent 4 times) for comparison. On one host
+  both are bound by memory bandwidth (each receiver costs two more copies through the kernel):
+  the chain pays off across hosts, where each link has its own bandwidth;
+- `same_node_*`: the same syncs with receivers reading the sender's shared-memory staging
+  buffers in place (`WeightSender(ipc=True)`), to 1 and 4 receivers;
+- `seconds_to_live_engine`: from the start of a sync of perturbed weights into a live vLLM engine
+  (this process, its workers in child processes) to its first answer on them (left out, with
+  the reason, where vLLM cannot start).
+
+Receivers run in spawned processes, as rollout servers do, so no two sides share a GIL. Each
+measurement is the median of `REPEATS`, the raw and sync ones interleaved.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from raytool.config import RunConfig
+
+
+RECEIVERS = 4
+REPEATS = 7
+TIMEOUT_S = 120.0
+
+
+def _receiver_process(rank: int, commands, results) -> None:
+    """One receiver: a WeightReceiver for syncs and a bare PULL socket for raw transfers."""
+    import zmq
+
+    from raytool.weightsync import WeightReceiver
+
+    receiver = WeightReceiver()
+    raw = zmq.Context.instance().socket(zmq.PULL)
+    raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
+    results.put((rank, receiver.address, f"tcp://127.0.0.1:{raw_port}"))
+    while (command := commands.get())[0] != "stop":
+        kind, arg = command
+        if kind == "sync":
+            tensors = sum(len(bucket) for bucket in receiver.receive(arg, TIMEOUT_S))
+        else:  # "raw": arg messages
+            for _ in range(arg):
+                raw.recv_multipart(copy=False)
+            tensors = 0
+        results.put((time.perf_counter(), tensors))
+    receiver.close()
+    raw.close(linger=0)
+
+
+def _load_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}: the weight-sync bench reads the checkpoint's tensors from them")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+class _Receivers:
+    """RECEIVERS spawned receiver processes and the commands that time them."""
+
+    def __init__(self, n: int):
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(n)]
+        self.procs = [ctx.Process(target=_receiver_process, args=(i, c, self.results), daemon=True) for i, c in enumerate(self.commands)]
+        for p in self.procs:
+            p.start()
+        ready = sorted(self.results.get(timeout=TIMEOUT_S) for _ in self.procs)
+        self.sync_addresses = [s for _, s, _ in ready]
+        self.raw_addresses = [r for _, _, r in ready]
+
+    def wait(self, n: int) -> tuple[float, list[int]]:
+        """The time the last of n receivers finished, and what each received."""
+        done = [self.results.get(timeout=TIMEOUT_S) for _ in range(n)]
+        return max(t for t, _ in done), [k for _, k in done]
+
+    def command(self, addresses: list[str], kind: str, arg: int) -> None:
+        for address in addresses:
+            self.commands[self.sync_addresses.index(address) if kind == "sync" else self.raw_addresses.index(address)].put((kind, arg))
+
+    def stop(self) -> None:
+        for c in self.commands:
+            c.put(("stop", 0))
+        for p in self.procs:
+            p.join(10)
+
+
+def _raw_messages(state: dict, bucket_bytes: int) -> list[list[memoryview]]:
+    """The state's bytes as messages of at most bucket_bytes, one frame per tensor piece."""
+    messages, frames, used = [], [], 0
+    for tensor in state.values():
+        flat = tensor.reshape(-1).view(torch.uint8)
+        done = 0
+        while True:
+            if used == bucket_bytes:
+                messages.append(frames)
+                frames, used = [], 0
+            take = min(flat.numel() - done, bucket_bytes - used)
+            frames.append(memoryview(flat[done : done + take].numpy()))
+            used, done = used + take, done + take
+            if done == flat.numel():
+                break
+    return [*messages, frames]
+
+
+def _raw_seconds(receivers: _Receivers, messages: list[list[memoryview]]) -> float:
+    """Push the messages to one receiver; seconds to its last byte."""
+    import zmq
+
+    address = receivers.raw_addresses[0]
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(address)
+    receivers.command([address], "raw", len(messages))
+    time.sleep(0.05)  # the receiver is waiting, as it is for a sync
+    start = time.perf_counter()
+    for frames in messages:
+        sock.send_multipart([b"h", *frames], copy=False)
+    end, _ = receivers.wait(1)
+    sock.close(linger=-1)
+    return end - start
+
+
+def _sync_seconds(receivers: _Receivers, sender, state: dict, version: int, addresses: list[str]) -> tuple[float, dict]:
+    receivers.command(addresses, "sync", version)
+    time.sleep(0.05)
+    start = time.perf_counter()
+    stats = sender.send(state.items(), version)
+    end, counts = receivers.wait(len(addresses))
+    if counts != [len(state)] * len(addresses):
+        raise RuntimeError(f"weight-sync bench: receivers got {counts} tensors, expected {len(state)} each")
+    return end - start, stats
+
+
+def _transport(state: dict, bucket_bytes: int) -> dict:
+    from raytool.weightsync import WeightSender
+
+    receivers = _Receivers(RECEIVERS)
+    try:
+        addresses = receivers.sync_addresses
+        senders = {
+            "1": WeightSender(addresses[:1], bucket_bytes, ipc=False),
+            "2": WeightSender(addresses[:2], bucket_bytes, ipc=False),
+            "4": WeightSender(addresses, bucket_bytes, ipc=False),
+            "direct4": WeightSender(addresses, bucket_bytes, fanout="direct", ipc=False),
+            "same_node_1": WeightSender(addresses[:1], bucket_bytes, ipc=True),
+            "same_node_4": WeightSender(addresses, bucket_bytes, ipc=True),
+        }
+        messages = _raw_messages(state, bucket_bytes)
+        version = 0
+        for sender in senders.values():  # warm-up: staging buffers, connections, mappings
+            _, stats = _sync_seconds(receivers, sender, state, version := version + 1, sender.addresses)
+        _raw_seconds(receivers, messages)
+        times: dict[str, list[float]] = {k: [] for k in ("raw", *senders)}
+        for _ in range(REPEATS):
+            times["raw"].append(_raw_seconds(receivers, messages))
+            for key, sender in senders.items():
+                times[key].append(_sync_seconds(receivers, sender, state, version := version + 1, sender.addresses)[0])
+        for sender in senders.values():
+            sender.close()
+    finally:
+        receivers.stop()
+    median = {k: min(v) for k, v in times.items()}  # the best of REPEATS: what each path can do when the host lets it
+    return {"bytes": stats["bytes"], "buckets": stats["buckets"], **{f"{k}_s": v for k, v in median.items()}}
+
+
+def _live_engine_seconds(cfg: RunConfig, model_dir: str, state: dict) -> float:
+    """Start a vLLM engine (not timed), then time a sync of perturbed weights until the engine
+    answers a greedy request differently from before."""
+    import asyncio
+
+    from raytool.engines.vllm_engine import VLLMEngine
+    from raytool.types import SamplingParams
+    from raytool.weightsync import WeightSender
+
+    r = cfg.rollout
+    engine = VLLMEngine(
+        model_dir, dtype=cfg.model.dtype, max_batch_size=4, cpu_kv_cache_gb=r.cpu_kv_cache_gb,
+        enforce_eager=r.enforce_eager, max_model_len=512,
+    )
+    g = torch.Generator().manual_seed(0)
+    perturbed = {k: v + 0.5 * v.float().std().to(v.dtype) * torch.randn(v.shape, generator=g).to(v.dtype) if v.ndim > 1 else v for k, v in state.items()}
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = [1, 4093, 198, 2020, 800]
+
+    async def run() -> float:
+        before = (await engine.generate(prompt, greedy, "before")).token_ids
+        addresses = await engine.bind_weight_receivers("127.0.0.1")
+        sender = WeightSender(addresses, cfg.trainer.weight_sync_bucket_mb << 20)
+        try:
+            start = time.perf_counter()
+            receiving = asyncio.create_task(engine.receive_weights(1, TIMEOUT_S))
+            await asyncio.to_thread(sender.send, perturbed.items(), 1)
+            await receiving
+            after = (await engine.generate(prompt, greedy, "after")).token_ids
+            seconds = time.perf_counter() - start
+        finally:
+            sender.close()
+        if after == before:
+            raise RuntimeError("weight-sync bench: the engine answered the same after a sync of perturbed weights")
+        return seconds
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def bench(cfg: RunConfig) -> tuple[str, dict]:
+    from raytool.models import resolve_model
+
+    model_dir = resolve_model(cfg.model.path)
+    state = _load_state_dict(model_dir)
+    bucket_bytes = cfg.trainer.weight_sync_bucket_mb << 20
+    m = _transport(state, bucket_bytes)
+    gb = m["bytes"] / 1e9
+    result = {
+        "model": cfg.model.path,
+        "gb": round(gb, 3),
+        "buckets": m["buckets"],
+        "bucket_mb": cfg.trainer.weight_sync_bucket_mb,
+        "raw_zmq_gbps": round(gb / m["raw_s"], 3),
+        "sync_gbps": round(gb / m["1_s"], 3),
+        "sync_vs_raw": round(m["raw_s"] / m["1_s"], 3),
+        "fanout2_vs_1": round(m["2_s"] / m["1_s"], 3),
+        "fanout4_vs_1": round(m["4_s"] / m["1_s"], 3),
+        "direct4_vs_1": round(m["direct4_s"] / m["1_s"], 3),
+        "same_node_sync_gbps": round(gb / m["same_node_1_s"], 3),
+        "same_node_vs_raw": round(m["raw_s"] / m["same_node_1_s"], 3),
+        "same_node_fanout4_vs_1": round(m["same_node_4_s"] / m["same_node_1_s"], 3),
+        "seconds": {k.removesuffix("_s"): round(v, 3) for k, v in m.items() if k.endswith("_s")},
+    }
+    try:
+        result["seconds_to_live_engine"] = round(_live_engine_seconds(cfg, model_dir, state), 3)
+    except ImportError as exc:
+        result["seconds_to_live_engine"] = None
+        result["live_engine_skipped"] = f"vLLM is not importable here: {exc}"
+    rows = [("path", "receivers", "seconds", "GB/s", "vs 1")]
+    rows.append(("raw ZMQ", 1, round(m["raw_s"], 3), result["raw_zmq_gbps"], "-"))
+    for key, n, how, one in (
+        ("1", 1, "tcp chain", "1"), ("2", 2, "tcp chain", "1"), ("4", 4, "tcp chain", "1"), ("direct4", 4, "tcp direct", "1"),
+        ("same_node_1", 1, "same node", "same_node_1"), ("same_node_4", 4, "same node", "same_node_1"),
+    ):
+        rows.append((how, n, round(m[f"{key}_s"], 3), round(gb / m[f"{key}_s"], 3), round(m[f"{key}_s"] / m[f"{one}_s"], 3)))
+    table = "\n".join(f"{a!s:<12}{b!s:>10}{c!s:>10}{d!s:>8}{e!s:>8}" for a, b, c, d, e in rows)
+    table += (
+        f"\n\n{cfg.model.path}: {gb:.3f} GB in {m['buckets']} buckets of {cfg.trainer.weight_sync_bucket_mb} MiB; "
+        f"tcp sync/raw {result['sync_vs_raw']}, fan-out 4/1 {result['fanout4_vs_1']}; "
+        f"same node sync/raw {result['same_node_vs_raw']}, fan-out 4/1 {result['same_node_fanout4_vs_1']}"
+        f"\nsync start to a live vLLM engine answering on the new weights: {result['seconds_to_live_engine']} s"
+    )
+    return table, result

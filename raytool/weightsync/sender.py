@@ -1,0 +1,341 @@
+"""The trainer side of a weight sync: `WeightSender` lays (name, tensor) pairs out in fixed-size
+buckets and streams them to the rollout servers' receivers.
+
+Two threads share the work so that they overlap: the caller's thread iterates the tensors (the
+trainer's all-gather happens there) and packs a bucket, while a sender thread checksums and sends
+the one before. Over TCP, GPU tensors are copied into one of two page-locked staging buffers and
+CPU tensors are sent from their own memory, with no copy (on a 2-core box a staging copy costs a
+third of the throughput: loopback TCP is memory-bound). To receivers on this node the tensors are
+copied into one of two staging buffers the receivers read in place (GPU memory shared by CUDA IPC,
+or a shared-memory file). At most two buckets are in flight: a bucket's buffer (or the tensors it
+points into) is released only once ZMQ has handed its bytes to the kernel, or, read in place,
+once every receiver acked it, so a slow receiver slows the packing down instead of growing memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import zmq
+
+from raytool.weightsync import same_node
+from raytool.weightsync.protocol import DTYPES, Ack, BucketHeader, Piece, ShmBuffer, align, checksum, decode_ack, encode
+
+log = logging.getLogger(__name__)
+
+_STAGING = 2  # buffers: one being filled while the other is on the wire
+_POLL_S = 0.1  # how often a blocked thread looks whether the other one failed
+
+
+@dataclass
+class _Bucket:
+    """A packed bucket on its way to the sender thread."""
+
+    index: int
+    last: bool
+    buffer: torch.Tensor | None  # the staging buffer, None where the frames are the tensors' own memory
+    used: int  # bytes of the bucket's layout, the last piece's end
+    pieces: list[Piece]
+    frames: list[torch.Tensor]  # kind "bytes": one uint8 tensor per piece
+    copied: torch.cuda.Event | None = None  # device copies into `buffer` are done when it fires
+    waits: list = field(default_factory=list)  # (address, ZMQ tracker) to wait on before reuse
+
+
+class WeightSender:
+    """Streams one sync per `send()` to `addresses`.
+
+    fanout="chain" (default) sends each bucket once, to the first receiver, which forwards it down
+    the chain before loading it: the trainer's bandwidth is spent once however many servers there
+    are. fanout="direct" sends every bucket to every receiver.
+    ipc: True lets receivers read the weights in place (every receiver on this node): a CUDA IPC
+    handle for GPU weights, a shared-memory file for CPU ones; None does so when every receiver
+    host is this node (loopback, `node_ip`, or what this host name resolves to: pass Ray's node
+    IP) and, for CPU weights, /dev/shm has room; False always sends bytes over TCP. Read in place, send() returns once
+    every receiver has taken every bucket (it waits for their acks).
+    """
+
+    def __init__(
+        self,
+        addresses: list[str],
+        bucket_bytes: int = 64 << 20,
+        send_timeout_s: float = 120.0,
+        *,
+        fanout: Literal["chain", "direct"] = "chain",
+        ipc: bool | None = None,
+        node_ip: str | None = None,
+    ):
+        if not addresses:
+            raise ValueError("WeightSender needs at least one receiver address")
+        if fanout not in ("chain", "direct"):
+            raise ValueError(f"fanout must be 'chain' or 'direct', not '{fanout}'")
+        if bucket_bytes < 1 << 10:
+            raise ValueError(f"bucket_bytes={bucket_bytes}: use at least 1 KiB (64 MiB is the default)")
+        self.addresses = list(addresses)
+        self.bucket_bytes = align(bucket_bytes)
+        self.send_timeout_s = send_timeout_s
+        self.fanout = fanout
+        self.ipc = ipc
+        self.node_ip = node_ip
+        self.origin = f"{socket.gethostname()} pid {os.getpid()}"
+        self._ctx = zmq.Context.instance()
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._staging: dict[tuple[str, str], list[torch.Tensor]] = {}
+        self._shm_paths: dict[int, str] = {}  # data_ptr of a shared-memory staging buffer -> its file
+        self._acks: zmq.Socket | None = None
+        self._ack_address = ""
+
+    # --- the caller's thread: packing -------------------------------------------------------
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """Stream every tensor to every receiver; returns bytes, buckets and seconds. Raises
+        TimeoutError naming the receiver that did not take a bucket in time."""
+        start = time.perf_counter()
+        tensors = iter(named_tensors)
+        first = next(tensors, None)
+        tensors = itertools.chain([first], tensors) if first is not None else iter(())
+        kind = same_node.choose_kind(first[1] if first else None, self.addresses, self.node_ip, self.ipc, _STAGING * self.bucket_bytes)
+        device = first[1].device if first is not None else torch.device("cpu")
+        free = self._staging_buffers(device, kind)
+        pending: queue.Queue[_Bucket | None] = queue.Queue(maxsize=_STAGING)
+        failure: list[BaseException] = []
+        thread = threading.Thread(
+            target=self._sender_loop, args=(version, kind, pending, free, failure), name="weight-sender", daemon=True
+        )
+        thread.start()
+        try:
+            buckets, sent = self._pack(tensors, device, free, pending, failure)
+        except BaseException:
+            sender_failed = bool(failure)  # then the packer only saw its effect
+            _put(pending, None, failure, thread)
+            thread.join()
+            if sender_failed:
+                raise failure[0] from None
+            raise
+        _put(pending, None, failure, thread)
+        thread.join()
+        if failure:
+            raise failure[0]
+        seconds = time.perf_counter() - start
+        log.debug("weights v%d: %d buckets, %.1f MB in %.2fs (%s, %s)", version, buckets, sent / 1e6, seconds, self.fanout, kind)
+        return {"bytes": sent, "buckets": buckets, "seconds": seconds, "fanout": self.fanout, "kind": kind}
+
+    def _pack(self, tensors: Iterator, device: torch.device, free: queue.Queue, pending: queue.Queue, failure: list) -> tuple[int, int]:
+        """Lay tensors out in buckets, splitting those larger than what a bucket has left, and
+        hand each bucket to the sender thread. Returns (buckets, payload bytes)."""
+        size = self.bucket_bytes
+        index = sent = used = 0
+        pieces: list[Piece] = []
+        frames: list[torch.Tensor] = []
+        buffer = _get(free, failure)
+
+        def flush(last: bool) -> None:
+            nonlocal index, used, pieces, frames, buffer
+            copied = None
+            if buffer is not None and device.type == "cuda":
+                copied = torch.cuda.Event()
+                copied.record()
+            _put(pending, _Bucket(index, last, buffer, used, pieces, frames, copied), failure)
+            index, used, pieces, frames = index + 1, 0, [], []
+            if not last:
+                buffer = _get(free, failure)
+
+        for name, tensor in tensors:
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in DTYPES:
+                raise TypeError(f"weight '{name}' has dtype {tensor.dtype}, which weight sync does not carry ({', '.join(DTYPES)})")
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            if buffer is None and flat.device.type != "cpu":
+                flat = flat.cpu()  # a GPU tensor in a sync that began with CPU ones
+            total, done = flat.numel(), 0
+            if pieces and total <= size and align(used) + total > size:
+                flush(False)  # it fits a bucket of its own: do not split it
+            while True:
+                used = min(align(used), size)
+                if used == size:
+                    flush(False)
+                take = min(total - done, size - used)
+                chunk = flat[done : done + take]
+                if buffer is not None:
+                    buffer[used : used + take].copy_(chunk, non_blocking=True)
+                    chunk = buffer[used : used + take]
+                pieces.append(Piece(name, dtype, list(tensor.shape), used, take, done, total))
+                frames.append(chunk)
+                used, done, sent = used + take, done + take, sent + take
+                if done == total:
+                    break
+        flush(True)
+        return index, sent
+
+    def _staging_buffers(self, device: torch.device, kind: str) -> queue.Queue:
+        """What the packer fills, one per bucket in flight. Staging buffers are allocated on first
+        use and kept: GPU memory (kind "cuda") or a shared-memory file ("shm") that receivers
+        read in place, page-locked host memory for GPU weights sent as bytes. CPU weights sent
+        as bytes need none (None: the frames are the tensors themselves)."""
+        if kind == "bytes" and device.type != "cuda":
+            buffers = [None] * _STAGING
+        else:
+            key = (str(device), kind)
+            if key not in self._staging:
+                self._staging[key] = [self._new_staging(device, kind) for _ in range(_STAGING)]
+            buffers = self._staging[key]
+        free: queue.Queue[torch.Tensor | None] = queue.Queue()
+        for buffer in buffers:
+            free.put(buffer)
+        return free
+
+    def _new_staging(self, device: torch.device, kind: str) -> torch.Tensor:
+        if kind == "cuda":
+            return torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+        if kind == "shm":
+            path, buffer = same_node.create_segment(self.bucket_bytes)
+            self._shm_paths[buffer.data_ptr()] = path
+            return buffer
+        return torch.empty(self.bucket_bytes, dtype=torch.uint8, pin_memory=True)
+
+    # --- the sender thread ------------------------------------------------------------------
+
+    def _sender_loop(self, version: int, kind: str, pending: queue.Queue, free: queue.Queue, failure: list) -> None:
+        """Send buckets as they come; return a buffer to `free` once it may be refilled. The
+        newest bucket stays in flight while the next one is checksummed and queued, so the
+        wire never waits on this thread."""
+        in_flight: list[_Bucket] = []
+        acked: dict[int, set[str]] = {}
+        try:
+            while (bucket := pending.get()) is not None:
+                self._deliver(version, bucket, kind)
+                in_flight.append(bucket)
+                while len(in_flight) > 1:
+                    self._release(version, in_flight.pop(0), kind, free, acked)
+            for bucket in in_flight:
+                self._release(version, bucket, kind, free, acked)
+        except BaseException as exc:  # surfaced by send() in the caller's thread
+            failure.append(exc)
+
+    def _deliver(self, version: int, bucket: _Bucket, kind: str) -> None:
+        if bucket.copied is not None:
+            bucket.copied.synchronize()  # the bytes are in the buffer before anyone reads it
+        if kind == "bytes":
+            payload = [memoryview(frame.numpy()) for frame in bucket.frames]
+            digest = checksum(payload)
+        elif kind == "shm":
+            payload = [encode(ShmBuffer(self._shm_paths[bucket.buffer.data_ptr()], bucket.used))]
+            digest = checksum([memoryview(bucket.buffer[: bucket.used].numpy())])
+        else:
+            payload = [encode(same_node.export_buffer(bucket.buffer))]
+            digest = checksum(payload)
+        # Read in place, a bucket is a small header: every receiver gets its own (a chain would only
+        # let one dead receiver starve the ones after it).
+        routes = [self.addresses] if self.fanout == "chain" and kind == "bytes" else [[a] for a in self.addresses]
+        header = BucketHeader(
+            version, bucket.index, bucket.last, kind, digest, bucket.pieces, [], 0, self.origin,
+            self._ack_socket() if kind != "bytes" else "",
+        )
+        for route in routes:
+            header.route = route
+            sock = self._socket(route[0])
+            try:
+                tracker = sock.send_multipart([encode(header), *payload], copy=False, track=True)
+            except zmq.Again:
+                raise self._undelivered(version, bucket.index, route[0]) from None
+            bucket.waits.append((route[0], tracker))
+
+    def _release(self, version: int, bucket: _Bucket, kind: str, free: queue.Queue, acked: dict[int, set[str]]) -> None:
+        """Wait until the bucket's buffer may be refilled, then hand it back to the packer."""
+        for address, tracker in bucket.waits:
+            try:
+                tracker.wait(self.send_timeout_s)
+            except zmq.NotDone:
+                raise self._undelivered(version, bucket.index, address) from None
+        if kind != "bytes":
+            self._wait_acks(version, bucket.index, acked)
+        bucket.frames.clear()  # the tensors may go now
+        free.put(bucket.buffer)
+
+    def _wait_acks(self, version: int, index: int, acked: dict[int, set[str]]) -> None:
+        """Every receiver reads an in-place bucket from our buffer: wait for all of them. Acks of
+        later buckets that come meanwhile are kept in `acked` (bucket index -> receivers)."""
+        deadline = time.monotonic() + self.send_timeout_s
+        while (waiting := set(self.addresses) - acked.get(index, set())):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._acks.poll(int(left * 1000)):
+                raise TimeoutError(
+                    f"weight sync v{version}: no ack for bucket {index} from {', '.join(sorted(waiting))} "
+                    f"within {self.send_timeout_s:g}s (that receiver failed to load it or is stuck)"
+                )
+            ack: Ack = decode_ack(self._acks.recv())
+            if ack.version == version:  # an older one is left over from a sync that failed
+                acked.setdefault(ack.index, set()).add(ack.address)
+        acked.pop(index)
+
+    def _undelivered(self, version: int, index: int, address: str) -> TimeoutError:
+        return TimeoutError(
+            f"weight sync v{version}: could not deliver bucket {index} to {address} within "
+            f"{self.send_timeout_s:g}s (from the sender {self.origin}): that receiver is down, not "
+            "listening, or not reading; check its server"
+        )
+
+    def _socket(self, address: str) -> zmq.Socket:
+        if address not in self._sockets:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDTIMEO, int(self.send_timeout_s * 1000))
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection, so a dead peer times out
+            sock.connect(address)
+            self._sockets[address] = sock
+        return self._sockets[address]
+
+    def _ack_socket(self) -> str:
+        """The address receivers ack in-place buckets to (bound once; they are on this node)."""
+        if self._acks is None:
+            self._acks = self._ctx.socket(zmq.PULL)
+            self._acks.setsockopt(zmq.LINGER, 0)
+            port = self._acks.bind_to_random_port("tcp://127.0.0.1")
+            self._ack_address = f"tcp://127.0.0.1:{port}"
+        return self._ack_address
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        if self._acks is not None:
+            self._acks.close(linger=0)
+            self._acks = None
+        self._staging.clear()
+        for path in self._shm_paths.values():
+            same_node.remove_segment(path)
+        self._shm_paths.clear()
+
+
+def _put(q: queue.Queue, item, failure: list, thread: threading.Thread | None = None) -> None:
+    """Put into a bounded queue unless the sender thread failed (then it reads no more)."""
+    while True:
+        if failure or (thread is not None and not thread.is_alive()):
+            if failure and item is not None:
+                raise failure[0]
+            return
+        try:
+            q.put(item, timeout=_POLL_S)
+            return
+        except queue.Full:
+            continue
+
+
+def _get(free: queue.Queue, failure: list) -> torch.Tensor:
+    """A staging buffer to fill, unless the sender thread failed."""
+    while True:
+        if failure:
+            raise failure[0]
+        try:
+            return free.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
