@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import torch
 
-ADV_ESTIMATORS: dict = {}
+from raytool.algos.registry import Registry
 
-
-def register(name: str):
-    def wrap(fn):
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return wrap
-
-
-def get_adv_estimator(name: str):
-    try:
-        return ADV_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator '{name}'; registered: {sorted(ADV_ESTIMATORS)}") from None
+ADV_ESTIMATORS = Registry("advantage estimator")
+register = ADV_ESTIMATORS.register
+get_adv_estimator = ADV_ESTIMATORS.lookup
 
 
 def _groups(group_ids: list) -> list[torch.Tensor]:

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import torch
 
-POLICY_LOSSES: dict = {}
+from raytool.algos.registry import Registry
+
+POLICY_LOSSES = Registry("policy loss")
+register = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.lookup
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-def register(name: str):
-    def wrap(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return wrap
-
-
-def get_policy_loss(name: str):
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss '{name}'; registered: {sorted(POLICY_LOSSES)}") from None
 
 
 def masked_aggregate(

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS: dict = {}
+from raytool.algos.registry import Registry
 
-
-def register(name: str):
-    def wrap(fn):
-        KL_ESTIMATORS[name] = fn
-        return fn
-
-    return wrap
-
-
-def get_kl_estimator(name: str):
-    try:
-        return KL_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown KL estimator '{name}'; registered: {sorted(KL_ESTIMATORS)}") from None
+KL_ESTIMATORS = Registry("KL estimator")
+register = KL_ESTIMATORS.register
+get_kl_estimator = KL_ESTIMATORS.lookup
 
 
 # Schulman, "Approximating KL Divergence" (2020): with tokens sampled from pi and

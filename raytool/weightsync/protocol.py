@@ -8,12 +8,13 @@ the staging buffer a GPU tensor was copied to). On one node the bytes need not t
 `kind="cuda"` the one payload frame is a msgpack `CudaBuffer` (an IPC handle to the sender's GPU
 staging buffer), with `kind="shm"` a `ShmBuffer` (the sender's shared-memory staging file), and
 each piece sits at its offset in that buffer; receivers ack such a bucket when they are done with
-it. The header's checksum covers what a receiver reads: the payload frames, or for "shm" the
-shared bytes. Every hop verifies it before it forwards or loads the bucket.
+it. The header's checksum covers what travels: the payload frames (the weights' bytes, or the
+handle to them). Every hop verifies it before it forwards or loads the bucket.
 
-A sync to several receivers is a chain: `route` lists every receiver in order, the sender sends to
-`route[0]`, and the receiver at `route[hop]` forwards the same payload frames, with `hop + 1` in
-the header, to `route[hop + 1]`. Direct fan-out sends each receiver a header whose route is itself.
+Over TCP a sync to several receivers is a chain: `route` lists every receiver in order, the sender
+sends to `route[0]`, and the receiver at `route[hop]` forwards the same payload frames, with
+`hop + 1` in the header, to `route[hop + 1]`. Direct fan-out (and every in-place sync: its
+buckets are small headers) sends each receiver a header whose route is itself.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class BucketHeader(msgspec.Struct, array_like=True):
     index: int
     last: bool
     kind: Literal["bytes", "cuda", "shm"]
-    checksum: int  # xxh3_64 of the payload frames in order ("shm": of the shared bytes)
+    checksum: int  # xxh3_64 of the payload frames in order
     pieces: list[Piece]
     route: list[str]  # receivers in chain order
     hop: int  # this frame is addressed to route[hop]

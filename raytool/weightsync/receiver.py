@@ -65,7 +65,7 @@ class WeightReceiver:
                 )
             upstream = header.upstream()
             shared = self._shared_buffer(header, payload, seen)  # None for kind "bytes"
-            read = [frame.buffer for frame in payload] if header.kind != "shm" else [memoryview(shared.numpy())]
+            read = [frame.buffer for frame in payload]  # the weights' bytes, or the handle to them (read in place)
             if checksum(read) != header.checksum:
                 raise ChecksumError(
                     f"weight sync v{version}: bucket {header.index} failed its checksum on the hop {upstream} -> "

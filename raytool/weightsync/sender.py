@@ -227,11 +227,12 @@ class WeightSender:
         if kind == "bytes":
             payload = [memoryview(frame.numpy()) for frame in bucket.frames]
             digest = checksum(payload)
-        elif kind == "shm":
-            payload = [encode(ShmBuffer(self._shm_paths[bucket.buffer.data_ptr()], bucket.used))]
-            digest = checksum([memoryview(bucket.buffer[: bucket.used].numpy())])
         else:
-            payload = [encode(same_node.export_buffer(bucket.buffer))]
+            # Read in place, no weight bytes travel: the checksum covers what does, the handle
+            # (the receivers read the buffer only between our send and their ack, so nothing
+            # overwrites it under them).
+            handle = ShmBuffer(self._shm_paths[bucket.buffer.data_ptr()], bucket.used) if kind == "shm" else same_node.export_buffer(bucket.buffer)
+            payload = [encode(handle)]
             digest = checksum(payload)
         # Read in place, a bucket is a small header: every receiver gets its own (a chain would only
         # let one dead receiver starve the ones after it).
