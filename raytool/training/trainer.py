@@ -84,23 +84,29 @@ class Trainer:
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
         self.dtype = compute_dtype(t.compute_dtype, self.device)
+        if t.cpu_offload and self.device.type == "cpu":
+            raise ValueError("config key 'trainer.cpu_offload' offloads accelerator memory to the host; on a CPU the weights already are there: set it false")
         self.packed = t.packing is True or (t.packing == "auto" and cfg.model.attn_implementation.startswith("flash_attention"))
         self.lm = load_lm(model_path, attn_implementation=cfg.model.attn_implementation, activation_checkpointing=t.activation_checkpointing,
                           lora_rank=t.lora_rank, lora_alpha=t.lora_alpha, lora_target_modules=list(t.lora_target_modules))
         self.pad_id = self.lm.config.pad_token_id or 0
-        self.policy = PolicyModel(self.lm).to(self.device)
-        if t.cpu_offload and self.device.type == "cpu":
-            raise ValueError("config key 'trainer.cpu_offload' offloads accelerator memory to the host; on a CPU the weights already are there: set it false")
         self.sharded = world_size > 1 or self.dtype != torch.float32 or t.cpu_offload
-        if self.sharded:
-            if not dist.is_initialized():
-                _init_single_process_group("gloo" if self.device.type == "cpu" else "nccl" if self.device.type == "cuda" else "hccl")
-            shard(self.policy, self.dtype, t.cpu_offload)
+        self.policy = self._place(PolicyModel(self.lm))
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
         self.reference: PolicyModel | None = None  # built on first use (KL on); LoRA uses the base model instead
         self.step = 0  # optimizer steps taken
         self.rl_updates = 0  # optimizer steps of the RL phase (drive its learning-rate schedule)
+
+    def _place(self, model: PolicyModel) -> PolicyModel:
+        """Onto the device: sharded, FSDP2 moves one layer at a time (the fp32 model is loaded in
+        host memory and never whole on the accelerator); otherwise as a whole."""
+        if not self.sharded:
+            return model.to(self.device)
+        if not dist.is_initialized():
+            _init_single_process_group({"cpu": "gloo", "cuda": "nccl"}.get(self.device.type, "hccl"))
+        shard(model, self.dtype, self.cfg.trainer.cpu_offload)
+        return model
 
     # -- log-probs ---------------------------------------------------------------------------------
 
@@ -126,7 +132,7 @@ class Trainer:
 
     def _grid(self, group: list[_Seq], field: str, width: int) -> torch.Tensor:
         rows = [getattr(x, field) for x in group]
-        return pad_right(rows, 0.0 if field != "mask" else 0, torch.float32)[:, :width].to(self.device)
+        return pad_right(rows, 0.0, torch.float32)[:, :width].to(self.device)
 
     @torch.no_grad()
     def _fill(self, seqs: list[_Seq], field: str, model: PolicyModel) -> None:
@@ -145,9 +151,7 @@ class Trainer:
                 self.reference = _AdaptersOff(self.policy)
             else:
                 lm = load_lm(self.model_path, attn_implementation=self.cfg.model.attn_implementation, activation_checkpointing=False)
-                self.reference = PolicyModel(lm).to(self.device)
-                if self.sharded:
-                    shard(self.reference, self.dtype, self.cfg.trainer.cpu_offload)
+                self.reference = self._place(PolicyModel(lm))
                 self.reference.requires_grad_(False)
         return self.reference
 
