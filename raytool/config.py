@@ -327,6 +327,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'agent.observation_style': in_turn needs agent.format=retool (hermes observations are tool messages)")
     if cfg.algorithm.clip_ratio_c is not None and cfg.algorithm.clip_ratio_c <= 1.0:
         raise ConfigError(f"{source}: config key 'algorithm.clip_ratio_c': the dual-clip bound must be > 1 (or null to turn it off), got {cfg.algorithm.clip_ratio_c}")
+    if cfg.trainer.cpu_offload and not cfg.trainer.num_gpus:
+        raise ConfigError(f"{source}: config key 'trainer.cpu_offload': offloading moves accelerator memory to the host; give the trainer GPUs (trainer.num_gpus) or set it false")
     if cfg.trainer.lora_rank and cfg.trainer.num_workers > 1:
         raise ConfigError(f"{source}: config key 'trainer.lora_rank': LoRA runs on one trainer worker (trainer.num_workers=1), got {cfg.trainer.num_workers} workers")
     if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:

@@ -30,3 +30,20 @@ def test_overrides_may_follow_flags_and_unknown_flags_are_refused(capsys):
     assert resolved["rollout"]["n"] == 3 and resolved["agent"]["max_turns"] == 2
     with pytest.raises(SystemExit):
         main(["config", "--bogus", "rollout.n=3"])
+
+
+def test_resume_and_export_without_a_checkpoint_fail_in_one_line(capsys, tmp_path):
+    assert main(["train", "--resume", str(tmp_path), "--run-dir", str(tmp_path / "run")]) == 2
+    assert main(["export", "--ckpt", str(tmp_path), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no checkpoint there" in err[0] and "not a raytool checkpoint" in err[1]
+
+
+def test_sft_without_data_names_the_key(capsys):
+    assert main(["sft", "model.path=tiny-random"]) == 2
+    assert "sft.train_files" in capsys.readouterr().err
+
+
+def test_cpu_offload_without_gpus_is_a_config_error(capsys):
+    assert main(["train", "trainer.cpu_offload=true"]) == 2
+    assert "trainer.cpu_offload" in capsys.readouterr().err

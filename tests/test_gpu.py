@@ -39,7 +39,7 @@ def test_offloaded_checkpointed_bf16_step_on_cuda(tiny_model_path):
     from raytool.training import Trainer
     from raytool.types import Trajectory
 
-    cfg = load_config(None, ["trainer.cpu_offload=true", "trainer.activation_checkpointing=true", "trainer.logprob_chunk_tokens=4",
+    cfg = load_config(None, ["trainer.cpu_offload=true", "trainer.num_gpus=1", "trainer.activation_checkpointing=true", "trainer.logprob_chunk_tokens=4",
                              "trainer.lr=1e-6"])
     trainer = Trainer(cfg, tiny_model_path, device="cuda")
     before = {n: w.clone() for n, w in trainer.named_weights()}
