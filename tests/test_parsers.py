@@ -248,7 +248,9 @@ def test_pathological_input_is_fast(text):
     assert len(text) >= 200_000
     started = time.perf_counter()
     (parse_retool if text.startswith("<code>") else parse_hermes)(text)
-    assert time.perf_counter() - started < 0.5
+    # Linear work takes milliseconds; a regex that backtracks on this input takes minutes. The bound
+    # is loose so that a loaded CI machine cannot fail it.
+    assert time.perf_counter() - started < 5
 
 
 # --- check_arguments ---------------------------------------------------------------------------------

@@ -42,10 +42,20 @@ def _generate(actor, prompts, sampling):
     return ray.get([actor.generate.remote(p, sampling, f"t{i}-{id(sampling)}") for i, p in enumerate(prompts)])
 
 
+def _trainer_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The response's log-probs as the trainer computes them (its PolicyModel: head over the
+    scored tokens only, chunked), under softmax(logits / temperature)."""
+    from raytool.training.batching import layout
+    from raytool.training.model import PolicyModel
+
+    ids = prompt + response
+    lay = layout([ids], [list(range(len(prompt) - 1, len(ids) - 1))], 0, packed=False, device="cpu")
+    logp, _ = PolicyModel(model)(lay.input_ids, lay.select, lay.labels, temperature=temperature)
+    return logp
+
+
 def test_engine_logprobs_match_the_trainer_at_the_rollout_temperature(server, tiny_model_path):
     from transformers import AutoModelForCausalLM
-
-    from raytool.training.trainer import _token_logprobs
 
     actor, _ = server
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
@@ -53,9 +63,8 @@ def test_engine_logprobs_match_the_trainer_at_the_rollout_temperature(server, ti
         outs = _generate(actor, PROMPTS, SamplingParams(max_tokens=12, temperature=temperature, seed=7))
         for prompt, out in zip(PROMPTS, outs):
             assert len(out.token_ids) == len(out.logprobs) == 12 and out.finish_reason == "length"
-            ids = torch.tensor([prompt + out.token_ids])
             with torch.no_grad():
-                trainer = _token_logprobs(model, ids, torch.ones_like(ids), temperature=temperature)[0, len(prompt) - 1 :]
+                trainer = _trainer_logprobs(model, prompt, out.token_ids, temperature)
             diff = (trainer - torch.tensor(out.logprobs)).abs().max().item()
             assert diff < LOGPROB_ATOL, f"temperature {temperature}: max |engine - trainer| = {diff:.2e}"
 
@@ -86,7 +95,6 @@ def test_weights_streamed_over_zmq_change_the_live_engine_and_restore_exactly(se
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from raytool.training.trainer import _token_logprobs
     from raytool.weightsync import WeightSender
 
     actor, addresses = server
@@ -105,9 +113,8 @@ def test_weights_streamed_over_zmq_change_the_live_engine_and_restore_exactly(se
         outs = _generate(actor, PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
         for prompt, out in zip(PROMPTS, outs):
             assert out.policy_version == 11
-            ids = torch.tensor([prompt + out.token_ids])
             with torch.no_grad():
-                expected = _token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt) - 1 :]
+                expected = _trainer_logprobs(model, prompt, out.token_ids)
             assert (expected - torch.tensor(out.logprobs)).abs().max().item() < LOGPROB_ATOL
         assert [o.token_ids for o in _generate(actor, PROMPTS, greedy)] != [o.token_ids for o in before]
         ack = actor.receive_weights.remote(12, 60.0)
