@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 from dataclasses import dataclass, field
 
 import msgspec
@@ -93,7 +94,8 @@ class Graph:
         collateral = {name: targets[name] for name in broken if name not in culprits}
         if culprits and collateral:
             log.warning("weight sync v%d: %s broke the chain; syncing %s again without them", version, sorted(culprits), sorted(collateral))
-            _, more_acks, broken_again = self._send_and_ack(collateral, version, timeout_s)
+            sent_again, more_acks, broken_again = self._send_and_ack(collateral, version, timeout_s)
+            sent = sent if sent["bytes"] else sent_again
             acks += more_acks
             broken = {name: broken[name] for name in culprits} | broken_again
         failed.update({name: reason for name, (reason, _) in broken.items()})
@@ -110,7 +112,7 @@ class Graph:
             sent, *_ = ray.get(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20, timeout_s))
         except ray.exceptions.RayTaskError as exc:  # a receiver did not take a bucket (or its ack never came)
             sent, reason = {"bytes": 0, "buckets": 0, "seconds": 0.0}, one_line(exc)
-            named = [name for name in targets if any(address in reason for address in targets[name])]
+            named = [name for name in targets if any(re.search(re.escape(address) + r"(?!\d)", reason) for address in targets[name])]
             if not named:
                 raise
             broken.update({name: (reason, True) for name in named})

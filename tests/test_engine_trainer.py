@@ -100,7 +100,7 @@ def test_off_policy_epochs_use_old_logprobs_and_report_engine_drift(tiny_model_p
     trainer = _trainer(tiny_model_path, "trainer.lr=1e-2", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "trainer.micro_batch_tokens=16")
     batch = [_traj(str(i), "g", [1, 2, 3], [5 + i, 6, 7], float(i % 2)) for i in range(4)]
     metrics = trainer.rl_step(batch)
-    # The second pass sees a policy that moved: its ratio departs from 1 (approx_kl > 0).
+    # The second pass sees a policy that moved: its ratio departs from 1 (ppo_kl != 0).
     assert metrics["actor/ppo_kl"] != 0 and math.isfinite(metrics["actor/pg_loss"])
     # rollout_logprobs are 0.0 in these hand-made trajectories: the drift is the trainer's -logp.
     assert metrics["rollout/logprob_abs_diff"] > 1.0
