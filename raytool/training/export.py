@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from raytool.errors import RaytoolError
-from raytool.training.model import PolicyModel, merged_named_weights
+from raytool.training.model import PolicyModel, merged_named_weights, with_lora
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,8 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_meta), dtype=torch.float32)
         if meta["lora"]:
-            from peft import LoraConfig, get_peft_model
-
             t = meta["trainer"]
-            targets = t["lora_target_modules"]
-            lm = get_peft_model(lm, LoraConfig(r=t["lora_rank"], lora_alpha=t["lora_alpha"], target_modules=targets[0] if targets == ["all-linear"] else targets))
+            lm = with_lora(lm, t["lora_rank"], t["lora_alpha"], t["lora_target_modules"])
     policy = PolicyModel(lm).to_empty(device="cpu")
     (lm.get_base_model() if meta["lora"] else lm).tie_weights()  # to_empty gives tied parameters storage of their own
     state = {"model": get_model_state_dict(policy)}

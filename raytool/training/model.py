@@ -89,16 +89,21 @@ def load_lm(model_path: str, *, attn_implementation: str, activation_checkpointi
     lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn_implementation)
     lm.config.use_cache = False
     if lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        targets = lora_target_modules or ["all-linear"]
-        lm = get_peft_model(lm, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets[0] if targets == ["all-linear"] else targets))
+        lm = with_lora(lm, lora_rank, lora_alpha, lora_target_modules)
     if activation_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora_rank:
             lm.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need an input that requires grad
     lm.train()
     return lm
+
+
+def with_lora(lm: nn.Module, rank: int, alpha: int, target_modules: list[str] | None) -> nn.Module:
+    """`lm` with peft LoRA adapters (only they train); ["all-linear"] is peft's every linear layer but the head."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(target_modules or ["all-linear"])
+    return get_peft_model(lm, LoraConfig(r=rank, lora_alpha=alpha, target_modules="all-linear" if targets == ["all-linear"] else targets))
 
 
 def shard(policy: PolicyModel, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
