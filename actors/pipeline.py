@@ -20,8 +20,8 @@ from actors.compose import Graph, build
 from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import RunConfig, to_yaml
 from raytool.data import PromptLoader, make_splits, sft_messages
-from raytool.models import resolve_model
 from raytool.errors import RaytoolError
+from raytool.models import resolve_model
 from raytool.tracking import Tracker
 from raytool.training import lr_at
 
@@ -116,7 +116,6 @@ class DriverState(msgspec.Struct):
     step: int  # GRPO steps done
     version: int  # policy version the rollout servers hold
     loader: dict  # the prompt loader's position
-    sft_done: bool = True
 
 
 def save_checkpoint(graph: Graph, run_dir: Path, state: DriverState) -> Path:
@@ -168,7 +167,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     loader = PromptLoader(train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     try:
-        state = DriverState(step=0, version=0, loader=loader.state_dict(), sft_done=False)
+        state = DriverState(step=0, version=0, loader=loader.state_dict())
         if checkpoint is not None:
             state = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=DriverState)
             graph.trainer.load_checkpoint(str(checkpoint))
@@ -181,7 +180,6 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
                 graph.trainer.snapshot_reference()
             state.version += 1
             graph.sync_weights(state.version)
-        state.sft_done = True
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
             step_start = time.perf_counter()
             stats, traj_refs = graph.rollout(
