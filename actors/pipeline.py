@@ -118,9 +118,11 @@ class DriverState(msgspec.Struct):
     loader: dict  # the prompt loader's position
 
 
-def save_checkpoint(graph: Graph, run_dir: Path, state: DriverState) -> Path:
+def save_checkpoint(trainer, run_dir: Path, state: msgspec.Struct) -> Path:
+    """The trainer group's checkpoint in run_dir/checkpoints/step_N, with the driver's `state`
+    (a Struct with a `step`) next to it as driver_state.json."""
     directory = (run_dir / "checkpoints" / f"step_{state.step}").resolve()
-    graph.trainer.save_checkpoint(str(directory))
+    trainer.save_checkpoint(str(directory))
     (directory / "driver_state.json").write_bytes(msgspec.json.encode(state))
     log.info("checkpoint: %s", directory)
     return directory
@@ -213,9 +215,9 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
             state.step, state.loader = step, loader.state_dict()
             every = cfg.trainer.save_every
             if every and step % every == 0 and not (cfg.trainer.save_final and step == cfg.trainer.total_steps):
-                save_checkpoint(graph, run_dir, state)
+                save_checkpoint(graph.trainer, run_dir, state)
         if cfg.trainer.save_final:
-            directory = save_checkpoint(graph, run_dir, state)
+            directory = save_checkpoint(graph.trainer, run_dir, state)
             log.info("final model (HF format): %s", graph.trainer.export_hf(str(directory / "hf")))
     finally:
         tracker.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from actors.pipeline import connect, default_run_dir, find_checkpoint
+from actors.pipeline import connect, default_run_dir, find_checkpoint, save_checkpoint
 from actors.trainer import TrainerGroup
 from raytool.agent.render import as_in_turn
 from raytool.config import RunConfig, to_yaml
@@ -81,12 +81,6 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
             trainer.load_checkpoint(str(checkpoint))
             log.info("resumed from %s at step %d", checkpoint, state.step)
 
-        def save() -> Path:
-            directory = (run_dir / "checkpoints" / f"step_{state.step}").resolve()
-            trainer.save_checkpoint(str(directory))
-            (directory / "driver_state.json").write_bytes(msgspec.json.encode(state))
-            return directory
-
         def validate(metrics: dict) -> None:
             if val_examples:
                 metrics["val/sft_loss"] = trainer.sft_val_loss(val_examples)
@@ -107,8 +101,8 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
                     validate(metrics)
                 tracker.log(metrics, phase="sft")
                 if s.save_every and state.step % s.save_every == 0 and state.step != total:
-                    log.info("checkpoint: %s", save())
-        directory = save()
+                    save_checkpoint(trainer, run_dir, state)
+        directory = save_checkpoint(trainer, run_dir, state)
         log.info("final model (HF format): %s", trainer.export_hf(str(directory / "hf")))
     finally:
         tracker.close()
