@@ -7,12 +7,13 @@ import importlib
 import itertools
 import zlib
 
+import msgspec
 import ray
 
 from raytool.agent.loop import reward_view
 from raytool.agent.registry import get_agent_loop
 from raytool.agent.render import ChatRenderer
-from raytool.config import AgentConfig, RunConfig
+from raytool.config import AgentConfig, RolloutConfig, RunConfig
 from raytool.tools.code_interpreter import CodeInterpreterTool
 from raytool.tools.registry import ToolSet, load_tool_config
 from raytool.types import Message, Trajectory
@@ -31,6 +32,7 @@ def trajectory_stats(t: Trajectory) -> dict:
         "tool_error_kinds": t.tool_error_kinds,
         "tool_repaired": t.tool_repaired,
         "finish_reason": t.finish_reason,
+        "verify_timeout": t.reward_extra.get("verify_timeout", 0.0),
     }
 
 
@@ -65,11 +67,12 @@ class AgentLoopWorker:
     async def _execute(self, code: str, session: str):
         return await self._pool(session).execute.remote(code, session)
 
-    async def _one(self, messages: list[Message], ground_truth: str, uid: str, group_id: str, agent_name: str) -> Trajectory:
+    async def _one(self, messages: list[Message], ground_truth: str, uid: str, group_id: str, agent_name: str,
+                   extra: dict, rollout: RolloutConfig) -> Trajectory:
         async def generate(prompt_ids, sampling, request_id, session):
             return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, group_id)
 
-        loop = get_agent_loop(agent_name)(self.renderer, self.toolset.tools, generate, self.cfg.agent, self.cfg.rollout)
+        loop = get_agent_loop(agent_name)(self.renderer, self.toolset.tools, generate, self.cfg.agent, rollout)
         async with self.slots:
             try:
                 traj = await loop.run(messages, ground_truth, uid, group_id)
@@ -78,12 +81,19 @@ class AgentLoopWorker:
                 self._pool(uid).close_session.remote(uid)
         traj.agent_name = agent_name
         # Score now, while sibling trajectories are still rolling out.
-        traj.reward, traj.reward_extra = await next(self.reward_workers).score.remote(reward_view(traj), ground_truth, {})
+        traj.reward, traj.reward_extra = await next(self.reward_workers).score.remote(
+            reward_view(traj, self.cfg.agent.max_response_tokens), ground_truth, extra)
         return traj
 
     @ray.method(num_returns=2)
-    async def run_group(self, messages: list[Message], ground_truth: str, group_id: str, n: int, agent_name: str | None = None):
-        """n samples of one prompt (a GRPO group) -> (trajectories, their small stats)."""
+    async def run_group(self, messages: list[Message], ground_truth: str, group_id: str, n: int, agent_name: str | None = None,
+                        extra: dict | None = None, sampling: dict | None = None):
+        """n samples of one prompt (a GRPO group) -> (trajectories, their small stats).
+        `extra` goes to the reward fn (data_source, extra_info); `sampling` overrides rollout keys
+        (validation samples with its own temperature)."""
         name = agent_name or self.cfg.agent.default_agent
-        trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id, name) for i in range(n)))
-        return list(trajs), [trajectory_stats(t) for t in trajs]
+        extra = extra or {}
+        rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
+        trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id, name, extra, rollout) for i in range(n)))
+        source = extra.get("data_source", "")
+        return list(trajs), [{**trajectory_stats(t), "data_source": source} for t in trajs]

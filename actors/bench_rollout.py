@@ -25,7 +25,7 @@ from actors.compose import build
 from actors.pipeline import connect
 from raytool.config import RunConfig
 from raytool.data import make_splits
-from raytool.data.tool_arith import prompt_messages
+from raytool.data.tool_arith import prompt_row
 from raytool.agent.loop import request_seed
 from raytool.types import SamplingParams
 
@@ -90,9 +90,9 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
     graph = build(cfg, model_path, with_trainer=False)
     try:
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path))
-        problems, _ = make_splits(cfg.data.prompts_per_step, 1, cfg.data.seed)
+        problems = [prompt_row(p, cfg.agent.system_prompt) for p in make_splits(cfg.data.prompts_per_step, 1, cfg.data.seed)[0]]
         n = cfg.rollout.n
-        prompts = [renderer.prompt_ids(prompt_messages(p, cfg.agent.system_prompt)) for p in problems for _ in range(n)]
+        prompts = [renderer.prompt_ids(p.prompt) for p in problems for _ in range(n)]
         r = cfg.rollout
         sampling = SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   stop_token_ids=(renderer.eos_id,))

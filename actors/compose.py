@@ -6,7 +6,7 @@
 
     ray.init()
     graph = build(load_config(overrides=["model.path=tiny-random"]))
-    stats, trajs = graph.rollout(problems)        # or call any actor yourself:
+    stats, trajs = graph.rollout(prompt_rows)     # or call any actor yourself:
     out = ray.get(graph.manager.generate.remote(ids, SamplingParams(max_tokens=8), "req-0"))
     graph.shutdown()
 """
@@ -30,7 +30,7 @@ from actors.rollout_server import RolloutServer
 from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
 from raytool.config import ConfigError, RunConfig, SandboxConfig, sandbox_backend_options
-from raytool.data.tool_arith import Problem, prompt_messages
+from raytool.data.prompts import PromptRow, with_system_prompt
 from raytool.errors import RaytoolError, one_line
 from raytool.models import resolve_model
 from raytool.weightsync import undelivered_address
@@ -53,18 +53,22 @@ class Graph:
     def __post_init__(self):
         self._next_worker = itertools.cycle(self.agent_workers)
 
-    def submit_group(self, problem: Problem, group_id: str):
-        """Start one GRPO group on the next agent worker -> (trajectories ref, stats ref)."""
+    def submit_group(self, row: PromptRow, group_id: str, n: int | None = None, sampling: dict | None = None):
+        """Start one GRPO group (n samples of the row, rollout.n by default) on the next agent worker
+        -> (trajectories ref, stats ref). `sampling`: rollout keys to override, e.g. {"temperature": 1.0}."""
         worker = next(self._next_worker)
-        return worker.run_group.remote(prompt_messages(problem, self.cfg.agent.system_prompt), problem.answer, group_id, self.cfg.rollout.n)
+        messages = with_system_prompt(row.prompt, self.cfg.agent.system_prompt)
+        extra = {"data_source": row.data_source, "extra_info": row.extra_info}
+        return worker.run_group.remote(messages, row.ground_truth, group_id, n or self.cfg.rollout.n, row.agent_name, extra, sampling)
 
-    def rollout(self, problems: list[Problem], prefix: str = "g", progress: str | None = None) -> tuple[list[dict], list]:
-        """Roll out every problem rollout.n times; returns (per-trajectory stats, with the index of
-        their group, and one trajectories ref per problem). The trajectories stay in the object store until someone asks.
-        `progress`: the label of a progress bar on stderr (None: no bar)."""
-        refs = [self.submit_group(p, f"{prefix}{i}") for i, p in enumerate(problems)]
+    def rollout(self, rows: list[PromptRow], prefix: str = "g", progress: str | None = None,
+                n: int | None = None, sampling: dict | None = None) -> tuple[list[dict], list]:
+        """Roll out every prompt row n times (rollout.n by default); returns (per-trajectory stats,
+        with the index of their group, and one trajectories ref per row). The trajectories stay in
+        the object store until someone asks. `progress`: the label of a progress bar on stderr (None: no bar)."""
+        refs = [self.submit_group(row, f"{prefix}{i}", n, sampling) for i, row in enumerate(rows)]
         stats_refs = [s for _, s in refs]
-        n = self.cfg.rollout.n
+        n = n or self.cfg.rollout.n
         with tqdm(total=len(refs) * n, desc=progress, unit="traj", disable=progress is None, leave=False) as bar:
             pending = list(stats_refs)
             while pending:
@@ -163,7 +167,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         servers, affinity_slack=r.affinity_slack, request_timeout_s=r.request_timeout_s, probe_interval_s=r.health_probe_interval_s
     )
     sandbox_pools = build_sandbox_pools(cfg)
-    reward_workers = [RewardWorker.options(**actor_options(light)).remote(cfg.reward.fn) for _ in range(cfg.reward.num_workers)]
+    reward_workers = [RewardWorker.options(**actor_options(light)).remote(cfg.reward) for _ in range(cfg.reward.num_workers)]
     agent_workers = [
         AgentLoopWorker.options(**actor_options(light)).remote(model_path, manager, sandbox_pools, reward_workers, cfg)
         for _ in range(cfg.agent.num_workers)

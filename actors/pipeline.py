@@ -17,11 +17,15 @@ import msgspec
 import ray
 
 from actors.compose import Graph, build
+from actors.evaluate import evaluate
 from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import RunConfig, to_yaml
-from raytool.data import PromptLoader, make_splits, sft_messages
+from raytool.data import PromptLoader, load_conversations, sft_examples
+from raytool.data.task import Task, load_task
 from raytool.errors import RaytoolError
+from raytool.evaluation import table as eval_table
 from raytool.models import resolve_model
+from raytool.rewards import validate_reward_fn
 from raytool.tracking import Tracker
 from raytool.training import lr_at
 
@@ -57,6 +61,7 @@ def rollout_metrics(stats: list[dict]) -> dict:
     for kind in sorted({k for s in stats for k in s.get("tool_error_kinds", {})}):
         metrics[f"tool/errors/{kind}"] = sum(s["tool_error_kinds"].get(kind, 0) for s in stats) / max(calls, 1)
     metrics["tool/repaired"] = sum(s.get("tool_repaired", 0) for s in stats)
+    metrics["reward/timeouts"] = sum(s.get("verify_timeout", 0.0) for s in stats)  # answers whose check ran out of time (scored wrong)
     for reason in sorted({s["finish_reason"] for s in stats}):
         metrics[f"finish/{reason}"] = sum(s["finish_reason"] == reason for s in stats) / n
     return metrics
@@ -91,23 +96,78 @@ def sandbox_metrics(graph: Graph) -> dict:
     return metrics
 
 
-def run_sft_warmup(graph: Graph, cfg: RunConfig, train, tracker: Tracker) -> None:
-    """The in-run cold start: SFT steps on the task's own tool-calling traces."""
-    from transformers import AutoTokenizer
+def warmup_examples(cfg: RunConfig, task: Task, tokenizer, rng: random.Random) -> list:
+    """The SFT examples the in-run cold start samples from: the task's generated traces (as many as
+    the warm-up can use), or the conversations of sft.train_files."""
+    steps, batch = cfg.trainer.sft_warmup_steps, cfg.sft.batch_size
+    if task.sft_traces:
+        traces = rng.sample(task.sft_traces, min(len(task.sft_traces), steps * batch))
+        if cfg.agent.observation_style == "in_turn":
+            traces = [as_in_turn(m) for m in traces]
+        renderer = ChatRenderer(tokenizer)
+        return [renderer.sft_example(m) for m in traces]
+    if not cfg.sft.train_files:
+        raise RaytoolError("config key 'trainer.sft_warmup_steps': the warm-up needs conversations (sft.train_files) for "
+                           "data.task=files; give them or set trainer.sft_warmup_steps=0")
+    conversations = [c for path in cfg.sft.train_files for c in load_conversations(path)[0]]
+    return sft_examples(conversations, tokenizer, cfg.sft.max_length)[0]
 
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(graph.model_path))
+
+def run_sft_warmup(graph: Graph, cfg: RunConfig, examples: list, tracker: Tracker) -> None:
+    """The in-run cold start: SFT steps on `examples` (batches drawn by the trainer seed)."""
     rng = random.Random(cfg.trainer.seed)
     sft = cfg.sft
     for step in range(1, cfg.trainer.sft_warmup_steps + 1):
         start = time.perf_counter()
-        traces = [sft_messages(p, cfg.agent.system_prompt) for p in rng.sample(train, sft.batch_size)]
-        if cfg.agent.observation_style == "in_turn":
-            traces = [as_in_turn(m) for m in traces]
-        batch = [renderer.sft_example(m) for m in traces]
+        batch = rng.sample(examples, min(sft.batch_size, len(examples)))
         lr = lr_at(step - 1, sft.lr, sft.warmup_steps, cfg.trainer.sft_warmup_steps, sft.lr_schedule)
         metrics = graph.trainer.sft_step(batch, lr)
         metrics.update(step=step, **{"timing/step_s": time.perf_counter() - start})
         tracker.log(metrics, phase="sft")
+
+
+def group_rewards_vary(stats: list[dict]) -> list[bool]:
+    """Per group (stats carry their `group`), whether its rewards differ: a group whose samples all
+    scored the same has zero advantage under GRPO and teaches nothing."""
+    rewards: dict[int, set] = {}
+    for s in stats:
+        rewards.setdefault(s["group"], set()).add(s["reward"])
+    return [len(rewards[g]) > 1 for g in sorted(rewards)]
+
+
+def collect_rollouts(graph: Graph, cfg: RunConfig, loader: PromptLoader, step: int) -> tuple[list[dict], list, dict]:
+    """One step's training batch -> (stats of the trajectories trained on, their group refs, and
+    metrics of everything rolled out). With algorithm.dynamic_sampling, groups whose rewards are all
+    equal are dropped and more prompts are rolled out until data.prompts_per_step groups are kept or
+    algorithm.max_sampling_rounds rounds are done."""
+    want, algo = cfg.data.prompts_per_step, cfg.algorithm
+    progress = f"rollout step {step}" if cfg.logging.progress else None
+    everything, kept_stats, kept_refs = [], [], []
+    for rounds in range(1, (algo.max_sampling_rounds if algo.dynamic_sampling else 1) + 1):
+        stats, refs = graph.rollout(loader.next_batch(), f"s{step}r{rounds}g", progress)
+        everything += stats
+        if not algo.dynamic_sampling:
+            return stats, refs, rollout_metrics(stats)
+        for g, varies in enumerate(group_rewards_vary(stats)):
+            if varies and len(kept_refs) < want:
+                kept_stats += [{**s, "group": len(kept_refs)} for s in stats if s["group"] == g]
+                kept_refs.append(refs[g])
+        if len(kept_refs) == want:
+            break
+    metrics = rollout_metrics(everything)  # what the policy did, before the filter
+    metrics.update({"rollout/sampling_rounds": rounds, "rollout/prompts_drawn": rounds * want, "rollout/groups_kept": len(kept_refs)})
+    if not kept_refs:  # nothing to learn from in any round: train on the last one (its advantages are all zero)
+        return stats, refs, metrics
+    return kept_stats, kept_refs, metrics
+
+
+def validate(graph: Graph, cfg: RunConfig, task: Task, step: int) -> dict:
+    """Validation metrics at `step` (also logged as a table)."""
+    start = time.perf_counter()
+    metrics, _ = evaluate(graph, task.val, cfg.eval, prefix=f"val{step}", progress="validation" if cfg.logging.progress else None)
+    metrics["timing/validation_s"] = time.perf_counter() - start
+    log.info("validation at step %d:\n%s", step, eval_table(metrics, cfg.eval.n))
+    return metrics
 
 
 class DriverState(msgspec.Struct):
@@ -157,16 +217,18 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    # The validation split is held out of train here; evaluating on it is not part of this loop yet.
-    train, _val = make_splits(cfg.data.train_size, cfg.data.val_size, cfg.data.seed)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)  # renders the warm-up, decodes the traces' prompts
+    # Data and reward-fn problems stop the run here, before any actor starts.
+    validate_reward_fn(cfg.reward.fn)
+    task = load_task(cfg)
+    warmup = warmup_examples(cfg, task, tokenizer, random.Random(cfg.trainer.seed)) if cfg.trainer.sft_warmup_steps and checkpoint is None else []
     connect(address or cfg.cluster.address)
     log.info("run directory: %s", run_dir.resolve())
     graph = build(cfg, model_path)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)  # decodes the traces' prompts
     tracker = Tracker(run_dir, console=cfg.logging.console)
-    loader = PromptLoader(train, cfg.data.prompts_per_step, seed=cfg.data.seed)
+    loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     try:
         state = DriverState(step=0, version=0, loader=loader.state_dict())
@@ -177,16 +239,16 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
             graph.sync_weights(state.version)
             log.info("resumed from %s at step %d", checkpoint, state.step)
         elif cfg.trainer.sft_warmup_steps:
-            run_sft_warmup(graph, cfg, train, tracker)
+            run_sft_warmup(graph, cfg, warmup, tracker)
             if kl_on:  # the KL reference is the cold-started policy
                 graph.trainer.snapshot_reference()
             state.version += 1
             graph.sync_weights(state.version)
+        if cfg.eval.before_train and task.val and state.step == 0:
+            tracker.log({"step": 0, **validate(graph, cfg, task, 0)})
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
             step_start = time.perf_counter()
-            stats, traj_refs = graph.rollout(
-                loader.next_batch(), f"s{step}g", f"rollout step {step}" if cfg.logging.progress else None
-            )
+            stats, traj_refs, batch_metrics = collect_rollouts(graph, cfg, loader, step)
             rollout_s = time.perf_counter() - step_start
 
             train_start = time.perf_counter()
@@ -198,7 +260,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
             sync = graph.sync_weights(state.version)
             sync_s = time.perf_counter() - sync_start
 
-            metrics = {"step": step, **rollout_metrics(stats), **train_metrics, **serving_metrics(graph), **sandbox_metrics(graph)}
+            metrics = {"step": step, **batch_metrics, **train_metrics, **serving_metrics(graph), **sandbox_metrics(graph)}
             metrics.update({
                 "rollout/tokens_per_s": sum(s["generated_tokens"] for s in stats) / rollout_s,
                 "timing/step_s": time.perf_counter() - step_start,
@@ -209,6 +271,9 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
                 "weight_sync/failed_servers": len(sync["failed"]),
                 "policy_version": state.version,
             })
+            every = cfg.eval.every
+            if every and task.val and (step % every == 0 or step == cfg.trainer.total_steps):
+                metrics.update(validate(graph, cfg, task, step))
             tracker.log(metrics)
             if cfg.logging.trace_samples:
                 tracker.trace(step, ray.get(traj_refs[0])[: cfg.logging.trace_samples], tokenizer.decode)

@@ -85,6 +85,13 @@ class TrainerWorker:
             for _ in weights:  # a failed send still takes part in the other ranks' all-gathers
                 continue
 
+    def close(self) -> None:
+        """Release the weight sender (its sockets and shared-memory staging files, which a killed
+        process would leave in /dev/shm)."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
     def save_checkpoint(self, directory: str) -> str:
         return str(self.trainer.save_checkpoint(directory))
 
@@ -160,6 +167,7 @@ class TrainerGroup:
         return ray.get([w.export_hf.remote(os.fspath(directory)) for w in self.workers])[0]
 
     def shutdown(self) -> None:
+        ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=10)
         for w in self.workers:
             ray.kill(w)
         if self.pg is not None:

@@ -1,4 +1,5 @@
-"""The `raytool` command: train (GRPO with optional SFT warm-up), sft (multi-turn SFT), export (checkpoint -> HF), config, sandbox serve, bench NAME."""
+"""The `raytool` command: train (GRPO with optional SFT warm-up), sft (multi-turn SFT), eval (validation metrics),
+preprocess (data sets -> prompt rows), export (checkpoint -> HF), config, sandbox serve, bench NAME."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 import msgspec
 
 from raytool.bench import BENCHES
-from raytool.config import ConfigError, load_config, to_yaml
+from raytool.config import ConfigError, load_config, to_yaml, validate
+from raytool.data.preprocess import PREPROCESSORS, preprocess
 from raytool.errors import RaytoolError
 
 
@@ -35,6 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--run-dir", help="where metrics and checkpoints go (default: runs/<timestamp>)")
     sft.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local instance)")
     sft.add_argument("--resume", nargs="?", const="latest", metavar="PATH", help="continue from a checkpoint (as for train)")
+    evaluate = sub.add_parser("eval", help="validation metrics of a model: acc mean@k / maj@k / pass@k per data source, turns, tool use")
+    _config_args(evaluate)
+    evaluate.add_argument("--model", required=True, help="a built-in model name, an HF directory, a raytool checkpoint or a run directory (its latest)")
+    evaluate.add_argument("--data", nargs="+", default=[], metavar="FILE", help="prompt rows (.parquet/.jsonl, raytool preprocess writes them; default: the config's validation set)")
+    evaluate.add_argument("--n", type=int, help="samples per prompt (default: eval.n)")
+    evaluate.add_argument("--json", action="store_true", help="also print the metrics as one JSON object, the last line of stdout")
+    evaluate.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local instance)")
+    prep = sub.add_parser("preprocess", help="convert a data set's local files into raytool's prompt rows (or SFT conversations)")
+    prep.add_argument("name", help="the data set: " + ", ".join(sorted(PREPROCESSORS)))
+    prep.add_argument("--input", required=True, help="the data set's file (.parquet/.jsonl/.json) or HF save_to_disk folder")
+    prep.add_argument("--output", required=True, help="the file to write (.parquet or .jsonl)")
+    prep.add_argument("--limit", type=int, help="convert only the first N rows")
+    prep.add_argument("--system-prompt", help="the instruction that replaces the built-in tool-use prompt")
+    prep.add_argument("--format", choices=["hermes", "retool"], help="retool_sft/gsm8k_sft: tool calls as Hermes tool_calls (default) or ReTool <code> text")
     export = sub.add_parser("export", help="write an HF checkpoint (safetensors, config, tokenizer) from a raytool checkpoint")
     export.add_argument("--ckpt", required=True, help="a checkpoint directory: runs/<run>/checkpoints/step_N")
     export.add_argument("--out", required=True, help="the HF checkpoint directory to write")
@@ -53,6 +69,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _preprocess(args) -> int:
+    options = {"limit": args.limit, "system_prompt": args.system_prompt, "format": args.format}
+    try:
+        report = preprocess(args.name, args.input, args.output, **{k: v for k, v in options.items() if v is not None})
+    except RaytoolError as exc:
+        print(f"raytool: {exc}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+
+
+def _eval(cfg, args) -> int:
+    from actors.evaluate import run_eval  # lazy: the Ray layer
+    from raytool.evaluation import table
+
+    if args.n is not None:
+        cfg = msgspec.structs.replace(cfg, eval=msgspec.structs.replace(cfg.eval, n=args.n))
+    validate(cfg, "--n")
+    metrics = run_eval(cfg, args.model, args.data, args.address)
+    print(table(metrics, cfg.eval.n))
+    if args.json:
+        print(json.dumps({"model": args.model, "n": cfg.eval.n, **metrics}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come after flags too (`raytool bench rollout --json rollout.n=2`), which
@@ -64,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "preprocess":
+        return _preprocess(args)
     if args.command == "export":
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from raytool.training.export import export_checkpoint
@@ -99,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(result))
             return 0
+        if args.command == "eval":
+            return _eval(cfg, args)
         from actors import pipeline  # lazy: the CLI's only import of the Ray layer
 
         resume = args.resume
@@ -110,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = run_sft(cfg, args.run_dir, args.address, resume)
         else:
             run_dir = pipeline.run(cfg, args.run_dir, args.address, resume)
-    except (FileNotFoundError, RaytoolError) as exc:  # a missing model or file, a server that cannot start: one line
+    except (FileNotFoundError, ConfigError, RaytoolError) as exc:  # a missing model or file, a bad reward fn, a server that cannot start: one line
         print(f"raytool: {exc}", file=sys.stderr)
         return 2
     print(f"run directory: {run_dir.resolve()}")

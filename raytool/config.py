@@ -47,11 +47,22 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["tool_arith"] = "tool_arith"  # the dataset / task to train on
-    train_size: int = 2048  # generated problems in the train split
-    val_size: int = 64  # generated problems in the validation split
-    seed: int = 0  # task generation seed (train and val never overlap)
+    task: Literal["tool_arith", "files"] = "tool_arith"  # tool_arith: the generated task; files: prompt rows from train_files / val_files
+    train_files: list[str] = msgspec.field(default_factory=list)  # files: raytool prompt rows (.parquet/.jsonl, as `raytool preprocess` writes them)
+    val_files: list[str] = msgspec.field(default_factory=list)  # files: validation prompt rows (metrics per data source)
+    train_size: int = 2048  # tool_arith: generated problems in the train split
+    val_size: int = 64  # tool_arith: generated problems in the validation split
+    seed: int = 0  # task generation seed (train and val never overlap) and prompt shuffling
     prompts_per_step: int = 4  # prompts per GRPO step (each sampled rollout.n times)
+
+
+class EvalConfig(_Section):
+    n: int = 4  # samples per validation prompt: acc/mean@n, maj@n, pass@n
+    temperature: float = 1.0  # validation sampling (the reference recipes sample, they do not decode greedily)
+    top_p: float = 1.0
+    max_prompts: int | None = None  # validate on the first this many prompts of the validation set (None: all)
+    before_train: bool = False  # validate before the first GRPO step (after the SFT warm-up)
+    every: int = 0  # validate every this many GRPO steps and after the last one (0: never during training)
 
 
 class RolloutConfig(_Section):
@@ -123,8 +134,14 @@ class SandboxConfig(_Section):
 
 
 class RewardConfig(_Section):
-    fn: str = "boxed_match"  # registered reward name or `path/to/file.py:function`
+    fn: str = "boxed_match"  # registered reward (boxed_match: exact; math: 1/0 by math-verify; retool: +1/-1 shaped) or `path/to/file.py:function`
     num_workers: int = 1  # RewardWorker actors
+    timeout_s: float = 5.0  # per-answer math-verify limit; a timed-out answer scores as wrong (metric verify_timeout)
+    tool_call_bonus: float = 0.1  # retool: added to a wrong answer's -1 per tool call (verl's ReTool recipe: 0.1)
+    wrong_score_cap: float = -0.6  # retool: a wrong answer never scores above this, however many tool calls (< 1)
+    format_penalty: float = 0.0  # subtracted when the fn reports has_answer=0: no final answer in a known format (0: off)
+    overlong_buffer_tokens: int = 0  # DAPO overlong shaping over the last N tokens before agent.max_response_tokens (0: off)
+    overlong_penalty_factor: float = 1.0  # DAPO: the penalty at agent.max_response_tokens, rising linearly from 0 over the buffer
 
 
 class AlgorithmConfig(_Section):
@@ -139,6 +156,8 @@ class AlgorithmConfig(_Section):
     kl_loss_coef: float = 0.0  # KL to the reference policy as a loss term (0: off, no reference model is kept)
     kl_reward_coef: float = 0.0  # KL to the reference policy subtracted from each sequence's reward (0: off)
     entropy_coeff: float = 0.0  # entropy bonus in the loss (the entropy is reported either way)
+    dynamic_sampling: bool = False  # DAPO: drop prompt groups whose rewards are all equal and roll out more prompts until the batch is full
+    max_sampling_rounds: int = 4  # dynamic sampling: rollout rounds one step may take at most (then it trains on the groups it has)
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches: int = 1  # optimizer steps per pass
 
@@ -207,6 +226,7 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     sft: SFTConfig = msgspec.field(default_factory=SFTConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
@@ -317,6 +337,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "sandbox.disk_mb": cfg.sandbox.disk_mb,
         "sandbox.breaker_failures": cfg.sandbox.breaker_failures,
         "reward.num_workers": cfg.reward.num_workers,
+        "eval.n": cfg.eval.n,
+        "algorithm.max_sampling_rounds": cfg.algorithm.max_sampling_rounds,
     }
     if cfg.rollout.max_model_len is not None:
         positive["rollout.max_model_len"] = cfg.rollout.max_model_len
@@ -331,8 +353,21 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'trainer.cpu_offload': offloading moves accelerator memory to the host; give the trainer GPUs (trainer.num_gpus) or set it false")
     if cfg.trainer.lora_rank and cfg.trainer.num_workers > 1:
         raise ConfigError(f"{source}: config key 'trainer.lora_rank': LoRA runs on one trainer worker (trainer.num_workers=1), got {cfg.trainer.num_workers} workers")
+    if cfg.data.task == "files" and not cfg.data.train_files:
+        raise ConfigError(f"{source}: config key 'data.train_files': data.task=files needs prompt files (raytool preprocess writes them)")
     if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:
         raise ConfigError(f"{source}: config key 'trainer.total_steps'/'trainer.sft_warmup_steps' must be >= 0")
+    r = cfg.reward
+    if not r.timeout_s > 0:
+        raise ConfigError(f"{source}: config key 'reward.timeout_s': expected a positive number of seconds, got {r.timeout_s}")
+    if r.wrong_score_cap >= 1.0:
+        raise ConfigError(f"{source}: config key 'reward.wrong_score_cap': must be < 1 (a correct answer's score) so a wrong answer never scores as high, got {r.wrong_score_cap}")
+    for key in ("tool_call_bonus", "format_penalty", "overlong_buffer_tokens", "overlong_penalty_factor"):
+        if getattr(r, key) < 0:
+            raise ConfigError(f"{source}: config key 'reward.{key}': expected >= 0, got {getattr(r, key)}")
+    if r.overlong_buffer_tokens >= cfg.agent.max_response_tokens:
+        raise ConfigError(f"{source}: config key 'reward.overlong_buffer_tokens': must be below agent.max_response_tokens "
+                          f"({cfg.agent.max_response_tokens}), got {r.overlong_buffer_tokens}")
 
 
 def sandbox_backend_options(s: SandboxConfig) -> dict:

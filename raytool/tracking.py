@@ -39,6 +39,7 @@ class Tracker:
             parts = [f"[{phase} step {metrics.get('step')}]"]
             keys = _CONSOLE_KEYS if phase == "grpo" else [(k, k.split("/")[-1]) for k in sorted(metrics) if k.startswith("sft/")]
             parts += [f"{short}={metrics[k]:.4g}" for k, short in keys if isinstance(metrics.get(k), (int, float))]
+            parts += [f"{k.removeprefix('val-core/')}={v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("val-core/") and "/mean@" in k]
             print(" ".join(parts), file=sys.stderr, flush=True)
 
     def trace(self, step: int, trajectories, decode=None) -> None:

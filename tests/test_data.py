@@ -1,5 +1,7 @@
+from raytool.config import load_config
 from raytool.data import PromptLoader, make_splits
-from raytool.data.tool_arith import sft_messages
+from raytool.data.task import load_task
+from raytool.data.tool_arith import SEEN, TEMPLATES, UNSEEN, prompt_row, sft_messages
 
 
 def test_splits_are_deterministic_and_disjoint():
@@ -10,24 +12,44 @@ def test_splits_are_deterministic_and_disjoint():
     assert make_splits(200, 40, seed=4)[0] != train_a
 
 
-def test_answers_are_exact_integers_matching_their_code():
-    train, _ = make_splits(50, 5, seed=0)
-    kinds = {p.kind for p in train}
-    assert kinds == {"product", "range_sum", "power_mod", "square_sum", "multiple_count"}
+def test_answers_come_from_running_each_step_on_the_previous_output():
+    train, _ = make_splits(80, 5, seed=0)
+    assert {p.template for p in train} == set(TEMPLATES)
     for p in train:
-        int(p.answer)
-        if p.kind == "product":
-            a, b = p.question.removeprefix("What is ").removesuffix("?").split(" * ")
-            assert int(p.answer) == int(a) * int(b)
+        assert p.outputs[-1] == p.answer and int(p.answer) >= 0
+        assert len(p.steps) == len(p.outputs)
+        if len(p.steps) == 2:  # the second call uses the first call's printed value, as a model would
+            assert p.steps[1].startswith(f"print({p.outputs[0]} % ")
+            total, modulus = p.steps[1].removeprefix("print(").removesuffix(")").split(" % ")
+            assert int(p.answer) == int(total) % int(modulus)
+    marbles = next(p for p in train if p.template == "shared_marbles")
+    a, b = marbles.steps[0].removeprefix("print(").removesuffix(")").split(" % ")
+    assert f"{a} marbles" in marbles.question and f"among {b} children" in marbles.question
 
 
-def test_sft_trace_shape():
-    problem = make_splits(5, 1, seed=0)[0][0]
-    roles = [m.role for m in sft_messages(problem)]
-    assert roles == ["system", "user", "assistant", "tool", "assistant"]
-    msgs = sft_messages(problem)
-    assert problem.code in msgs[2].content and msgs[3].content == problem.answer
-    assert f"\\boxed{{{problem.answer}}}" in msgs[4].content
+def test_sft_trace_has_one_call_per_step():
+    train, _ = make_splits(16, 1, seed=0)
+    two_step = next(p for p in train if len(p.steps) == 2)
+    msgs = sft_messages(two_step)
+    assert [m.role for m in msgs] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert two_step.steps[1] in msgs[4].content and msgs[5].content == two_step.answer
+    assert f"\\boxed{{{two_step.answer}}}" in msgs[6].content
+
+
+def test_held_out_templates_never_reach_the_sft_traces_and_report_as_their_own_source():
+    task = load_task(load_config(overrides=["data.train_size=64", "data.val_size=16"]))
+    held_out = {name for name, (_, in_sft) in TEMPLATES.items() if not in_sft}
+    assert held_out
+    traced_questions = {trace[1].content for trace in task.sft_traces}
+    held_out_train = [r for r in task.train if r.extra_info["template"] in held_out]
+    assert held_out_train and not traced_questions & {r.prompt[1].content for r in held_out_train}
+    assert {r.data_source for r in task.val} == {SEEN, UNSEEN}
+    assert all((r.data_source == UNSEEN) == (r.extra_info["template"] in held_out) for r in task.val)
+
+
+def test_system_prompt_override_reaches_prompt_rows():
+    problem = make_splits(1, 1, seed=0)[0][0]
+    assert prompt_row(problem, "Be brief.").prompt[0].content == "Be brief."
 
 
 def test_prompt_loader_resumes_where_it_stopped():

@@ -43,7 +43,8 @@ def test_offloaded_checkpointed_bf16_step_on_cuda(tiny_model_path):
                              "trainer.lr=1e-6"])
     trainer = Trainer(cfg, tiny_model_path, device="cuda")
     before = {n: w.clone() for n, w in trainer.named_weights()}
-    batch = [Trajectory(uid=str(i), group_id="g", prompt_ids=[1, 2, 3], response_ids=list(range(5, 17)), response_mask=[1] * 12,
+    # Different responses: two copies of one sequence with opposite advantages would cancel to a zero gradient.
+    batch = [Trajectory(uid=str(i), group_id="g", prompt_ids=[1, 2, 3], response_ids=list(range(5 + 20 * i, 17 + 20 * i)), response_mask=[1] * 12,
                         rollout_logprobs=[0.0] * 12, messages=[], ground_truth="", reward=float(i)) for i in range(2)]
     assert trainer.rl_step(batch)["actor/grad_norm"] > 0
     changed = sum(int((w != before[n]).sum()) for n, w in trainer.named_weights())

@@ -37,6 +37,8 @@ def test_bf16_compute_with_fp32_master_weights_applies_a_tiny_update(tiny_model_
     """At lr 1e-6 (the reference recipes'), a bf16 weight rounds most of an AdamW step away; the
     trainer's fp32 master weights keep it, while forward and backward still run in bf16."""
     trainer = _trainer(tiny_model_path, "trainer.compute_dtype=bfloat16", "trainer.lr=1e-6")
+    # On the trainer's device (cpu), also where an accelerator is visible: FSDP2's default mesh would take that.
+    assert {p.device.type for p in trainer.policy.parameters()} == {"cpu"}
     before = {n: w.clone() for n, w in trainer.named_weights()}
     assert all(w.dtype == torch.float32 for w in before.values())
     trainer.rl_step(BATCH)

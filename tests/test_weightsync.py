@@ -1,3 +1,4 @@
+import io
 import os
 import threading
 import time
@@ -285,7 +286,10 @@ def _ipc_receive(address_queue, result_queue):
     for bucket in receiver.receive(9, timeout_s=60):
         for name, tensor in bucket:
             out[name] = (tensor.device.type, tensor.cpu().clone())
-    result_queue.put(out)
+    # Bytes, not tensors: a queued CPU tensor travels as a file descriptor that dies with this process.
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    result_queue.put(buffer.getvalue())
     receiver.close()
 
 
@@ -301,7 +305,7 @@ def test_cuda_ipc_publishes_a_tensor_set_to_another_process():
     weights = {name: w.cuda() for name, w in _weights().items()}
     sender = WeightSender([addresses.get(timeout=60)], bucket_bytes=1 << 20)
     stats = sender.send(weights.items(), 9)  # auto: GPU weights, receiver on this node
-    got = results.get(timeout=60)
+    got = torch.load(io.BytesIO(results.get(timeout=60)))
     proc.join(30)
     assert stats["kind"] == "cuda" and stats["buckets"] == 3
     assert got.keys() == weights.keys()

@@ -251,8 +251,11 @@ class ToolAgentLoop:
                               ok=False, kind="tool_exception")
 
 
-def reward_view(traj: Trajectory) -> dict:
-    """What a reward fn sees: the final assistant text, all assistant turns, and tool counts."""
+def reward_view(traj: Trajectory, max_response_tokens: int | None = None) -> dict:
+    """What a reward fn sees: the final assistant text, all assistant turns, tool counts, and the
+    response length against its budget (agent.max_response_tokens; DAPO's overlong shaping needs both).
+    Tool messages are left out; with the in_turn style, tool output is inside `response` as
+    <interpreter> blocks (`raytool.rewards.math.strip_interpreter` removes them)."""
     turns = [m.content for m in traj.messages if m.role == "assistant"]
     return {
         "response": turns[-1] if turns else "",
@@ -261,4 +264,6 @@ def reward_view(traj: Trajectory) -> dict:
         "tool_calls": traj.tool_calls,
         "tool_errors": traj.tool_errors,
         "finish_reason": traj.finish_reason,
+        "response_tokens": len(traj.response_ids),
+        "max_response_tokens": max_response_tokens,
     }

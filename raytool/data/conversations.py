@@ -34,18 +34,14 @@ import msgspec
 from jinja2 import TemplateError
 
 from raytool.agent.render import ChatRenderer
-from raytool.errors import RaytoolError, one_line
+from raytool.data.rows import BadRow, DataError, json_list, kind, read_rows, warn_each
+from raytool.errors import one_line
 from raytool.types import Message, SFTExample, ToolCall
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
-_MAX_WARNINGS = 10  # bad rows logged one per line; the rest as a count
 _CALL_FORMS = '{"name": ..., "arguments": {...}} or {"type": "function", "function": {"name": ..., "arguments": ...}}'
-
-
-class DataError(RaytoolError):
-    """A data file or data set that cannot be used; the message names the file (and row)."""
 
 
 class Conversation(msgspec.Struct):
@@ -57,96 +53,31 @@ class Conversation(msgspec.Struct):
     extra: dict = {}
 
 
-class _BadRow(Exception):
-    """What is wrong with one row; the loader prefixes the file and row."""
-
-
-def _kind(value) -> str:
-    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-# --- reading rows --------------------------------------------------------------------------------
-
-
-def _jsonl_rows(text: str) -> list[tuple[str, object]]:
-    """(location, row) per non-blank line; a line that is not JSON gives a _BadRow as its row."""
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((f"line {n}", json.loads(line)))
-        except json.JSONDecodeError as exc:
-            rows.append((f"line {n}", _BadRow(f"not valid JSON ({exc.msg} at column {exc.colno})")))
-    return rows
-
-
-def _parquet_rows(path: Path) -> list[tuple[str, object]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading parquet needs pyarrow, which is not installed "
-                        "(pip install pyarrow), or give the data as jsonl") from None
-    rows: list[tuple[str, object]] = []
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        rows += [(f"row {len(rows) + i} (0-based)", row) for i, row in enumerate(batch.to_pylist())]
-    return rows
-
-
-def _read_rows(path: Path) -> list[tuple[str, object]]:
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json", ".parquet"):
-        raise DataError(f"{path}: unknown data file type '{suffix}'; expected .jsonl, .json or .parquet")
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    try:
-        if suffix == ".parquet":
-            return _parquet_rows(path)
-        text = path.read_text(encoding="utf-8")
-        if suffix == ".json" and text.lstrip().startswith("["):  # one array of rows, not one row per line
-            return [(f"row {i} (0-based)", row) for i, row in enumerate(json.loads(text))]
-        return _jsonl_rows(text)
-    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON / parquet (ArrowInvalid is a ValueError)
-        raise DataError(f"{path}: cannot read the file ({one_line(exc)})") from exc
-
-
 # --- checking rows -------------------------------------------------------------------------------
-
-
-def _json_list(value, key: str) -> list:
-    """`value` as a list, decoding it first where it is a JSON string (as parquet stores nested data)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise _BadRow(f"'{key}' is a string but not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(value, list):
-        raise _BadRow(f"'{key}' must be a list, got {_kind(value)}")
-    return value
 
 
 def _tool_calls(value, where: str) -> list[ToolCall]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise _BadRow(f"{where}.tool_calls must be a list of calls ({_CALL_FORMS}), got {_kind(value)}")
+        raise BadRow(f"{where}.tool_calls must be a list of calls ({_CALL_FORMS}), got {kind(value)}")
     calls = []
     for j, call in enumerate(value):
         at = f"{where}.tool_calls[{j}]"
         fn = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
-            raise _BadRow(f"{at} must be {_CALL_FORMS} with a non-empty name")
+            raise BadRow(f"{at} must be {_CALL_FORMS} with a non-empty name")
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as exc:
-                raise _BadRow(f"{at} ('{fn['name']}'): arguments are not valid JSON "
+                raise BadRow(f"{at} ('{fn['name']}'): arguments are not valid JSON "
                               f"({exc.msg} at column {exc.colno})") from None
         if args is None:
             args = {}
         if not isinstance(args, dict):
-            raise _BadRow(f"{at} ('{fn['name']}'): arguments must be a JSON object, got {_kind(args)}")
+            raise BadRow(f"{at} ('{fn['name']}'): arguments must be a JSON object, got {kind(args)}")
         calls.append(ToolCall(name=fn["name"], arguments=args))
     return calls
 
@@ -161,21 +92,21 @@ def _hermes_text(content: str, calls: list[ToolCall]) -> str:
 def _message(value, i: int) -> Message:
     where = f"messages[{i}]"
     if not isinstance(value, dict):
-        raise _BadRow(f"{where} must be an object with 'role' and 'content', got {_kind(value)}")
+        raise BadRow(f"{where} must be an object with 'role' and 'content', got {kind(value)}")
     role = value.get("role")
     if role not in ROLES:
-        raise _BadRow(f"{where} has role {role!r}; expected one of {', '.join(ROLES)}")
+        raise BadRow(f"{where} has role {role!r}; expected one of {', '.join(ROLES)}")
     calls = _tool_calls(value.get("tool_calls"), where)
     if calls and role != "assistant":
-        raise _BadRow(f"{where} is a {role} message with tool_calls; only assistant messages call tools")
+        raise BadRow(f"{where} is a {role} message with tool_calls; only assistant messages call tools")
     content = value.get("content")
     if content is None and calls:  # OpenAI's form of a turn that only calls tools
         content = ""
     if not isinstance(content, str):
-        raise _BadRow(f"{where} ({role}) content must be a string, got {_kind(content)}")
+        raise BadRow(f"{where} ({role}) content must be a string, got {kind(content)}")
     if calls:
         if "<tool_call>" in content:
-            raise _BadRow(f"{where} has tool_calls and also <tool_call> text in its content; give the calls one way")
+            raise BadRow(f"{where} has tool_calls and also <tool_call> text in its content; give the calls one way")
         content = _hermes_text(content, calls)
     return Message(role, content)
 
@@ -184,12 +115,12 @@ def _tools(value) -> list[dict] | None:
     if value is None:
         return None
     tools = []
-    for j, tool in enumerate(_json_list(value, "tools")):
+    for j, tool in enumerate(json_list(value, "tools")):
         if isinstance(tool, dict) and "function" not in tool and isinstance(tool.get("name"), str):
             tool = {"type": "function", "function": tool}  # a bare function schema
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _BadRow(f"tools[{j}] must be an OpenAI function schema "
+            raise BadRow(f"tools[{j}] must be an OpenAI function schema "
                           '{"type": "function", "function": {"name": ..., "parameters": {...}}}')
         tools.append(tool)
     return tools or None
@@ -197,42 +128,35 @@ def _tools(value) -> list[dict] | None:
 
 def _conversation(row, source: str) -> Conversation:
     if not isinstance(row, dict):
-        raise _BadRow(f"a row must be an object with 'messages', got {_kind(row)}")
+        raise BadRow(f"a row must be an object with 'messages', got {kind(row)}")
     if row.get("messages") is None:
-        raise _BadRow(f"no 'messages' (the row has: {', '.join(sorted(row)) or 'nothing'})")
-    raw = _json_list(row["messages"], "messages")
+        raise BadRow(f"no 'messages' (the row has: {', '.join(sorted(row)) or 'nothing'})")
+    raw = json_list(row["messages"], "messages")
     messages = [_message(m, i) for i, m in enumerate(raw)]
     first_reply = next((i for i, m in enumerate(messages) if m.role == "assistant"), None)
     if first_reply is None:
-        raise _BadRow("no assistant message, so nothing to train on")
+        raise BadRow("no assistant message, so nothing to train on")
     if first_reply == 0:
-        raise _BadRow("messages[0] is the first assistant message and nothing comes before it; a reply needs a prompt")
+        raise BadRow("messages[0] is the first assistant message and nothing comes before it; a reply needs a prompt")
     extra = {k: v for k, v in row.items() if k not in ("messages", "tools")}
     return Conversation(messages=messages, tools=_tools(row.get("tools")), source=source, extra=extra)
-
-
-def _warn_each(problems: list[str], where: str) -> None:
-    for problem in problems[:_MAX_WARNINGS]:
-        log.warning("skipped %s", problem)
-    if len(problems) > _MAX_WARNINGS:
-        log.warning("skipped %d more in %s", len(problems) - _MAX_WARNINGS, where)
 
 
 def load_conversations(path: str | Path) -> tuple[list[Conversation], list[str]]:
     """The usable conversations of a .jsonl / .json / .parquet file, and one line per skipped row
     (`FILE line N: what is wrong`). Raises DataError when the file cannot be read or no row is usable."""
     path = Path(path)
-    rows = _read_rows(path)
+    rows = read_rows(path)
     conversations, problems = [], []
     for where, row in rows:
         source = f"{path} {where}"
         try:
-            if isinstance(row, _BadRow):
+            if isinstance(row, BadRow):
                 raise row
             conversations.append(_conversation(row, source))
-        except _BadRow as exc:
+        except BadRow as exc:
             problems.append(f"{source}: {exc}")
-    _warn_each(problems, str(path))
+    warn_each(problems, str(path))
     if not conversations:
         why = f"first problem: {problems[0]}" if problems else "the file has no rows"
         raise DataError(f"{path}: no usable conversation in {len(rows)} rows; {why}")
@@ -268,7 +192,7 @@ def sft_examples(conversations: list[Conversation], tokenizer, max_length: int) 
                 continue
             truncated += 1
         examples.append(ex)
-    _warn_each(problems, "the SFT data")
+    warn_each(problems, "the SFT data")
     if not examples:
         raise DataError(f"no SFT example from {len(conversations)} conversations: {dropped} have no assistant "
                         f"token within max_length={max_length}, {len(problems)} could not be rendered"

@@ -1,52 +1,180 @@
-"""Reward functions: answer extraction, verification, and a registry selected by config name.
+"""Reward functions: a registry selected by `reward.fn`, user fns from `file.py:function`, and the
+shaping every fn gets from `RewardConfig` (format penalty, DAPO overlong).
 
 A reward fn is `(trajectory_view, ground_truth, extra) -> float | dict(score=..., **metrics)`;
-`trajectory_view` is a dict with the final answer text (`response`), the assistant turns and the
-tool-call counts. Config names a registered fn or `path/to/file.py:function`.
+`trajectory_view` is `raytool.agent.loop.reward_view(traj)` (the final assistant text `response`,
+`turns`, `num_turns`, `tool_calls`, `tool_errors`, `finish_reason`, `response_tokens`,
+`max_response_tokens`); `extra` carries the row's `data_source`. A registered name maps to a
+builder `(RewardConfig) -> reward fn`; the built-ins return `score`, `acc`, `has_answer` and
+`verify_timeout`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
-from raytool.rewards.math import boxed_match
+from raytool.config import ConfigError, RewardConfig
+from raytool.errors import RaytoolError, one_line
+from raytool.rewards.math import extract_answer, judge, last_boxed, normalize_answer, strip_interpreter
+from raytool.rewards.verify import MathVerifier
 
 RewardFn = Callable[[dict, str, dict], "float | dict"]
+REWARDS: dict[str, Callable[[RewardConfig], RewardFn]] = {}
 
-REWARDS: dict[str, RewardFn] = {"boxed_match": boxed_match}
+
+class RewardError(RaytoolError):
+    """A reward fn raised; the message names the fn, the data source and where in the fn."""
 
 
 def register(name: str):
-    def wrap(fn: RewardFn) -> RewardFn:
-        REWARDS[name] = fn
-        return fn
+    def wrap(builder: Callable[[RewardConfig], RewardFn]):
+        REWARDS[name] = builder
+        return builder
 
     return wrap
 
 
-def get_reward_fn(spec: str) -> RewardFn:
-    if spec in REWARDS:
-        return REWARDS[spec]
-    path, sep, func = spec.rpartition(":")
-    if not sep or not path.endswith(".py"):
-        raise ValueError(f"reward.fn '{spec}': not a registered reward ({sorted(REWARDS)}) nor 'file.py:function'")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"reward.fn '{spec}': file {path} not found")
-    module_spec = importlib.util.spec_from_file_location(f"raytool_user_reward_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not callable(getattr(module, func, None)):
-        raise AttributeError(f"reward.fn '{spec}': {path} has no function '{func}'")
-    return getattr(module, func)
+_VERIFIERS: dict[float, MathVerifier] = {}
+
+
+def shared_verifier(timeout_s: float) -> MathVerifier:
+    """One math-verify child process per timeout in this process, shared by every fn built here."""
+    if timeout_s not in _VERIFIERS:
+        _VERIFIERS[timeout_s] = MathVerifier(timeout_s)
+    return _VERIFIERS[timeout_s]
+
+
+@register("boxed_match")
+def boxed_match(cfg: RewardConfig) -> RewardFn:
+    """1/0: the last \\boxed{} of the model's text equals the ground truth after normalization."""
+
+    def score(view: dict, ground_truth: str, extra: dict) -> dict:
+        result = judge(last_boxed(strip_interpreter(view["response"])), ground_truth, verifier=None)
+        return {"score": result["acc"], **result}
+
+    return score
+
+
+@register("math")
+def math_reward(cfg: RewardConfig) -> RewardFn:
+    """1/0: the final answer (by the data source's convention) is equal to the ground truth per math-verify."""
+    verifier = shared_verifier(cfg.timeout_s)
+
+    def score(view: dict, ground_truth: str, extra: dict) -> dict:
+        result = judge(extract_answer(view["response"], extra.get("data_source")), ground_truth, verifier)
+        return {"score": result["acc"], **result}
+
+    return score
+
+
+@register("retool")
+def retool(cfg: RewardConfig) -> RewardFn:
+    """ReTool / verl's recipe: +1 correct; -1 wrong, plus `tool_call_bonus` per tool call, at most
+    `wrong_score_cap` (verl: min(-0.6, -1 + 0.1 * calls)), so a wrong answer never outscores a correct one."""
+    verifier = shared_verifier(cfg.timeout_s)
+
+    def score(view: dict, ground_truth: str, extra: dict) -> dict:
+        result = judge(extract_answer(view["response"], extra.get("data_source")), ground_truth, verifier)
+        wrong = min(cfg.wrong_score_cap, -1.0 + cfg.tool_call_bonus * view["tool_calls"])
+        return {"score": 1.0 if result["acc"] else wrong, **result}
+
+    return score
+
+
+def overlong_penalty(response_tokens: int, max_response_tokens: int, buffer_tokens: int, factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to max - buffer, then linear up to `factor` at max."""
+    exceed = response_tokens - (max_response_tokens - buffer_tokens)
+    return min(max(exceed, 0) / buffer_tokens, 1.0) * factor
 
 
 def normalize_score(value) -> tuple[float, dict]:
     """A reward fn's return value -> (score, extra metrics)."""
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError(f"reward fn returned a dict without 'score': {sorted(value)}")
+            raise ValueError(f"returned a dict without 'score': {sorted(value)}")
         extra = {k: float(v) for k, v in value.items() if k != "score"}
         return float(value["score"]), extra
     return float(value), {}
+
+
+def _config_error(spec: str, what: str) -> ConfigError:
+    return ConfigError(f"config key 'reward.fn': '{spec}': {what}")
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """The user's function named by `path/to/file.py:function` (the path relative to the working
+    directory); a ConfigError naming `reward.fn`, the file and what is wrong otherwise."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not name:
+        raise _config_error(spec, f"not a registered reward ({', '.join(sorted(REWARDS))}) nor path/to/file.py:function")
+    if not Path(path).is_file():
+        raise _config_error(spec, f"file {path} not found (relative paths start at {Path.cwd()})")
+    module_name = f"raytool_user_reward_{Path(path).stem}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise _config_error(spec, f"{path} line {exc.lineno}: syntax error: {exc.msg}") from None
+    except Exception as exc:
+        raise _config_error(spec, f"importing {path} failed: {one_line(exc)}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__)
+        raise _config_error(spec, f"{path} has no function '{name}' (it defines: {', '.join(defined) or 'none'})")
+    if not callable(fn):
+        raise _config_error(spec, f"{path}: '{name}' is not a function (it is a {type(fn).__name__})")
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError:
+        raise _config_error(spec, f"{name}{inspect.signature(fn)} cannot be called as {name}(trajectory_view, ground_truth, extra)") from None
+    except ValueError:  # a builtin without a signature: let the call tell
+        pass
+    return fn
+
+
+def validate_reward_fn(spec: str) -> None:
+    """Raise a one-line ConfigError unless `reward.fn` names a registered reward or a loadable
+    `file.py:function` taking (trajectory_view, ground_truth, extra). Imports the user's file."""
+    if spec not in REWARDS:
+        load_reward_fn(spec)
+
+
+def make_reward_fn(cfg: RewardConfig) -> Callable[[dict, str, dict], tuple[float, dict]]:
+    """The configured reward as `(view, ground_truth, extra) -> (score, metrics)`, with the format
+    penalty and overlong shaping applied; a failing fn raises a one-line RewardError."""
+    fn = REWARDS[cfg.fn](cfg) if cfg.fn in REWARDS else load_reward_fn(cfg.fn)
+
+    def reward(view: dict, ground_truth: str, extra: dict) -> tuple[float, dict]:
+        try:
+            score, metrics = normalize_score(fn(view, ground_truth, extra))
+        except Exception as exc:
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f" (at {Path(frame.filename).name} line {frame.lineno})"
+            raise RewardError(f"reward fn '{cfg.fn}' failed on a row of data source '{extra.get('data_source', '?')}': "
+                              f"{one_line(exc)}{where}") from None
+        if cfg.format_penalty and metrics.get("has_answer") == 0.0:
+            score -= cfg.format_penalty
+        if cfg.overlong_buffer_tokens:
+            if view.get("max_response_tokens") is None:
+                raise RewardError("reward.overlong_buffer_tokens is set but the trajectory view has no max_response_tokens "
+                                  "(pass agent.max_response_tokens to reward_view)")
+            penalty = overlong_penalty(view["response_tokens"], view["max_response_tokens"], cfg.overlong_buffer_tokens,
+                                       cfg.overlong_penalty_factor)
+            score -= penalty
+            metrics["overlong_penalty"] = penalty
+        return score, metrics
+
+    return reward
+
+
+__all__ = [
+    "REWARDS", "RewardError", "RewardFn", "extract_answer", "judge", "load_reward_fn", "make_reward_fn",
+    "normalize_answer", "normalize_score", "overlong_penalty", "register", "shared_verifier", "validate_reward_fn",
+]

@@ -106,14 +106,19 @@ def with_lora(lm: nn.Module, rank: int, alpha: int, target_modules: list[str] | 
     return get_peft_model(lm, LoraConfig(r=rank, lora_alpha=alpha, target_modules="all-linear" if targets == ["all-linear"] else targets))
 
 
-def shard(policy: PolicyModel, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
+def shard(policy: PolicyModel, compute_dtype: torch.dtype, cpu_offload: bool, device: torch.device) -> None:
     """FSDP2 over the current process group: one unit per decoder layer, then the root.
 
     Parameters stay fp32 (master weights, optimizer state); forward and backward run in
-    `compute_dtype`; gradients are reduced in fp32."""
+    `compute_dtype`; gradients are reduced in fp32. The mesh is on `device`'s type: FSDP2's
+    default mesh is on whatever accelerator is visible, which would move a CPU trainer's
+    model onto a GPU it was not given."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
+              "mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     trunk, _ = policy._parts()

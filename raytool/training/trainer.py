@@ -105,7 +105,7 @@ class Trainer:
             return model.to(self.device)
         if not dist.is_initialized():
             _init_single_process_group({"cpu": "gloo", "cuda": "nccl"}.get(self.device.type, "hccl"))
-        shard(model, self.dtype, self.cfg.trainer.cpu_offload)
+        shard(model, self.dtype, self.cfg.trainer.cpu_offload, self.device)
         return model
 
     # -- log-probs ---------------------------------------------------------------------------------

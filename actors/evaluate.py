@@ -1,0 +1,83 @@
+"""Validation on the actor graph: sample each prompt k times, score, summarize per data source.
+
+`raytool eval` runs it on a model alone (no trainer); `raytool train` runs it on its schedule
+(`eval.before_train`, `eval.every`) with the policy the rollout servers hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+from actors.compose import Graph, build
+from raytool.config import EvalConfig, RunConfig
+from raytool.data.prompts import PromptRow, load_prompt_files
+from raytool.data.task import load_task
+from raytool.evaluation import EvalSample, summarize
+from raytool.rewards import extract_answer, normalize_answer, validate_reward_fn
+from raytool.models import resolve_model
+from raytool.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def evaluate(graph: Graph, rows: list[PromptRow], ecfg: EvalConfig, prefix: str = "val", progress: str | None = "validation") -> tuple[dict, list[Trajectory]]:
+    """(metrics, the trajectories) of `ecfg.n` samples per row (the first `ecfg.max_prompts` rows)."""
+    rows = rows[: ecfg.max_prompts] if ecfg.max_prompts else rows
+    if not rows:
+        raise ValueError("validation needs prompts: the validation set is empty (data.val_files / data.val_size)")
+    sampling = {"temperature": ecfg.temperature, "top_p": ecfg.top_p}
+    _, refs = graph.rollout(rows, f"{prefix}g", progress, n=ecfg.n, sampling=sampling)
+    groups = ray.get(refs)
+    samples, trajectories = [], []
+    for i, (row, group) in enumerate(zip(rows, groups)):
+        for t in group:
+            response = next((m.content for m in reversed(t.messages) if m.role == "assistant"), "")
+            answer = extract_answer(response, row.data_source)  # majority votes count answers the same up to normalization
+            samples.append(EvalSample(
+                data_source=row.data_source, prompt=i, acc=t.reward_extra.get("acc", float(t.reward > 0)), reward=t.reward,
+                answer=normalize_answer(answer) if answer is not None else None, num_turns=t.num_turns, tool_calls=t.tool_calls,
+                tool_errors=t.tool_errors, response_length=len(t.response_ids),
+            ))
+            trajectories.append(t)
+    return summarize(samples, ecfg.n), trajectories
+
+
+def eval_model_path(model: str, work_dir: Path) -> str:
+    """An HF model directory for `--model`: a built-in name or HF directory as it is; a raytool
+    checkpoint (or a run directory: its latest) through its `hf/` export, or exported into work_dir."""
+    from actors.pipeline import find_checkpoint
+
+    path = Path(model)
+    if not path.is_dir() or (path / "config.json").is_file():
+        return resolve_model(model)
+    checkpoint = find_checkpoint(path)
+    if (checkpoint / "hf" / "config.json").is_file():
+        return str(checkpoint / "hf")
+    from raytool.training.export import export_checkpoint
+
+    log.info("exporting %s to HF format for the engine", checkpoint)
+    return str(export_checkpoint(checkpoint, work_dir / "hf"))
+
+
+def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | None = None) -> dict:
+    """`raytool eval`: validation metrics of `model` on data_files (none: the config's validation set)."""
+    from actors.pipeline import connect
+
+    validate_reward_fn(cfg.reward.fn)
+    rows = load_prompt_files(data_files) if data_files else load_task(cfg).val
+    with tempfile.TemporaryDirectory(prefix="raytool-eval-") as work_dir:
+        model_path = eval_model_path(model, Path(work_dir))
+        connect(address or cfg.cluster.address)
+        graph = build(cfg, model_path, with_trainer=False)
+        try:
+            start = time.perf_counter()
+            metrics, _ = evaluate(graph, rows, cfg.eval, progress="eval" if cfg.logging.progress else None)
+            metrics["timing/validation_s"] = time.perf_counter() - start
+        finally:
+            graph.shutdown()
+    return metrics

@@ -1,0 +1,125 @@
+"""RL prompt data: raytool's own row schema, and reading / writing it as parquet or jsonl.
+
+A prompt row is what one GRPO group (or one evaluation problem) starts from:
+- `prompt`: the chat messages before the first assistant turn ({role, content});
+- `ground_truth`: the answer the reward checks against, as text;
+- `data_source`: the data set's name (`dapo_math_17k`, `aime_2024`, `gsm8k`, ...): metrics are
+  reported per source and reward fns may pick an answer convention by it;
+- `agent_name`: the agent loop that runs it (None: `agent.default_agent`);
+- `tools`: OpenAI function schemas the prompt offers (None: the run's tools);
+- `extra_info`: anything else (the original index, the split, ...), handed to the reward fn.
+
+Parquet stores `prompt` as a list of {role, content} structs and `tools` / `extra_info` as JSON
+strings (a struct column would give every row the union of all rows' keys). `raytool preprocess`
+writes this schema; `data.train_files` / `data.val_files` and `raytool eval --data` read it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+from raytool.data.rows import BadRow, DataError, json_list, kind, read_rows, warn_each
+from raytool.types import Message
+
+
+class PromptRow(msgspec.Struct, kw_only=True):
+    prompt: list[Message]
+    ground_truth: str
+    data_source: str
+    agent_name: str | None = None
+    tools: list[dict] | None = None
+    extra_info: dict = {}
+
+
+def rows_to_table(rows: list[PromptRow]):
+    import pyarrow as pa
+
+    return pa.table({
+        "prompt": [[{"role": m.role, "content": m.content} for m in r.prompt] for r in rows],
+        "ground_truth": [r.ground_truth for r in rows],
+        "data_source": [r.data_source for r in rows],
+        "agent_name": pa.array([r.agent_name for r in rows], pa.string()),
+        "tools": pa.array([json.dumps(r.tools) if r.tools is not None else None for r in rows], pa.string()),
+        "extra_info": [json.dumps(r.extra_info, sort_keys=True, default=str) for r in rows],
+    })
+
+
+def write_prompt_rows(path: str | Path, rows: list[PromptRow]) -> Path:
+    """Write rows as .parquet (or .jsonl, one JSON object per line), creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        path.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(rows_to_table(rows), path)
+    else:
+        raise DataError(f"{path}: write prompt rows as .parquet or .jsonl, not '{path.suffix}'")
+    return path
+
+
+def _row(raw) -> PromptRow:
+    if not isinstance(raw, dict):
+        raise BadRow(f"a row must be an object, got {kind(raw)}")
+    missing = [k for k in ("prompt", "ground_truth", "data_source") if raw.get(k) in (None, "")]
+    if missing:
+        raise BadRow(f"missing {', '.join(repr(k) for k in missing)}")
+    messages = []
+    for i, m in enumerate(json_list(raw["prompt"], "prompt")):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") or not isinstance(m.get("content"), str):
+            raise BadRow(f"prompt[{i}] must be {{role: system|user|assistant|tool, content: str}}, got {str(m)[:80]}")
+        messages.append(Message(m["role"], m["content"]))
+    if not messages or messages[-1].role not in ("user", "tool"):
+        raise BadRow("prompt must end with a user (or tool) message: the model answers it")
+    tools = raw.get("tools")
+    tools = json_list(tools, "tools") if tools not in (None, "") else None
+    extra = raw.get("extra_info") or {}
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except json.JSONDecodeError as exc:
+            raise BadRow(f"'extra_info' is a string but not valid JSON ({exc.msg})") from None
+    if not isinstance(extra, dict):
+        raise BadRow(f"'extra_info' must be an object, got {kind(extra)}")
+    return PromptRow(
+        prompt=messages, ground_truth=str(raw["ground_truth"]), data_source=str(raw["data_source"]),
+        agent_name=raw.get("agent_name") or None, tools=tools, extra_info=extra,
+    )
+
+
+def load_prompt_rows(path: str | Path) -> tuple[list[PromptRow], list[str]]:
+    """The usable prompt rows of a .parquet / .jsonl / .json file and one line per skipped row
+    (`FILE row N: what is wrong`). Raises DataError when the file cannot be read or no row is usable."""
+    path = Path(path)
+    raw_rows = read_rows(path)
+    rows, problems = [], []
+    for where, raw in raw_rows:
+        try:
+            if isinstance(raw, BadRow):
+                raise raw
+            rows.append(_row(raw))
+        except BadRow as exc:
+            problems.append(f"{path} {where}: {exc}")
+    warn_each(problems, str(path))
+    if not rows:
+        why = f"first problem: {problems[0]}" if problems else "the file has no rows"
+        raise DataError(f"{path}: no usable prompt row in {len(raw_rows)} rows; {why}")
+    return rows, problems
+
+
+def load_prompt_files(paths: list[str]) -> list[PromptRow]:
+    """Every usable row of every file, in order (bad rows are reported and skipped)."""
+    return [row for path in paths for row in load_prompt_rows(path)[0]]
+
+
+def with_system_prompt(messages: list[Message], system_prompt: str | None) -> list[Message]:
+    """`messages` with their system message replaced by `system_prompt` (added if there is none);
+    unchanged when `system_prompt` is None."""
+    if system_prompt is None:
+        return messages
+    rest = messages[1:] if messages and messages[0].role == "system" else messages
+    return [Message("system", system_prompt), *rest]

@@ -1,0 +1,37 @@
+"""What a run trains and validates on: prompt rows for GRPO and validation, and cold-start traces.
+
+`data.task: tool_arith` generates them (raytool.data.tool_arith); `data.task: files` reads prompt
+rows from `data.train_files` / `data.val_files`, and the in-run SFT warm-up then reads its
+conversations from `sft.train_files`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raytool.config import ConfigError, RunConfig
+from raytool.data import tool_arith
+from raytool.data.prompts import PromptRow, load_prompt_files
+from raytool.types import Message
+
+
+@dataclass
+class Task:
+    train: list[PromptRow]
+    val: list[PromptRow]
+    sft_traces: list[list[Message]] = field(default_factory=list)  # generated cold-start traces (tool_arith)
+
+
+def load_task(cfg: RunConfig) -> Task:
+    """The run's data; a missing or unusable file stops here, before any actor starts."""
+    data, system_prompt = cfg.data, cfg.agent.system_prompt
+    if data.task == "files":
+        if not data.train_files:
+            raise ConfigError("config key 'data.train_files': data.task=files needs prompt files (raytool preprocess writes them)")
+        return Task(train=load_prompt_files(data.train_files), val=load_prompt_files(data.val_files))
+    train, val = tool_arith.make_splits(data.train_size, data.val_size, data.seed)
+    return Task(
+        train=[tool_arith.prompt_row(p, system_prompt) for p in train],
+        val=[tool_arith.prompt_row(p, system_prompt) for p in val],
+        sft_traces=[tool_arith.sft_messages(p, system_prompt) for p in train if p.in_sft],
+    )
