@@ -11,6 +11,9 @@ ACTOR_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # no weight-loading bars from every actor in the driver log
     "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),  # no per-sync INFO lines from vLLM
+    # vLLM logs to stdout by default, and Ray forwards actors' stdout to the driver's: the engine's
+    # shutdown warnings would land after a command's last-line JSON (`raytool eval/bench --json`).
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
 }
 
 

@@ -213,17 +213,17 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     checkpoint = find_checkpoint(resume) if resume is not None else None
     if checkpoint is not None and run_dir is None:
         run_dir = checkpoint.parent.parent
-    model_path = resolve_model(cfg.model.path)  # once, before any actor needs it (and fails first)
-    run_dir = Path(run_dir) if run_dir else default_run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    # A missing model, a bad reward fn or unusable data stop the run here, before any actor starts.
+    model_path = resolve_model(cfg.model.path)
+    validate_reward_fn(cfg.reward.fn)
+    task = load_task(cfg)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)  # renders the warm-up, decodes the traces' prompts
-    # Data and reward-fn problems stop the run here, before any actor starts.
-    validate_reward_fn(cfg.reward.fn)
-    task = load_task(cfg)
     warmup = warmup_examples(cfg, task, tokenizer, random.Random(cfg.trainer.seed)) if cfg.trainer.sft_warmup_steps and checkpoint is None else []
+    run_dir = Path(run_dir) if run_dir else default_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
     connect(address or cfg.cluster.address)
     log.info("run directory: %s", run_dir.resolve())
     graph = build(cfg, model_path)

@@ -93,7 +93,7 @@ class RolloutConfig(_Section):
 class AgentConfig(_Section):
     format: Literal["retool", "hermes"] = "retool"  # tool calls as ReTool <code> tags or Hermes/Qwen <tool_call> JSON
     observation_style: Literal["tool_message", "in_turn"] = "tool_message"  # retool: output as a tool message (verl's recipe) or as <interpreter>...</interpreter> inside the same assistant turn (the ReTool paper)
-    max_turns: int = 3  # assistant turns per trajectory (in_turn: tool rounds plus the answer)
+    max_turns: int = 4  # assistant turns per trajectory (in_turn: tool rounds plus the answer)
     max_response_tokens: int = 384  # token budget of everything after the prompt
     max_tool_calls_per_turn: int = 4  # calls beyond this in one turn are answered with a too_many_calls error; the rest run concurrently
     tool_output_tokens: int = 256  # longer tool output is cut in the middle, with a "... N tokens truncated ..." marker
@@ -134,7 +134,7 @@ class SandboxConfig(_Section):
 
 
 class RewardConfig(_Section):
-    fn: str = "boxed_match"  # registered reward (boxed_match: exact; math: 1/0 by math-verify; retool: +1/-1 shaped) or `path/to/file.py:function`
+    fn: str = "math"  # registered reward (boxed_match: exact; math: 1/0 by math-verify; retool: +1/-1 shaped) or `path/to/file.py:function`
     num_workers: int = 1  # RewardWorker actors
     timeout_s: float = 5.0  # per-answer math-verify limit; a timed-out answer scores as wrong (metric verify_timeout)
     tool_call_bonus: float = 0.1  # retool: added to a wrong answer's -1 per tool call (verl's ReTool recipe: 0.1)
@@ -163,8 +163,8 @@ class AlgorithmConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    total_steps: int = 6  # GRPO steps
-    lr: float = 2e-6  # peak learning rate of the GRPO phase
+    total_steps: int = 12  # GRPO steps
+    lr: float = 5e-6  # peak learning rate of the GRPO phase
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after the warm-up
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
     min_lr_ratio: float = 0.0  # cosine: the final learning rate as a fraction of the peak
@@ -183,7 +183,7 @@ class TrainerConfig(_Section):
     num_cpus: float = 1.0  # Ray CPUs each trainer worker reserves
     num_gpus: float = 0.0  # Ray GPUs each trainer worker reserves
     seed: int = 0
-    sft_warmup_steps: int = 24  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
+    sft_warmup_steps: int = 12  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
     save_every: int = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
     save_final: bool = True  # write a resumable checkpoint and an HF export at the end of the run
     weight_sync_bucket_mb: int = 64  # size of one ZMQ weight bucket (larger tensors are split)

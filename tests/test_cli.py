@@ -47,3 +47,25 @@ def test_sft_without_data_names_the_key(capsys):
 def test_cpu_offload_without_gpus_is_a_config_error(capsys):
     assert main(["train", "trainer.cpu_offload=true"]) == 2
     assert "trainer.cpu_offload" in capsys.readouterr().err
+
+
+def test_a_bad_reward_fn_stops_train_and_eval_in_one_line_before_any_actor_starts(capsys, tmp_path):
+    fn = tmp_path / "reward.py"
+    fn.write_text("def score(view):\n    return 1.0\n")
+    assert main(["eval", "--model", "tiny-random", f"reward.fn={fn}:score"]) == 2
+    assert main(["train", f"reward.fn={fn}:nope", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("raytool: config key 'reward.fn'") for line in err)
+    assert "cannot be called as score(trajectory_view, ground_truth, extra)" in err[0] and "has no function 'nope'" in err[1]
+    assert not (tmp_path / "run").exists()
+
+
+def test_preprocess_reports_bad_rows_and_unknown_names(capsys, tmp_path):
+    from pathlib import Path
+
+    sources = Path(__file__).resolve().parent / "fixtures" / "sources"
+    assert main(["preprocess", "gsm8k", "--input", str(sources / "gsm8k.jsonl"), "--output", str(tmp_path / "g.parquet")]) == 0
+    out = capsys.readouterr().out
+    assert "4 converted, 1 skipped" in out and "gsm8k.jsonl line 5" in out and (tmp_path / "g.parquet").is_file()
+    assert main(["preprocess", "mmlu", "--input", str(sources / "gsm8k.jsonl"), "--output", str(tmp_path / "m.parquet")]) == 2
+    assert "dapo_math_17k" in capsys.readouterr().err

@@ -34,7 +34,7 @@ import msgspec
 from jinja2 import TemplateError
 
 from raytool.agent.render import ChatRenderer
-from raytool.data.rows import BadRow, DataError, json_list, kind, read_rows, warn_each
+from raytool.data.rows import BadRow, DataError, convert_rows, json_list, kind, warn_each
 from raytool.errors import one_line
 from raytool.types import Message, SFTExample, ToolCall
 
@@ -145,23 +145,7 @@ def _conversation(row, source: str) -> Conversation:
 def load_conversations(path: str | Path) -> tuple[list[Conversation], list[str]]:
     """The usable conversations of a .jsonl / .json / .parquet file, and one line per skipped row
     (`FILE line N: what is wrong`). Raises DataError when the file cannot be read or no row is usable."""
-    path = Path(path)
-    rows = read_rows(path)
-    conversations, problems = [], []
-    for where, row in rows:
-        source = f"{path} {where}"
-        try:
-            if isinstance(row, BadRow):
-                raise row
-            conversations.append(_conversation(row, source))
-        except BadRow as exc:
-            problems.append(f"{source}: {exc}")
-    warn_each(problems, str(path))
-    if not conversations:
-        why = f"first problem: {problems[0]}" if problems else "the file has no rows"
-        raise DataError(f"{path}: no usable conversation in {len(rows)} rows; {why}")
-    log.info("%s: %d conversations, %d rows skipped", path, len(conversations), len(problems))
-    return conversations, problems
+    return convert_rows(Path(path), _conversation, "conversation")
 
 
 # --- tokenizing ----------------------------------------------------------------------------------

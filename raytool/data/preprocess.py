@@ -39,7 +39,7 @@ import msgspec
 
 from raytool.agent.parsers import parse_retool
 from raytool.data.prompts import PromptRow, write_prompt_rows
-from raytool.data.rows import BadRow, DataError, json_list, kind, read_rows
+from raytool.data.rows import BadRow, DataError, json_list, json_object, kind, read_rows
 from raytool.data.tool_arith import code_call_text
 from raytool.tools.code_interpreter import SCHEMA as CODE_SCHEMA
 from raytool.types import Message
@@ -130,18 +130,6 @@ def _integer_answer(row: dict, key: str) -> str:
     return text
 
 
-def _object(value, key: str) -> dict:
-    """A struct column (a dict), or a JSON string holding one."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise BadRow(f"'{key}' is a string but not valid JSON ({exc.msg})") from None
-    if not isinstance(value, dict):
-        raise BadRow(f"'{key}' must be an object, got {kind(value)}")
-    return value
-
-
 def _prompt_row(problem: str, answer: str, source: str, opts: Options, extra: dict) -> PromptRow:
     system = [Message("system", opts.system_prompt)] if opts.system_prompt else []
     return PromptRow(prompt=[*system, Message("user", problem)], ground_truth=answer, data_source=source,
@@ -171,12 +159,12 @@ def dapo_math_17k(row: dict, opts: Options) -> PromptRow:
     problem = dapo_problem(users[-1]["content"])
     if not problem:
         raise BadRow("the user message holds no problem")
-    answer = _object(_field(row, "reward_model"), "reward_model").get("ground_truth")
+    answer = json_object(_field(row, "reward_model"), "reward_model").get("ground_truth")
     if answer is None or not str(answer).strip():
         raise BadRow("no 'reward_model.ground_truth'")
     extra = {"original_data_source": row.get("data_source")}
     if row.get("extra_info") is not None:
-        extra["index"] = _object(row["extra_info"], "extra_info").get("index")
+        extra["index"] = json_object(row["extra_info"], "extra_info").get("index")
     return _prompt_row(problem, str(answer).strip(), "dapo_math_17k", opts, extra)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from raytool.data.rows import BadRow, DataError, json_list, kind, read_rows, warn_each
+from raytool.data.rows import BadRow, DataError, convert_rows, json_list, json_object, kind
 from raytool.types import Message
 
 
@@ -77,14 +77,7 @@ def _row(raw) -> PromptRow:
         raise BadRow("prompt must end with a user (or tool) message: the model answers it")
     tools = raw.get("tools")
     tools = json_list(tools, "tools") if tools not in (None, "") else None
-    extra = raw.get("extra_info") or {}
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra)
-        except json.JSONDecodeError as exc:
-            raise BadRow(f"'extra_info' is a string but not valid JSON ({exc.msg})") from None
-    if not isinstance(extra, dict):
-        raise BadRow(f"'extra_info' must be an object, got {kind(extra)}")
+    extra = json_object(raw.get("extra_info") or {}, "extra_info")
     return PromptRow(
         prompt=messages, ground_truth=str(raw["ground_truth"]), data_source=str(raw["data_source"]),
         agent_name=raw.get("agent_name") or None, tools=tools, extra_info=extra,
@@ -94,21 +87,7 @@ def _row(raw) -> PromptRow:
 def load_prompt_rows(path: str | Path) -> tuple[list[PromptRow], list[str]]:
     """The usable prompt rows of a .parquet / .jsonl / .json file and one line per skipped row
     (`FILE row N: what is wrong`). Raises DataError when the file cannot be read or no row is usable."""
-    path = Path(path)
-    raw_rows = read_rows(path)
-    rows, problems = [], []
-    for where, raw in raw_rows:
-        try:
-            if isinstance(raw, BadRow):
-                raise raw
-            rows.append(_row(raw))
-        except BadRow as exc:
-            problems.append(f"{path} {where}: {exc}")
-    warn_each(problems, str(path))
-    if not rows:
-        why = f"first problem: {problems[0]}" if problems else "the file has no rows"
-        raise DataError(f"{path}: no usable prompt row in {len(raw_rows)} rows; {why}")
-    return rows, problems
+    return convert_rows(Path(path), lambda raw, _source: _row(raw), "prompt row")
 
 
 def load_prompt_files(paths: list[str]) -> list[PromptRow]:

@@ -91,16 +91,47 @@ def read_rows(path: Path) -> list[tuple[str, object]]:
 
 
 
-def json_list(value, key: str) -> list:
-    """`value` as a list, decoding it first where it is a JSON string (as parquet stores nested data)."""
+def _json(value, key: str, expected: type):
+    """`value` as a list or an object (`expected`), decoding it first where it is a JSON string
+    (as parquet stores nested data)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise BadRow(f"'{key}' is a string but not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(value, list):
-        raise BadRow(f"'{key}' must be a list, got {kind(value)}")
+    if not isinstance(value, expected):
+        raise BadRow(f"'{key}' must be {kind(expected())}, got {kind(value)}")
     return value
+
+
+def json_list(value, key: str) -> list:
+    return _json(value, key, list)
+
+
+def json_object(value, key: str) -> dict:
+    return _json(value, key, dict)
+
+
+def convert_rows(path: Path, convert, what: str) -> tuple[list, list[str]]:
+    """`convert(row, source)` of every row of the file at `path` (source: `FILE line N` / `FILE row
+    N (0-based)`), and one line per row it refused with a BadRow (`source: why`), which is skipped.
+    Raises DataError when the file cannot be read or no row is usable."""
+    rows = read_rows(path)
+    items, problems = [], []
+    for where, row in rows:
+        source = f"{path} {where}"
+        try:
+            if isinstance(row, BadRow):
+                raise row
+            items.append(convert(row, source))
+        except BadRow as exc:
+            problems.append(f"{source}: {exc}")
+    warn_each(problems, str(path))
+    if not items:
+        why = f"first problem: {problems[0]}" if problems else "the file has no rows"
+        raise DataError(f"{path}: no usable {what} in {len(rows)} rows; {why}")
+    log.info("%s: %d %ss, %d rows skipped", path, len(items), what, len(problems))
+    return items, problems
 
 
 def warn_each(problems: list[str], where: str) -> None:
