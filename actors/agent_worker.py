@@ -95,5 +95,4 @@ class AgentLoopWorker:
         extra = extra or {}
         rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
         trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id, name, extra, rollout) for i in range(n)))
-        source = extra.get("data_source", "")
-        return list(trajs), [{**trajectory_stats(t), "data_source": source} for t in trajs]
+        return list(trajs), [trajectory_stats(t) for t in trajs]

@@ -18,8 +18,8 @@ from raytool.config import EvalConfig, RunConfig
 from raytool.data.prompts import PromptRow, load_prompt_files
 from raytool.data.task import load_task
 from raytool.evaluation import EvalSample, summarize
-from raytool.rewards import extract_answer, normalize_answer, validate_reward_fn
 from raytool.models import resolve_model
+from raytool.rewards import extract_answer, normalize_answer, validate_reward_fn
 from raytool.types import Trajectory
 
 log = logging.getLogger(__name__)
