@@ -14,6 +14,7 @@ from pathlib import Path
 import ray
 
 from actors.compose import Graph, build
+from raytool.agent.loop import reward_view
 from raytool.config import EvalConfig, RunConfig
 from raytool.data.prompts import PromptRow, load_prompt_files
 from raytool.data.task import load_task
@@ -36,8 +37,7 @@ def evaluate(graph: Graph, rows: list[PromptRow], ecfg: EvalConfig, prefix: str 
     samples, trajectories = [], []
     for i, (row, group) in enumerate(zip(rows, groups)):
         for t in group:
-            response = next((m.content for m in reversed(t.messages) if m.role == "assistant"), "")
-            answer = extract_answer(response, row.data_source)  # majority votes count answers the same up to normalization
+            answer = extract_answer(reward_view(t)["response"], row.data_source)  # majority votes count answers the same up to normalization
             samples.append(EvalSample(
                 data_source=row.data_source, prompt=i, acc=t.reward_extra.get("acc", float(t.reward > 0)), reward=t.reward,
                 answer=normalize_answer(answer) if answer is not None else None, num_turns=t.num_turns, tool_calls=t.tool_calls,

@@ -97,20 +97,19 @@ def sandbox_metrics(graph: Graph) -> dict:
 
 
 def warmup_examples(cfg: RunConfig, task: Task, tokenizer, rng: random.Random) -> list:
-    """The SFT examples the in-run cold start samples from: the task's generated traces (as many as
-    the warm-up can use), or the conversations of sft.train_files."""
-    steps, batch = cfg.trainer.sft_warmup_steps, cfg.sft.batch_size
-    if task.sft_traces:
-        traces = rng.sample(task.sft_traces, min(len(task.sft_traces), steps * batch))
-        if cfg.agent.observation_style == "in_turn":
-            traces = [as_in_turn(m) for m in traces]
-        renderer = ChatRenderer(tokenizer)
-        return [renderer.sft_example(m) for m in traces]
-    if not cfg.sft.train_files:
+    """The SFT examples the in-run cold start samples from: as many as the warm-up can use of the
+    task's generated traces, or of the conversations of sft.train_files (only those are tokenized)."""
+    if not task.sft_traces and not cfg.sft.train_files:
         raise RaytoolError("config key 'trainer.sft_warmup_steps': the warm-up needs conversations (sft.train_files) for "
                            "data.task=files; give them or set trainer.sft_warmup_steps=0")
-    conversations = [c for path in cfg.sft.train_files for c in load_conversations(path)[0]]
-    return sft_examples(conversations, tokenizer, cfg.sft.max_length)[0]
+    pool = task.sft_traces or [c for path in cfg.sft.train_files for c in load_conversations(path)[0]]
+    chosen = rng.sample(pool, min(len(pool), cfg.trainer.sft_warmup_steps * cfg.sft.batch_size))
+    if not task.sft_traces:
+        return sft_examples(chosen, tokenizer, cfg.sft.max_length)[0]
+    if cfg.agent.observation_style == "in_turn":
+        chosen = [as_in_turn(m) for m in chosen]
+    renderer = ChatRenderer(tokenizer)
+    return [renderer.sft_example(m) for m in chosen]
 
 
 def run_sft_warmup(graph: Graph, cfg: RunConfig, examples: list, tracker: Tracker) -> None:

@@ -34,7 +34,7 @@ import msgspec
 from jinja2 import TemplateError
 
 from raytool.agent.render import ChatRenderer
-from raytool.data.rows import BadRow, DataError, convert_rows, json_list, kind, warn_each
+from raytool.data.rows import BadRow, DataError, convert_rows, json_list, kind, read_rows, warn_each
 from raytool.errors import one_line
 from raytool.types import Message, SFTExample, ToolCall
 
@@ -145,7 +145,8 @@ def _conversation(row, source: str) -> Conversation:
 def load_conversations(path: str | Path) -> tuple[list[Conversation], list[str]]:
     """The usable conversations of a .jsonl / .json / .parquet file, and one line per skipped row
     (`FILE line N: what is wrong`). Raises DataError when the file cannot be read or no row is usable."""
-    return convert_rows(Path(path), _conversation, "conversation")
+    path = Path(path)
+    return convert_rows(path, read_rows(path), _conversation, "usable conversation")
 
 
 # --- tokenizing ----------------------------------------------------------------------------------

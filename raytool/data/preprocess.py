@@ -39,7 +39,7 @@ import msgspec
 
 from raytool.agent.parsers import parse_retool
 from raytool.data.prompts import PromptRow, write_prompt_rows
-from raytool.data.rows import BadRow, DataError, json_list, json_object, kind, read_rows
+from raytool.data.rows import BadRow, DataError, convert_rows, json_list, json_object, kind, read_rows
 from raytool.data.tool_arith import code_call_text
 from raytool.tools.code_interpreter import SCHEMA as CODE_SCHEMA
 from raytool.types import Message
@@ -371,18 +371,13 @@ def preprocess(name: str, input_path: str | Path, output_path: str | Path, *, sy
     _check_columns(name, input_path, rows)
     opts = Options(system_prompt=SYSTEM_PROMPT if system_prompt is None else system_prompt, format=format or "hermes")
     convert = PREPROCESSORS[name]
-    converted, problems = [], []
-    for where, row in rows:
-        try:
-            if isinstance(row, BadRow):
-                raise row
-            if not isinstance(row, dict):
-                raise BadRow(f"a row must be an object, got {kind(row)}")
-            converted.append(convert(row, opts))
-        except BadRow as exc:
-            problems.append(f"{input_path} {where}: {exc}")
-    if not converted:
-        raise DataError(f"{input_path}: no convertible {name} row in {len(rows)} rows; first problem: {problems[0]}")
+
+    def one(row, _source):
+        if not isinstance(row, dict):
+            raise BadRow(f"a row must be an object, got {kind(row)}")
+        return convert(row, opts)
+
+    converted, problems = convert_rows(input_path, rows, one, f"convertible {name} row")
     if name in _SFT:
         _write_conversations(output_path, converted)
     else:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from raytool.data.rows import BadRow, DataError, convert_rows, json_list, json_object, kind
+from raytool.data.rows import BadRow, DataError, convert_rows, json_list, json_object, kind, read_rows
 from raytool.types import Message
 
 
@@ -87,7 +87,8 @@ def _row(raw) -> PromptRow:
 def load_prompt_rows(path: str | Path) -> tuple[list[PromptRow], list[str]]:
     """The usable prompt rows of a .parquet / .jsonl / .json file and one line per skipped row
     (`FILE row N: what is wrong`). Raises DataError when the file cannot be read or no row is usable."""
-    return convert_rows(Path(path), lambda raw, _source: _row(raw), "prompt row")
+    path = Path(path)
+    return convert_rows(path, read_rows(path), lambda raw, _source: _row(raw), "usable prompt row")
 
 
 def load_prompt_files(paths: list[str]) -> list[PromptRow]:

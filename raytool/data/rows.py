@@ -112,11 +112,10 @@ def json_object(value, key: str) -> dict:
     return _json(value, key, dict)
 
 
-def convert_rows(path: Path, convert, what: str) -> tuple[list, list[str]]:
-    """`convert(row, source)` of every row of the file at `path` (source: `FILE line N` / `FILE row
-    N (0-based)`), and one line per row it refused with a BadRow (`source: why`), which is skipped.
-    Raises DataError when the file cannot be read or no row is usable."""
-    rows = read_rows(path)
+def convert_rows(path: Path, rows: list[tuple[str, object]], convert, what: str) -> tuple[list, list[str]]:
+    """`convert(row, source)` of every row `read_rows(path)` gave (source: `FILE line N` / `FILE
+    row N (0-based)`), and one line per row it refused with a BadRow (`source: why`), which is
+    skipped. Raises DataError when no row is usable (`what`: how the message names one)."""
     items, problems = [], []
     for where, row in rows:
         source = f"{path} {where}"
@@ -129,8 +128,8 @@ def convert_rows(path: Path, convert, what: str) -> tuple[list, list[str]]:
     warn_each(problems, str(path))
     if not items:
         why = f"first problem: {problems[0]}" if problems else "the file has no rows"
-        raise DataError(f"{path}: no usable {what} in {len(rows)} rows; {why}")
-    log.info("%s: %d %ss, %d rows skipped", path, len(items), what, len(problems))
+        raise DataError(f"{path}: no {what} in {len(rows)} rows; {why}")
+    log.info("%s: %d rows used, %d skipped", path, len(items), len(problems))
     return items, problems
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raytool.config import ConfigError, RunConfig
+from raytool.config import RunConfig
 from raytool.data import tool_arith
 from raytool.data.prompts import PromptRow, load_prompt_files
 from raytool.types import Message
@@ -25,9 +25,7 @@ class Task:
 def load_task(cfg: RunConfig) -> Task:
     """The run's data; a missing or unusable file stops here, before any actor starts."""
     data, system_prompt = cfg.data, cfg.agent.system_prompt
-    if data.task == "files":
-        if not data.train_files:
-            raise ConfigError("config key 'data.train_files': data.task=files needs prompt files (raytool preprocess writes them)")
+    if data.task == "files":  # config.validate made sure there are train files
         return Task(train=load_prompt_files(data.train_files), val=load_prompt_files(data.val_files))
     train, val = tool_arith.make_splits(data.train_size, data.val_size, data.seed)
     return Task(

@@ -87,8 +87,10 @@ class MathVerifier:
     def __init__(self, timeout_s: float = 5.0):
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._child = _Child()
-        self._spare = _Child()
+        # Started on the first answer that needs math-verify: a run whose answers are all settled
+        # by exact or integer comparison (raytool.rewards.math.judge) never pays for two sympy imports.
+        self._child: _Child | None = None
+        self._spare: _Child | None = None
 
     def _replace_child(self) -> None:
         self._child.kill()
@@ -96,7 +98,9 @@ class MathVerifier:
 
     def verdict(self, gold: str, pred: str) -> Verdict:
         with self._lock:
-            if self._child.proc.poll() is not None:  # died while idle (see _child): not this answer's fault
+            if self._child is None:
+                self._child, self._spare = _Child(), _Child()
+            elif self._child.proc.poll() is not None:  # died while idle (see _child): not this answer's fault
                 self._replace_child()
             self._child.wait_ready()
             try:
@@ -116,13 +120,17 @@ class MathVerifier:
 
     def close(self) -> None:
         with self._lock:
-            self._child.kill()
-            self._spare.kill()
+            self._kill_children()
+
+    def _kill_children(self) -> None:
+        for child in (self._child, self._spare):
+            if child is not None:
+                child.kill()
+        self._child = self._spare = None
 
     def __del__(self):
         try:
-            self._child.kill()
-            self._spare.kill()
+            self._kill_children()
         except Exception:  # half-built, or interpreter shutdown
             pass
 
