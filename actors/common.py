@@ -17,9 +17,22 @@ ACTOR_ENV = {
 }
 
 
-def actor_options(num_cpus: float = 0.0, num_gpus: float = 0.0, **extra) -> dict:
-    """Ray options for an actor: explicit resources (Ray's default of 1 CPU starves a 2-core machine)."""
-    options = {"num_cpus": num_cpus, "runtime_env": {"env_vars": dict(ACTOR_ENV)}, **extra}
-    if num_gpus:
+# Ascend collectives: HCCL's default 120 s connect timeout is shorter than a large model's load on
+# a busy node; cluster.env_vars overrides it (and adds HCCL_IF_IP / HCCL_SOCKET_IFNAME for your network).
+NPU_ENV = {"HCCL_CONNECT_TIMEOUT": "1800"}
+
+
+def actor_options(num_cpus: float = 0.0, num_gpus: float = 0.0, accelerator: str = "GPU", env: dict | None = None, **extra) -> dict:
+    """Ray options for an actor: explicit resources (Ray's default of 1 CPU starves a 2-core machine).
+    `num_gpus` counts `accelerator`s: Ray's GPUs, or the custom NPU resource of Ascend nodes (Ray then
+    sets ASCEND_RT_VISIBLE_DEVICES to the NPUs it assigned). `env`: more environment variables."""
+    resources = dict(extra.pop("resources", None) or {})
+    env_vars = {**ACTOR_ENV, **(NPU_ENV if accelerator == "NPU" and num_gpus else {}), **(env or {})}
+    options = {"num_cpus": num_cpus, "runtime_env": {"env_vars": env_vars}, **extra}
+    if num_gpus and accelerator == "GPU":
         options["num_gpus"] = num_gpus
+    elif num_gpus:
+        resources[accelerator] = resources.get(accelerator, 0.0) + num_gpus
+    if resources:
+        options["resources"] = resources
     return options

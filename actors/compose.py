@@ -16,6 +16,8 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,7 +33,8 @@ from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
 from raytool.config import ConfigError, RunConfig, SandboxConfig, sandbox_backend_options
 from raytool.data.prompts import PromptRow, with_system_prompt
-from raytool.errors import RaytoolError, one_line
+from raytool import placement
+from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
 from raytool.weightsync import undelivered_address
 
@@ -48,6 +51,7 @@ class Graph:
     reward_workers: list
     agent_workers: list
     trainer: TrainerGroup | None
+    namespace: str = ""  # the Ray namespace its named actors live in
     _next_worker: itertools.cycle = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -151,42 +155,92 @@ class Graph:
             ray.kill(actor)
 
 
-def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = True) -> Graph:
-    """Start every actor of the run described by `cfg` (ray.init must have run)."""
+def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = True, namespace: str | None = None) -> Graph:
+    """Start every actor of the run described by `cfg` (ray.init must have run), each named by its
+    role (`rollout-server-0`, `llm-manager`, `trainer-0`, ...) in one namespace per run, so the
+    dashboard shows who is who. A cluster that can never hold the run is an error before any actor
+    starts; an actor that fails to start is reported by role and cause in one line."""
     model_path = model_path or resolve_model(cfg.model.path)
     cfg = with_tool_sandbox_settings(cfg)
+    wait_for_resources(cfg, skip={"trainer worker"} if not with_trainer else set())
+    ns = namespace or cfg.cluster.namespace or f"raytool-{uuid.uuid4().hex[:8]}"
     light = cfg.cluster.light_actor_cpus
     r = cfg.rollout
+
+    def options(name: str, num_cpus: float, num_gpus: float = 0.0, **extra) -> dict:
+        return actor_options(num_cpus, num_gpus, cfg.cluster.accelerator, cfg.cluster.env_vars, name=name, namespace=ns, **extra)
+
     servers = {
-        f"rollout-{i}": RolloutServer.options(
-            **actor_options(r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
-        ).remote(f"rollout-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i), cfg.cluster.torch_threads)
+        f"rollout-server-{i}": RolloutServer.options(
+            **options(f"rollout-server-{i}", r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
+        ).remote(f"rollout-server-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i), cfg.cluster.torch_threads)
         for i in range(r.num_servers)
     }
-    manager = LLMManager.options(**actor_options(light)).remote(
+    manager = LLMManager.options(**options("llm-manager", light)).remote(
         servers, affinity_slack=r.affinity_slack, request_timeout_s=r.request_timeout_s, probe_interval_s=r.health_probe_interval_s
     )
-    sandbox_pools = build_sandbox_pools(cfg)
-    reward_workers = [RewardWorker.options(**actor_options(light)).remote(cfg.reward) for _ in range(cfg.reward.num_workers)]
+    sandbox_pools = build_sandbox_pools(cfg, options)
+    reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light)).remote(cfg.reward) for i in range(cfg.reward.num_workers)]
     agent_workers = [
-        AgentLoopWorker.options(**actor_options(light)).remote(model_path, manager, sandbox_pools, reward_workers, cfg)
-        for _ in range(cfg.agent.num_workers)
+        AgentLoopWorker.options(**options(f"agent-worker-{i}", light)).remote(model_path, manager, sandbox_pools, reward_workers, cfg)
+        for i in range(cfg.agent.num_workers)
     ]
-    # Surface constructor failures (bad model path, engine that cannot start, bad reward fn ...)
-    # now, with their cause in one line.
+    actors = {**servers, "llm-manager": manager, **{f"sandbox-pool-{i}": p for i, p in enumerate(sandbox_pools)},
+              **{f"reward-worker-{i}": w for i, w in enumerate(reward_workers)}, **{f"agent-worker-{i}": w for i, w in enumerate(agent_workers)}}
+    # Engines load, sandboxes fork their warm sessions, constructors run: wait for all of them, and
+    # name the first that fails (a bad model path, an engine that cannot start, a bad reward fn ...).
+    ready = {name: srv.ready.remote() for name, srv in servers.items()}
+    ready |= {f"sandbox-pool-{i}": pool.ready.remote() for i, pool in enumerate(sandbox_pools)}
+    ready |= {name: actor.__ray_ready__.remote() for name, actor in actors.items() if name not in ready}
     try:
-        addresses = dict(zip(servers, ray.get([srv.ready.remote() for srv in servers.values()])))
-        ray.get([pool.ready.remote() for pool in sandbox_pools])
-    except ray.exceptions.RayTaskError as exc:
-        for actor in [manager, *servers.values(), *sandbox_pools]:
+        results = wait_started(ready)
+    except RaytoolError:
+        for actor in actors.values():
             ray.kill(actor)
-        if isinstance(exc.cause, RaytoolError):
-            raise exc.cause from None
         raise
-    ray.get(manager.set_addresses.remote(addresses))
-    ray.get([w.__ray_ready__.remote() for w in [manager, *reward_workers, *agent_workers]])
-    trainer = TrainerGroup(cfg, model_path) if with_trainer else None
-    return Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, trainer)
+    ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
+    try:
+        trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
+    except RaytoolError:
+        for actor in actors.values():
+            ray.kill(actor)
+        raise
+    return Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, trainer, ns)
+
+
+def wait_started(ready: dict) -> dict:
+    """{role name: ready ref} -> {role name: result}; the first actor to fail raises one line naming
+    its role and cause (the full remote traceback stays on the exception's __cause__)."""
+    pending = {ref: name for name, ref in ready.items()}
+    results = {}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        name = pending.pop(done[0])
+        try:
+            results[name] = ray.get(done[0])
+        except ray.exceptions.RayError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, RaytoolError):  # already one line that names the part (a rollout server, a sandbox pool)
+                raise cause from exc
+            raise ActorStartError(f"{name} failed to start: {start_failure(exc)}") from exc
+    return results
+
+
+def wait_for_resources(cfg: RunConfig, skip: set[str] = frozenset(), only: set[str] | None = None) -> None:
+    """Stop with one line naming the missing resource when the cluster can never hold the run's
+    actors (those of roles in `only`, all by default, minus `skip`); on an autoscaling cluster
+    (cluster.wait_for_resources_s > 0) wait that long for nodes first."""
+    wanted = [d for d in placement.demands(cfg) if d.role not in skip and (only is None or d.role in only)]
+    deadline = time.monotonic() + cfg.cluster.wait_for_resources_s
+    while True:
+        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+        reason = placement.shortfall(wanted, nodes)
+        if reason is None:
+            return
+        if time.monotonic() >= deadline:
+            raise placement.PlacementError(f"cannot place the run's actors: {reason}")
+        log.info("waiting for the cluster to grow: %s", reason)
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
 
 
 def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:
@@ -208,15 +262,16 @@ def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:
     return msgspec.structs.replace(cfg, sandbox=msgspec.structs.replace(current, **changes))
 
 
-def build_sandbox_pools(cfg: RunConfig) -> list:
+def build_sandbox_pools(cfg: RunConfig, options) -> list:
     """`sandbox.num_pools` SandboxPool actors, each asking for `sandbox.pool_resources` (e.g. a
-    custom resource that only CPU nodes offer) and accepting enough calls to fill its queue."""
+    custom resource that only CPU nodes offer) and accepting enough calls to fill its queue.
+    `options(name, num_cpus, **extra)`: the Ray options of a named actor of this run."""
     s = cfg.sandbox
-    options = actor_options(cfg.cluster.light_actor_cpus, resources=dict(s.pool_resources)) if s.pool_resources else actor_options(cfg.cluster.light_actor_cpus)
     limits = {"max_concurrency": s.max_concurrency, "max_queue": s.max_queue, "retries": s.retries, "timeout_s": s.timeout_s,
               "memory_mb": s.memory_mb, "breaker_failures": s.breaker_failures, "breaker_reset_s": s.breaker_reset_s}
     return [
-        SandboxPool.options(**options, max_concurrency=s.max_concurrency + s.max_queue + 16).remote(
+        SandboxPool.options(**options(f"sandbox-pool-{i}", cfg.cluster.light_actor_cpus, resources=dict(s.pool_resources)),
+                            max_concurrency=s.max_concurrency + s.max_queue + 16).remote(
             f"sandbox-pool-{i}", s.backend, sandbox_backend_options(s), **limits
         )
         for i in range(s.num_pools)

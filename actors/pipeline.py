@@ -6,17 +6,19 @@ which case RAY_ADDRESS points at the cluster and the driver attaches to it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import time
+import traceback
 from datetime import datetime
 from pathlib import Path
 
 import msgspec
 import ray
 
-from actors.compose import Graph, build
+from actors.compose import Graph, build, with_tool_sandbox_settings
 from actors.evaluate import evaluate
 from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import RunConfig, to_yaml
@@ -34,6 +36,27 @@ log = logging.getLogger(__name__)
 
 def default_run_dir() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+@contextlib.contextmanager
+def run_log(run_dir: Path):
+    """Copy the driver's log records to RUN_DIR/run.log; an exception that ends the run leaves its
+    full traceback there (remote ones included) and names the file on `exc.run_log`, so the console
+    can stay at one line."""
+    path = run_dir / "run.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield path
+    except BaseException as exc:
+        handler.stream.write("".join(traceback.format_exception(exc)))
+        exc.run_log = str(path)
+        raise
+    finally:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def connect(address: str | None) -> None:
@@ -215,6 +238,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     # A missing model, a bad reward fn or unusable data stop the run here, before any actor starts.
     model_path = resolve_model(cfg.model.path)
     validate_reward_fn(cfg.reward.fn)
+    with_tool_sandbox_settings(cfg)  # the tool YAML: readable, and agreeing with the sandbox settings
     task = load_task(cfg)
     from transformers import AutoTokenizer
 
@@ -223,9 +247,16 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    connect(address or cfg.cluster.address)
-    log.info("run directory: %s", run_dir.resolve())
-    graph = build(cfg, model_path)
+    with run_log(run_dir):
+        connect(address or cfg.cluster.address)
+        log.info("run directory: %s", run_dir.resolve())
+        train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint)
+    return run_dir
+
+
+def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: Path | None) -> None:
+    """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run`."""
+    graph = build(cfg, model_path, namespace=cfg.cluster.namespace or f"raytool-{run_dir.resolve().name}")
     tracker = Tracker(run_dir, console=cfg.logging.console)
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
@@ -286,4 +317,3 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     finally:
         tracker.close()
         graph.shutdown()
-    return run_dir

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from actors.pipeline import connect, default_run_dir, find_checkpoint, save_checkpoint
+from actors.compose import wait_for_resources
+from actors.pipeline import connect, default_run_dir, find_checkpoint, run_log, save_checkpoint
 from actors.trainer import TrainerGroup
 from raytool.agent.render import as_in_turn
 from raytool.config import RunConfig, to_yaml
@@ -69,42 +70,44 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    connect(address or cfg.cluster.address)
-    trainer = TrainerGroup(cfg, model_path)
-    tracker = Tracker(run_dir, console=cfg.logging.console)
-    per_epoch = math.ceil(len(train_examples) / s.batch_size)
-    total = per_epoch * s.epochs
-    state = SFTState(step=0, epoch=0, index=0)
-    try:
-        if checkpoint is not None:
-            state = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=SFTState)
-            trainer.load_checkpoint(str(checkpoint))
-            log.info("resumed from %s at step %d", checkpoint, state.step)
+    with run_log(run_dir):
+        connect(address or cfg.cluster.address)
+        wait_for_resources(cfg, only={"trainer worker"})
+        trainer = TrainerGroup(cfg, model_path, namespace=cfg.cluster.namespace or f"raytool-sft-{run_dir.resolve().name}")
+        tracker = Tracker(run_dir, console=cfg.logging.console)
+        per_epoch = math.ceil(len(train_examples) / s.batch_size)
+        total = per_epoch * s.epochs
+        state = SFTState(step=0, epoch=0, index=0)
+        try:
+            if checkpoint is not None:
+                state = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=SFTState)
+                trainer.load_checkpoint(str(checkpoint))
+                log.info("resumed from %s at step %d", checkpoint, state.step)
 
-        def validate(metrics: dict) -> None:
-            if val_examples:
-                metrics["val/sft_loss"] = trainer.sft_val_loss(val_examples)
+            def validate(metrics: dict) -> None:
+                if val_examples:
+                    metrics["val/sft_loss"] = trainer.sft_val_loss(val_examples)
 
-        for epoch in range(state.epoch, s.epochs):
-            order = list(range(len(train_examples)))
-            random.Random(cfg.trainer.seed * 7919 + epoch).shuffle(order)
-            first = state.index if epoch == state.epoch else 0
-            for index in range(first, per_epoch):
-                start = time.perf_counter()
-                batch = [train_examples[i] for i in order[index * s.batch_size : (index + 1) * s.batch_size]]
-                metrics = trainer.sft_step(batch, lr_at(state.step, s.lr, s.warmup_steps, total, s.lr_schedule))
-                state = SFTState(step=state.step + 1, epoch=epoch, index=index + 1)
-                if index + 1 == per_epoch:  # the epoch is done: a resume starts the next one
-                    state = SFTState(step=state.step, epoch=epoch + 1, index=0)
-                metrics.update(step=state.step, epoch=epoch + (index + 1) / per_epoch, **{"timing/step_s": time.perf_counter() - start})
-                if (s.val_every and state.step % s.val_every == 0) or (not s.val_every and index + 1 == per_epoch):
-                    validate(metrics)
-                tracker.log(metrics, phase="sft")
-                if s.save_every and state.step % s.save_every == 0 and state.step != total:
-                    save_checkpoint(trainer, run_dir, state)
-        directory = save_checkpoint(trainer, run_dir, state)
-        log.info("final model (HF format): %s", trainer.export_hf(str(directory / "hf")))
-    finally:
-        tracker.close()
-        trainer.shutdown()
+            for epoch in range(state.epoch, s.epochs):
+                order = list(range(len(train_examples)))
+                random.Random(cfg.trainer.seed * 7919 + epoch).shuffle(order)
+                first = state.index if epoch == state.epoch else 0
+                for index in range(first, per_epoch):
+                    start = time.perf_counter()
+                    batch = [train_examples[i] for i in order[index * s.batch_size : (index + 1) * s.batch_size]]
+                    metrics = trainer.sft_step(batch, lr_at(state.step, s.lr, s.warmup_steps, total, s.lr_schedule))
+                    state = SFTState(step=state.step + 1, epoch=epoch, index=index + 1)
+                    if index + 1 == per_epoch:  # the epoch is done: a resume starts the next one
+                        state = SFTState(step=state.step, epoch=epoch + 1, index=0)
+                    metrics.update(step=state.step, epoch=epoch + (index + 1) / per_epoch, **{"timing/step_s": time.perf_counter() - start})
+                    if (s.val_every and state.step % s.val_every == 0) or (not s.val_every and index + 1 == per_epoch):
+                        validate(metrics)
+                    tracker.log(metrics, phase="sft")
+                    if s.save_every and state.step % s.save_every == 0 and state.step != total:
+                        save_checkpoint(trainer, run_dir, state)
+            directory = save_checkpoint(trainer, run_dir, state)
+            log.info("final model (HF format): %s", trainer.export_hf(str(directory / "hf")))
+        finally:
+            tracker.close()
+            trainer.shutdown()
     return run_dir

@@ -12,6 +12,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.common import actor_options
 from raytool.config import RunConfig
 from raytool.device import detect, set_torch_threads
+from raytool.errors import ActorStartError, start_failure
+from raytool.placement import PlacementError, accelerator_request
 from raytool.training import Trainer
 from raytool.training.batching import split_across_ranks
 from raytool.training.model import DTYPES
@@ -105,22 +107,42 @@ class TrainerWorker:
 class TrainerGroup:
     """N TrainerWorkers in one placement group, joined in a torch process group when N > 1."""
 
-    def __init__(self, cfg: RunConfig, model_path: str):
-        t = cfg.trainer
-        bundle = {"CPU": t.num_cpus} | ({"GPU": t.num_gpus} if t.num_gpus else {})
+    def __init__(self, cfg: RunConfig, model_path: str, namespace: str | None = None):
+        """Workers are named `trainer-<rank>` in `namespace` (None: anonymous)."""
+        t, c = cfg.trainer, cfg.cluster
+        bundle = {"CPU": t.num_cpus, **accelerator_request(c.accelerator, t.num_gpus)}
         self.pg = None
         strategy = None
         if any(bundle.values()):
             self.pg = placement_group([dict(bundle) for _ in range(t.num_workers)], strategy="PACK")
-            ray.get(self.pg.ready())
+            self._wait_placed(bundle, t.num_workers, c.placement_timeout_s)
         self.workers = []
         for rank in range(t.num_workers):
             if self.pg is not None:
                 strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
-            opts = actor_options(t.num_cpus, t.num_gpus, scheduling_strategy=strategy)
+            named = {"name": f"trainer-{rank}", "namespace": namespace} if namespace else {}
+            opts = actor_options(t.num_cpus, t.num_gpus, c.accelerator, c.env_vars, scheduling_strategy=strategy, **named)
             self.workers.append(TrainerWorker.options(**opts).remote(rank, t.num_workers, model_path, cfg))
-        init = ray.get(self.workers[0].rendezvous_address.remote()) if t.num_workers > 1 else None
-        ray.get([w.setup.remote(init) for w in self.workers])
+        try:
+            init = ray.get(self.workers[0].rendezvous_address.remote()) if t.num_workers > 1 else None
+            ray.get([w.setup.remote(init) for w in self.workers])
+        except ray.exceptions.RayError as exc:
+            self.shutdown()
+            raise ActorStartError(f"trainer failed to start: {start_failure(exc)}") from exc
+
+    def _wait_placed(self, bundle: dict, count: int, timeout_s: float) -> None:
+        """Ray leaves a placement group it cannot place pending forever: give up after `timeout_s`
+        with what it waits for and what the cluster has free."""
+        try:
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            free = ", ".join(f"{v:g} {k}" for k, v in sorted(ray.available_resources().items()) if "_group_" not in k and not k.startswith("node:"))
+            wanted = ", ".join(f"{v:g} {k}" for k, v in sorted(bundle.items()) if v)
+            raise PlacementError(
+                f"the trainer's placement group ({count} x {{{wanted}}}) was not placed within {timeout_s:g}s "
+                f"(cluster.placement_timeout_s); free now: {free or 'nothing'} (config keys trainer.num_workers, trainer.num_cpus, trainer.num_gpus)"
+            ) from None
 
     def rl_step(self, trajectory_refs: list, stats: list[dict]) -> dict:
         """One update on a rollout batch: one trajectories ref per group and every trajectory's

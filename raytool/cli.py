@@ -1,5 +1,6 @@
 """The `raytool` command: train (GRPO with optional SFT warm-up), sft (multi-turn SFT), eval (validation metrics),
-preprocess (data sets -> prompt rows), export (checkpoint -> HF), config, sandbox serve, bench NAME."""
+preprocess (data sets -> prompt rows), export (checkpoint -> HF), report (a run as an HTML page), config,
+sandbox serve, bench NAME."""
 
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write an HF checkpoint (safetensors, config, tokenizer) from a raytool checkpoint")
     export.add_argument("--ckpt", required=True, help="a checkpoint directory: runs/<run>/checkpoints/step_N")
     export.add_argument("--out", required=True, help="the HF checkpoint directory to write")
+    report = sub.add_parser("report", help="write an HTML page of a run: its curves and a browser over its traced trajectories")
+    report.add_argument("run_dir", help="the run directory (metrics.jsonl, sft_metrics.jsonl, traces.jsonl)")
+    report.add_argument("--output", help="the folder for report.html and the plots' PNG files (default: RUN_DIR/report)")
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
     sandbox = sub.add_parser("sandbox", help="sandbox services")
@@ -77,6 +81,18 @@ def _preprocess(args) -> int:
         print(f"raytool: {exc}", file=sys.stderr)
         return 2
     print(report.summary())
+    return 0
+
+
+def _report(args) -> int:
+    from raytool.report import write_report  # lazy: matplotlib
+
+    try:
+        report = write_report(args.run_dir, args.output)
+    except RaytoolError as exc:
+        print(f"raytool: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {report.html.resolve()}")
     return 0
 
 
@@ -107,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "preprocess":
         return _preprocess(args)
+    if args.command == "report":
+        return _report(args)
     if args.command == "export":
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from raytool.training.export import export_checkpoint
@@ -156,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_dir = pipeline.run(cfg, args.run_dir, args.address, resume)
     except (FileNotFoundError, ConfigError, RaytoolError) as exc:  # a missing model or file, a bad reward fn, a server that cannot start: one line
-        print(f"raytool: {exc}", file=sys.stderr)
+        where = f" (traceback in {exc.run_log})" if getattr(exc, "run_log", None) else ""
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()  # stops Ray's forwarding of the actors' logs: the reason stays the last line
+        print(f"raytool: {exc}{where}", file=sys.stderr)
         return 2
     print(f"run directory: {run_dir.resolve()}")
     return 0

@@ -76,7 +76,7 @@ class RolloutConfig(_Section):
     seed: int | None = None  # sampling seed per request from (seed, trajectory id, turn): reproducible rollouts (None: unseeded)
     max_batch_size: int = 64  # sequences one engine runs at once (vLLM max_num_seqs)
     num_cpus: float = 1.0  # Ray CPUs each server reserves
-    num_gpus: float = 0.0  # Ray GPUs each server reserves (vLLM: set it to tensor_parallel_size)
+    num_gpus: float = 0.0  # accelerators (cluster.accelerator: GPU or NPU) each server reserves (vLLM: set it to tensor_parallel_size)
     tensor_parallel_size: int = 1  # vLLM: GPUs / NPUs one server's model is sharded over
     gpu_memory_utilization: float = 0.85  # vLLM: fraction of accelerator memory the engine may take
     max_model_len: int | None = None  # vLLM: longest prompt + response a request may have (None: the model's own limit)
@@ -181,7 +181,7 @@ class TrainerConfig(_Section):
     lora_target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])  # module names that get adapters
     num_workers: int = 1  # TrainerWorker actors (data parallel, FSDP2 when > 1)
     num_cpus: float = 1.0  # Ray CPUs each trainer worker reserves
-    num_gpus: float = 0.0  # Ray GPUs each trainer worker reserves
+    num_gpus: float = 0.0  # accelerators (cluster.accelerator: GPU or NPU) each trainer worker reserves
     seed: int = 0
     sft_warmup_steps: int = 12  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
     save_every: int = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
@@ -205,15 +205,26 @@ class SFTConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    console: bool = True  # one line per step on stderr
+    logger: list[Literal["console", "tensorboard", "wandb"]] = msgspec.field(default_factory=lambda: ["console", "tensorboard"])  # trackers besides metrics.jsonl (always written), as verl's trainer.logger: a line per step on stderr, event files in RUN_DIR/tensorboard, Weights & Biases in RUN_DIR/wandb (online with WANDB_API_KEY set, else offline)
+    project_name: str = "raytool"  # wandb: the W&B project
+    experiment_name: str | None = None  # wandb: the W&B run name (None: the run directory's name)
     trace_samples: int = 2  # full trajectories written to traces.jsonl each step
     progress: bool = True  # progress bar while rolling out
+
+    @property
+    def console(self) -> bool:  # transitional: for call sites that build Tracker(run_dir, console=...); remove with them
+        return "console" in self.logger
 
 
 class ClusterConfig(_Section):
     address: str | None = None  # Ray address; None: RAY_ADDRESS if set, else a new local instance
     torch_threads: int = 0  # intra-op threads of engine and trainer actors (0: the machine's cores)
     light_actor_cpus: float = 0.0  # Ray CPUs of manager, agent, sandbox and reward actors
+    accelerator: Literal["GPU", "NPU"] = "GPU"  # the Ray resource rollout.num_gpus / trainer.num_gpus count (NPU: Ascend nodes started with --resources '{"NPU": 8}')
+    env_vars: dict[str, str] = msgspec.field(default_factory=dict)  # environment of every actor, e.g. HCCL_* or NCCL_* settings of your network
+    namespace: str | None = None  # Ray namespace of the run's actors (None: raytool-<run directory name>)
+    wait_for_resources_s: float = 0.0  # an autoscaling cluster: wait this long for nodes before a missing resource is an error (0: fail at once)
+    placement_timeout_s: float = 600.0  # the trainer's placement group not placed by then is an error naming what it waits for
 
 
 class RunConfig(_Section):

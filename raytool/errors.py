@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 
@@ -12,6 +13,10 @@ class RaytoolError(RuntimeError):
 
 class RolloutServerError(RaytoolError):
     pass
+
+
+class ActorStartError(RaytoolError):
+    """An actor of the run failed to start: its role and cause; the remote traceback is its __cause__."""
 
 
 def one_line(exc: BaseException, limit: int = 400) -> str:
@@ -48,7 +53,7 @@ def preflight_engine(model_path: str, engine: str) -> None:
 
 
 def describe_engine_failure(server: str, model_path: str, engine: str, exc: BaseException) -> str:
-    """`rollout server rollout-0 (vllm, model /m): <cause>` with the cause named where it is known."""
+    """`rollout server rollout-server-0 (vllm, model /m): <cause>` with the cause named where it is known."""
     text = one_line(exc)
     lowered = str(exc).lower()
     if isinstance(exc, FileNotFoundError):
@@ -64,3 +69,15 @@ def describe_engine_failure(server: str, model_path: str, engine: str, exc: Base
     else:
         cause = text
     return f"rollout server {server} ({engine}, model {model_path}): {cause}"
+
+
+def start_failure(exc: BaseException) -> str:
+    """The cause of an actor's failed start in one line: the exception its constructor raised
+    (Ray wraps it in an ActorDiedError whose text is mostly traceback)."""
+    text = str(exc)
+    # Ray's creation-task error ends its traceback with the constructor's `Type: message` line.
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line):
+            return line[:400]
+    return one_line(exc)

@@ -96,7 +96,7 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
 
     try:
         result = graph.sync_weights(version=9)
-        assert {a["server"] for a in result["acks"]} == {"rollout-0", "rollout-1"}
+        assert {a["server"] for a in result["acks"]} == {"rollout-server-0", "rollout-server-1"}
         assert all(a["tensors"] > 0 and a["version"] == 9 for a in result["acks"])
         health = ray.get([s.health.remote() for s in graph.servers.values()])
         assert {h["policy_version"] for h in health} == {9}
@@ -105,25 +105,25 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
         os.kill(health[0]["pid"], signal.SIGKILL)
         start = time.time()
         result = graph.sync_weights(version=10)
-        assert [a["server"] for a in result["acks"]] == ["rollout-1"] and set(result["failed"]) == {"rollout-0"}
+        assert [a["server"] for a in result["acks"]] == ["rollout-server-1"] and set(result["failed"]) == {"rollout-server-0"}
         assert time.time() - start < 30
         outs = burst("r")
-        assert all(o.server == "rollout-1" and len(o.token_ids) == 4 for o in outs)
+        assert all(o.server == "rollout-server-1" and len(o.token_ids) == 4 for o in outs)
         stats = ray.get(graph.manager.stats.remote())
-        assert "rollout-0" in stats["ejected"] and stats["in_flight"] == {"rollout-0": 0, "rollout-1": 0}
+        assert "rollout-server-0" in stats["ejected"] and stats["in_flight"] == {"rollout-server-0": 0, "rollout-server-1": 0}
         # Ray restarts it with a fresh engine on the base weights: the probe finds it behind ...
         deadline = time.time() + 180
-        while ray.get(graph.manager.stats.remote())["stale"] != ["rollout-0"]:
+        while ray.get(graph.manager.stats.remote())["stale"] != ["rollout-server-0"]:
             assert time.time() < deadline, "the restarted server never came back"
             time.sleep(1)
-        assert ray.get(graph.servers["rollout-0"].health.remote())["policy_version"] == 0
+        assert ray.get(graph.servers["rollout-server-0"].health.remote())["policy_version"] == 0
         # ... the next weight sync reaches it at its new receiver, and it is re-admitted.
         result = graph.sync_weights(version=11)
-        assert {a["server"] for a in result["acks"]} == {"rollout-0", "rollout-1"} and not result["failed"]
+        assert {a["server"] for a in result["acks"]} == {"rollout-server-0", "rollout-server-1"} and not result["failed"]
         stats = ray.get(graph.manager.stats.remote())
         assert stats["ejected"] == {} and stats["stale"] == [] and stats["policy_version"] == 11
         outs = burst("after", 8)
-        assert {o.server for o in outs} == {"rollout-0", "rollout-1"} and {o.policy_version for o in outs} == {11}
+        assert {o.server for o in outs} == {"rollout-server-0", "rollout-server-1"} and {o.policy_version for o in outs} == {11}
     finally:
         graph.shutdown()
 
@@ -181,10 +181,10 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
 
 @pytest.mark.parametrize("in_place", [False, True])
 def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_cluster, monkeypatch, in_place):
-    """Three servers, rollout-1 gone (and, here, not caught by the health check). Over TCP the
-    buckets relay down the chain rollout-0 -> rollout-1 -> rollout-2: rollout-0 cannot forward and
-    rollout-2 starves. Read in place, each server gets its own bucket headers and the sender
-    waits in vain for rollout-1's ack. Either way the others are synced again without rollout-1,
+    """Three servers, rollout-server-1 gone (and, here, not caught by the health check). Over TCP
+    the buckets relay down the chain of servers 0 -> 1 -> 2: server 0 cannot forward and server 2
+    starves. Read in place, each server gets its own bucket headers and the sender waits in vain
+    for server 1's ack. Either way the others are synced again without rollout-server-1,
     which alone is ejected."""
     import ray
 
@@ -194,13 +194,13 @@ def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_clust
                                     f"trainer.weight_sync_in_place={in_place}"])
     graph = build(cfg)
     try:
-        assert {a["server"] for a in graph.sync_weights(version=1)["acks"]} == {"rollout-0", "rollout-1", "rollout-2"}
-        ray.kill(graph.servers["rollout-1"], no_restart=True)
+        assert {a["server"] for a in graph.sync_weights(version=1)["acks"]} == {"rollout-server-0", "rollout-server-1", "rollout-server-2"}
+        ray.kill(graph.servers["rollout-server-1"], no_restart=True)
         monkeypatch.setattr(Graph, "_unresponsive", lambda self, targets: {})
         result = graph.sync_weights(version=2, timeout_s=5)
-        assert sorted(a["server"] for a in result["acks"]) == ["rollout-0", "rollout-2"]
-        assert all(a["version"] == 2 for a in result["acks"]) and set(result["failed"]) == {"rollout-1"}
-        assert "rollout-1" in ray.get(graph.manager.stats.remote())["ejected"]
+        assert sorted(a["server"] for a in result["acks"]) == ["rollout-server-0", "rollout-server-2"]
+        assert all(a["version"] == 2 for a in result["acks"]) and set(result["failed"]) == {"rollout-server-1"}
+        assert "rollout-server-1" in ray.get(graph.manager.stats.remote())["ejected"]
     finally:
         graph.shutdown()
 
