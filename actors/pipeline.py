@@ -21,13 +21,14 @@ import ray
 from actors.compose import Graph, build, with_tool_sandbox_settings
 from actors.evaluate import evaluate
 from raytool.agent.render import ChatRenderer, as_in_turn
-from raytool.config import RunConfig, to_yaml
+from raytool.config import ConfigError, RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
 from raytool.data.task import Task, load_task
 from raytool.errors import RaytoolError
 from raytool.evaluation import table as eval_table
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
+from raytool.tools.registry import load_tool_config
 from raytool.tracking import Tracker
 from raytool.training import lr_at
 
@@ -57,6 +58,18 @@ def run_log(run_dir: Path):
     finally:
         root.removeHandler(handler)
         handler.close()
+
+
+def check_tools(cfg: RunConfig) -> None:
+    """The tool YAML (agent.tools) must load in the driver: its classes import and build, and its
+    sandbox settings agree with the run's; otherwise the first agent worker would be the one to say."""
+    if not cfg.agent.tools:
+        return
+    try:
+        with_tool_sandbox_settings(cfg)
+        load_tool_config(cfg.agent.tools)
+    except ConfigError as exc:
+        raise ConfigError(f"config key 'agent.tools': {exc}") from None
 
 
 def connect(address: str | None) -> None:
@@ -238,7 +251,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     # A missing model, a bad reward fn or unusable data stop the run here, before any actor starts.
     model_path = resolve_model(cfg.model.path)
     validate_reward_fn(cfg.reward.fn)
-    with_tool_sandbox_settings(cfg)  # the tool YAML: readable, and agreeing with the sandbox settings
+    check_tools(cfg)
     task = load_task(cfg)
     from transformers import AutoTokenizer
 

@@ -60,6 +60,20 @@ def test_a_bad_reward_fn_stops_train_and_eval_in_one_line_before_any_actor_start
     assert not (tmp_path / "run").exists()
 
 
+def test_a_bad_tool_yaml_or_data_file_stops_train_in_one_line_naming_the_key(capsys, tmp_path):
+    bad_tools = tmp_path / "tools.yaml"
+    bad_tools.write_text("tools:\n  - class_name: no_such_package.Tool\n")
+    for override, key, says in [
+        (f"agent.tools={tmp_path / 'missing.yaml'}", "agent.tools", "cannot read tool config"),
+        (f"agent.tools={bad_tools}", "agent.tools", "cannot import module 'no_such_package'"),
+        (f"data.train_files=[{tmp_path / 'missing.parquet'}]", "data.train_files", "no such file"),
+    ]:
+        assert main(["train", "data.task=files", f"data.train_files=[{tmp_path / 'x.parquet'}]", override, "--run-dir", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"raytool: config key '{key}'") and says in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
 def test_preprocess_reports_bad_rows_and_unknown_names(capsys, tmp_path):
     from pathlib import Path
 

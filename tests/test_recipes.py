@@ -72,6 +72,10 @@ def test_ascend_recipe_encourages_tool_calls_and_samples_dynamically(monkeypatch
     cfg = load_config("examples/retool_qwen3_4b_ascend.yaml")
     assert cfg.reward.fn == "retool" and cfg.reward.tool_call_bonus > 0 and cfg.algorithm.dynamic_sampling
     assert cfg.eval.n == 30 and cfg.data.val_files == ["data/aime_2025.parquet"]
+    from raytool.placement import demands, shortfall
+
+    two_nodes = [{"CPU": 192.0, "NPU": 16.0}, {"CPU": 192.0, "NPU": 16.0}]  # 8 servers + 8 trainer workers, one NPU each
+    assert cfg.cluster.accelerator == "NPU" and shortfall(demands(cfg), two_nodes) is None
     fn = make_reward_fn(cfg.reward)
     view = {"response": "\\boxed{3}", "turns": [], "num_turns": 5, "tool_calls": 2, "tool_errors": 0, "finish_reason": "stop",
             "response_tokens": 100, "max_response_tokens": cfg.agent.max_response_tokens}

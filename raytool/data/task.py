@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from raytool.config import RunConfig
 from raytool.data import tool_arith
 from raytool.data.prompts import PromptRow, load_prompt_files
+from raytool.data.rows import DataError
 from raytool.types import Message
 
 
@@ -26,10 +27,17 @@ def load_task(cfg: RunConfig) -> Task:
     """The run's data; a missing or unusable file stops here, before any actor starts."""
     data, system_prompt = cfg.data, cfg.agent.system_prompt
     if data.task == "files":  # config.validate made sure there are train files
-        return Task(train=load_prompt_files(data.train_files), val=load_prompt_files(data.val_files))
+        return Task(train=_prompt_files("data.train_files", data.train_files), val=_prompt_files("data.val_files", data.val_files))
     train, val = tool_arith.make_splits(data.train_size, data.val_size, data.seed)
     return Task(
         train=[tool_arith.prompt_row(p, system_prompt) for p in train],
         val=[tool_arith.prompt_row(p, system_prompt) for p in val],
         sft_traces=[tool_arith.sft_messages(p, system_prompt) for p in train if p.in_sft],
     )
+
+
+def _prompt_files(key: str, paths: list[str]) -> list[PromptRow]:
+    try:
+        return load_prompt_files(paths)
+    except DataError as exc:
+        raise DataError(f"config key '{key}': {exc}") from None
