@@ -20,6 +20,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.metrics import ManagerMetrics
 from raytool.errors import one_line
 from raytool.routing import Router
 from raytool.types import SamplingParams, TokenOutput
@@ -43,6 +44,7 @@ class LLMManager:
         self.addresses: dict[str, list[str]] = {}  # server -> weight receiver addresses (set by the driver)
         self.retries = 0
         self._probe_task: asyncio.Task | None = None
+        self.metrics = ManagerMetrics(lambda: len(self.router.healthy))
 
     def set_addresses(self, addresses: dict) -> None:
         self.addresses.update(addresses)
@@ -75,10 +77,12 @@ class LLMManager:
                 self.router.done(name, ok=ok, latency_s=time.monotonic() - start)
             tried.add(name)
             self.retries += 1
+            self.metrics.retried(name)
 
     def _eject(self, name: str, reason: str) -> None:
         if name not in self.router.ejected:
             log.warning("ejecting rollout server %s: %s", name, reason)
+            self.metrics.ejected(name)
         self.router.eject(name, reason)
         self._ensure_probing()
 
@@ -129,6 +133,7 @@ class LLMManager:
             self.stale.pop(name, None)
             if name not in self.router.ejected:
                 log.warning("ejecting rollout server %s: weight sync v%d failed: %s", name, version, reason)
+                self.metrics.ejected(name)
             self.router.eject(name, f"weight sync v{version} failed: {reason}")
         if failed:
             self._ensure_probing()

@@ -20,6 +20,7 @@ import ray
 
 from actors.compose import Graph, build, with_tool_sandbox_settings
 from actors.evaluate import evaluate
+from actors.metrics import record_step
 from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import ConfigError, RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
@@ -314,6 +315,10 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
                 "weight_sync/failed_servers": len(sync["failed"]),
                 "policy_version": state.version,
             })
+            # The dashboard's view of the step (Ray metrics on the head's Prometheus endpoint).
+            engines = ray.get(graph.manager.server_stats.remote())
+            record_step(step, step_s=metrics["timing/step_s"], train_s=train_s, sync_s=sync_s, rollout_s=rollout_s, trainer_version=state.version,
+                        server_versions={name: e["policy_version"] for name, e in engines.items() if "policy_version" in e})
             every = cfg.eval.every
             if every and task.val and (step % every == 0 or step == cfg.trainer.total_steps):
                 metrics.update(validate(graph, cfg, task, step))

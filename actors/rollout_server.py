@@ -8,6 +8,7 @@ import time
 
 import ray
 
+from actors.metrics import RolloutMetrics
 from raytool.device import set_torch_threads
 from raytool.engines import make_engine
 from raytool.errors import RolloutServerError, describe_engine_failure
@@ -37,6 +38,7 @@ class RolloutServer:
         except Exception as exc:  # reported by ready() in one line; the actor stays up to say why
             self.failure = describe_engine_failure(name, model_path, engine, exc)
             log.error("%s", self.failure)
+        self.metrics = RolloutMetrics(name, lambda: self.in_flight, lambda: self.engine.policy_version if self.engine else None)
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -52,10 +54,12 @@ class RolloutServer:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
         self._check()
         self.in_flight += 1
+        start = time.perf_counter()
         try:
             out = await self.engine.generate(prompt_ids, sampling, request_id)
         finally:
             self.in_flight -= 1
+        self.metrics.request_done(len(out.token_ids), time.perf_counter() - start)
         out.server = self.name
         return out
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import ray
 
+from actors.metrics import SandboxMetrics
 from raytool.errors import RaytoolError
 from raytool.sandbox import make_backend
 from raytool.sandbox.pool import PooledBackend
@@ -16,6 +19,7 @@ class SandboxPool:
         self.name = name
         self.pool = PooledBackend(make_backend(backend, **backend_options), name=name, **limits)
         self.backend_name = backend
+        self.metrics = SandboxMetrics(name, self.pool)
 
     async def ready(self) -> dict:
         """Start the backend (the local one forks its warm sessions); a failure is one line."""
@@ -26,7 +30,10 @@ class SandboxPool:
         return self.pool.stats()
 
     async def execute(self, code: str, session: str | None = None) -> ExecResult:
-        return await self.pool.execute(code, session)
+        start = time.perf_counter()
+        result = await self.pool.execute(code, session)
+        self.metrics.cell_done(result.status, time.perf_counter() - start)
+        return result
 
     async def close_session(self, session: str) -> None:
         await self.pool.close_session(session)

@@ -69,6 +69,7 @@ class RayCluster:
     def __init__(self):
         self.port = free_port()
         self.dashboard_port = free_port()
+        self.metrics_port = free_port()  # the head's Prometheus endpoint: http://127.0.0.1:{metrics_port}/metrics
         bin_dir = str(Path(sys.executable).parent)
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
         self.address = f"127.0.0.1:{self.port}"
@@ -82,7 +83,7 @@ class RayCluster:
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
              # every port of its own, so another Ray on this machine cannot collide with it
              f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={self.metrics_port}",
              f"--ray-client-server-port={free_port()}", "--disable-usage-stats"],
             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
