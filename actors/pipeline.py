@@ -30,7 +30,7 @@ from raytool.evaluation import table as eval_table
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
 from raytool.tools.registry import load_tool_config
-from raytool.tracking import Tracker
+from raytool.tracking import Tracker, validate_backends
 from raytool.training import lr_at
 
 log = logging.getLogger(__name__)
@@ -253,6 +253,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     model_path = resolve_model(cfg.model.path)
     validate_reward_fn(cfg.reward.fn)
     check_tools(cfg)
+    validate_backends(cfg.logging)
     task = load_task(cfg)
     from transformers import AutoTokenizer
 
@@ -271,7 +272,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
 def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: Path | None) -> None:
     """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run`."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or f"raytool-{run_dir.resolve().name}")
-    tracker = Tracker(run_dir, console=cfg.logging.console)
+    tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     try:

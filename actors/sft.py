@@ -22,7 +22,7 @@ from raytool.config import RunConfig, to_yaml
 from raytool.data.conversations import load_conversations, sft_examples, split_validation
 from raytool.errors import RaytoolError
 from raytool.models import resolve_model
-from raytool.tracking import Tracker
+from raytool.tracking import Tracker, validate_backends
 from raytool.training import lr_at
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     if checkpoint is not None and run_dir is None:
         run_dir = checkpoint.parent.parent
     model_path = resolve_model(cfg.model.path)
+    validate_backends(cfg.logging)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train = _load(s.train_files)
     val = _load(s.val_files) if s.val_files else []
@@ -74,7 +75,7 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
         connect(address or cfg.cluster.address)
         wait_for_resources(cfg, only={"trainer worker"})
         trainer = TrainerGroup(cfg, model_path, namespace=cfg.cluster.namespace or f"raytool-sft-{run_dir.resolve().name}")
-        tracker = Tracker(run_dir, console=cfg.logging.console)
+        tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
         per_epoch = math.ceil(len(train_examples) / s.batch_size)
         total = per_epoch * s.epochs
         state = SFTState(step=0, epoch=0, index=0)

@@ -211,10 +211,6 @@ class LoggingConfig(_Section):
     trace_samples: int = 2  # full trajectories written to traces.jsonl each step
     progress: bool = True  # progress bar while rolling out
 
-    @property
-    def console(self) -> bool:  # transitional: for call sites that build Tracker(run_dir, console=...); remove with them
-        return "console" in self.logger
-
 
 class ClusterConfig(_Section):
     address: str | None = None  # Ray address; None: RAY_ADDRESS if set, else a new local instance

@@ -28,9 +28,9 @@ def test_sft_then_export_then_rl_from_the_exported_model(ray_cluster, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "sft_metrics.jsonl").read_text().splitlines()]
     # 4 usable conversations (3 malformed rows are reported and skipped), batches of 2, 2 epochs.
     assert [m["step"] for m in rows] == [1, 2, 3, 4]
-    assert [("val/sft_loss" in m) for m in rows] == [False, True, False, True]  # after each epoch
-    assert rows[3]["val/sft_loss"] < rows[1]["val/sft_loss"]
-    assert rows[3]["sft/lr"] < rows[0]["sft/lr"]  # cosine decay
+    assert [("val/loss" in m) for m in rows] == [False, True, False, True]  # after each epoch
+    assert rows[3]["val/loss"] < rows[1]["val/loss"]
+    assert rows[3]["train/lr"] < rows[0]["train/lr"]  # cosine decay
     assert {d.name for d in (run_dir / "checkpoints").iterdir()} == {"step_2", "step_4"}
 
     out = tmp_path / "exported"
