@@ -129,3 +129,29 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.stop()
+
+
+CHROMIUM = os.environ.get("RAYTOOL_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture
+def browser_page():
+    """A page in headless Chromium (the system's, which scripts/system_deps.sh installs, driven by
+    playwright). Without Chromium the test fails, it does not skip: CI must run it. Set
+    RAYTOOL_SKIP_BROWSER=1 to skip on a machine that cannot have one. Collects the page's JS errors
+    in `page.js_errors`."""
+    if os.environ.get("RAYTOOL_SKIP_BROWSER") == "1":
+        pytest.skip("RAYTOOL_SKIP_BROWSER=1")
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(f"no Chromium at {CHROMIUM}: run scripts/system_deps.sh (or set RAYTOOL_SKIP_BROWSER=1 to skip this test)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.js_errors = []
+            page.on("pageerror", lambda exc: page.js_errors.append(str(exc)))
+            yield page
+        finally:
+            browser.close()

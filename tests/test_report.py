@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,9 +12,6 @@ from raytool.config import LoggingConfig
 from raytool.report import write_report
 from raytool.tracking import Tracker
 from raytool.types import Message, Trajectory
-
-CHROMIUM = os.environ.get("RAYTOOL_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-
 
 def _trajectory(uid: str, code: str, output: str, reward: float, ok: bool = True) -> Trajectory:
     """A two-turn trajectory as the agent loop traces it: a code call, its output, then the answer."""
@@ -112,42 +107,31 @@ def test_cli_report_prints_the_page_and_refuses_a_missing_run_dir(small_run, tmp
     assert "is not a directory" in capsys.readouterr().err
 
 
-def test_trajectory_browser_in_headless_chromium_shows_the_selected_call_and_output(report):
-    if os.environ.get("RAYTOOL_SKIP_BROWSER") == "1":
-        pytest.skip("RAYTOOL_SKIP_BROWSER=1")
-    if not Path(CHROMIUM).is_file():
-        pytest.fail(f"no Chromium at {CHROMIUM}: run scripts/system_deps.sh (or set RAYTOOL_SKIP_BROWSER=1 to skip this test)")
-    from playwright.sync_api import expect, sync_playwright
+def test_trajectory_browser_in_headless_chromium_shows_the_selected_call_and_output(report, browser_page):
+    from playwright.sync_api import expect
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page()
-            errors = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(report.html.as_uri())
-            expect(page.locator("#match-count")).to_have_text("6 of 6 trajectories")
-            expect(page.locator("#traj-detail pre.code")).to_have_text("print(6 * 7)  # step 1")  # the first is shown at once
+    page = browser_page
+    page.goto(report.html.as_uri())
+    expect(page.locator("#match-count")).to_have_text("6 of 6 trajectories")
+    expect(page.locator("#traj-detail pre.code")).to_have_text("print(6 * 7)  # step 1")  # the first is shown at once
 
-            page.select_option("#step-filter", "2")
-            page.select_option("#outcome-filter", "errors")
-            expect(page.locator("#match-count")).to_have_text("1 of 6 trajectories")
-            page.locator(".traj", has_text="s2-b").click()
-            expect(page.locator(".traj.selected")).to_contain_text("s2-b")
-            detail = page.locator("#traj-detail")
-            expect(detail.locator("pre.code")).to_have_text("while True: pass  # step 2")
-            expect(detail.locator("pre.output")).to_have_text("Error (timeout): the cell ran past 5 s")
-            expect(detail.locator(".badge.bad")).to_have_text("timeout")
-            expect(detail.get_by_text("What is 6*7? (s2-b)")).to_be_visible()
-            expect(detail.get_by_text("The answer is \\boxed{42}.")).to_be_visible()
-            expect(detail.get_by_text("print(6 * 7)  # step 1")).to_have_count(0)
+    page.select_option("#step-filter", "2")
+    page.select_option("#outcome-filter", "errors")
+    expect(page.locator("#match-count")).to_have_text("1 of 6 trajectories")
+    page.locator(".traj", has_text="s2-b").click()
+    expect(page.locator(".traj.selected")).to_contain_text("s2-b")
+    detail = page.locator("#traj-detail")
+    expect(detail.locator("pre.code")).to_have_text("while True: pass  # step 2")
+    expect(detail.locator("pre.output")).to_have_text("Error (timeout): the cell ran past 5 s")
+    expect(detail.locator(".badge.bad")).to_have_text("timeout")
+    expect(detail.get_by_text("What is 6*7? (s2-b)")).to_be_visible()
+    expect(detail.get_by_text("The answer is \\boxed{42}.")).to_be_visible()
+    expect(detail.get_by_text("print(6 * 7)  # step 1")).to_have_count(0)
 
-            page.select_option("#outcome-filter", "")
-            page.fill("#text-filter", "print(6 * 7)  # step 3")
-            expect(page.locator(".traj")).to_have_count(0)  # step 2 is still selected in the step filter
-            page.select_option("#step-filter", "")
-            page.locator(".traj", has_text="s3-a").click()
-            expect(detail.locator("pre.output")).to_have_text("42")
-            assert errors == []
-        finally:
-            browser.close()
+    page.select_option("#outcome-filter", "")
+    page.fill("#text-filter", "print(6 * 7)  # step 3")
+    expect(page.locator(".traj")).to_have_count(0)  # step 2 is still selected in the step filter
+    page.select_option("#step-filter", "")
+    page.locator(".traj", has_text="s3-a").click()
+    expect(detail.locator("pre.output")).to_have_text("42")
+    assert page.js_errors == []

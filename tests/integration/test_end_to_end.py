@@ -206,7 +206,7 @@ def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_clust
 
 
 @pytest.mark.parametrize("style", ["tool_message", "in_turn"])
-def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster, tmp_path, tokenizer, style):
+def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster, tmp_path, tokenizer, browser_page, style):
     """The default model on the real engine, a short cold-start SFT, one GRPO step: real multi-turn
     tool use, with the tool output as a tool message or inside the assistant turn (ReTool paper)."""
     from actors.pipeline import run
@@ -239,6 +239,23 @@ def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster,
     # Generated tokens carry the engine's log-probs; observation tokens carry none.
     assert all(lp == 0.0 for lp, m in zip(t["rollout_logprobs"], mask) if m == 0)
     assert any(lp < 0.0 for lp, m in zip(t["rollout_logprobs"], mask) if m == 1)
+    if style == "tool_message":  # `raytool report` on this finished run: the trajectory's call and output in the browser
+        check_report_shows_the_call(run_dir, t, browser_page)
+
+
+def check_report_shows_the_call(run_dir, t: dict, page) -> None:
+    from playwright.sync_api import expect
+
+    from raytool.report import write_report
+
+    call = next(c for turn in t["turns"] for c in turn.get("calls", []))
+    page.goto(write_report(run_dir).html.as_uri())
+    page.fill("#text-filter", call["arguments"]["code"])
+    page.locator(".traj", has_text=t["uid"]).click()
+    detail = page.locator("#traj-detail")
+    expect(detail.locator("pre.code").first).to_have_text(call["arguments"]["code"])
+    expect(detail.locator("pre.output").first).to_have_text(call["output"])
+    assert page.js_errors == []
 
 
 def test_training_survives_a_rollout_server_killed_during_step_one(ray_cluster, tmp_path):
