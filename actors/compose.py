@@ -262,11 +262,15 @@ def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:
     return msgspec.structs.replace(cfg, sandbox=msgspec.structs.replace(current, **changes))
 
 
-def build_sandbox_pools(cfg: RunConfig, options) -> list:
+def build_sandbox_pools(cfg: RunConfig, options=None) -> list:
     """`sandbox.num_pools` SandboxPool actors, each asking for `sandbox.pool_resources` (e.g. a
     custom resource that only CPU nodes offer) and accepting enough calls to fill its queue.
-    `options(name, num_cpus, **extra)`: the Ray options of a named actor of this run."""
+    `options(name, num_cpus, **extra)`: the Ray options of a named actor of this run (None: unnamed)."""
     s = cfg.sandbox
+    if options is None:
+        def options(name: str, num_cpus: float, **extra) -> dict:
+            return actor_options(num_cpus, 0.0, cfg.cluster.accelerator, cfg.cluster.env_vars, **extra)
+
     limits = {"max_concurrency": s.max_concurrency, "max_queue": s.max_queue, "retries": s.retries, "timeout_s": s.timeout_s,
               "memory_mb": s.memory_mb, "breaker_failures": s.breaker_failures, "breaker_reset_s": s.breaker_reset_s}
     return [
