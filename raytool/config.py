@@ -241,11 +241,13 @@ class RunConfig(_Section):
 def _allowed_values(key: str) -> list | None:
     """The choices of a Literal-typed key such as 'agent.format', for error messages."""
     node: Any = RunConfig
-    for part in key.split("."):
+    for part in re.sub(r"\[\d+\]", "", key).split("."):  # 'logging.logger[1]': an item of a list of choices
         hints = typing.get_type_hints(node) if isinstance(node, type) else {}
         if part not in hints:
             return None
         node = hints[part]
+    if typing.get_origin(node) is list:
+        (node,) = typing.get_args(node)
     return list(typing.get_args(node)) if typing.get_origin(node) is Literal else None
 
 

@@ -40,6 +40,8 @@ def test_unknown_section_and_bad_literal():
         load_config(None, ["optimizer.lr=1"])
     with pytest.raises(ConfigError, match="agent.format"):
         load_config(None, ["agent.format=xml"])
+    with pytest.raises(ConfigError, match=r"'logging.logger\[1\]': invalid enum value 'foo'; expected one of \['console', 'tensorboard', 'wandb'\]"):
+        load_config(None, ["logging.logger=[console,foo]"])
 
 
 def test_cross_key_validation():
