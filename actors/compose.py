@@ -163,7 +163,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     model_path = model_path or resolve_model(cfg.model.path)
     cfg = with_tool_sandbox_settings(cfg)
     wait_for_resources(cfg, skip={"trainer worker"} if not with_trainer else set())
-    ns = namespace or cfg.cluster.namespace or f"raytool-{uuid.uuid4().hex[:8]}"
+    ns = namespace or cfg.cluster.namespace or run_namespace("raytool")
+    log.info("actors in Ray namespace %s", ns)
     light = cfg.cluster.light_actor_cpus
     r = cfg.rollout
 
@@ -206,6 +207,12 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
             ray.kill(actor)
         raise
     return Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, trainer, ns)
+
+
+def run_namespace(name: str) -> str:
+    """A fresh Ray namespace for a run called `name`: its actors' names (`llm-manager`, ...) cannot
+    collide with another run's, nor with those of a run just ended whose actors Ray is still killing."""
+    return f"{name}-{uuid.uuid4().hex[:6]}"
 
 
 def wait_started(ready: dict) -> dict:

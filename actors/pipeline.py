@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import ray
 
-from actors.compose import Graph, build, with_tool_sandbox_settings
+from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
 from actors.evaluate import evaluate
 from actors.metrics import record_step
 from raytool.agent.render import ChatRenderer, as_in_turn
@@ -271,7 +271,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
 
 def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: Path | None) -> None:
     """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run`."""
-    graph = build(cfg, model_path, namespace=cfg.cluster.namespace or f"raytool-{run_dir.resolve().name}")
+    graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"))
     tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0

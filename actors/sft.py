@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from actors.compose import wait_for_resources
+from actors.compose import run_namespace, wait_for_resources
 from actors.pipeline import connect, default_run_dir, find_checkpoint, run_log, save_checkpoint
 from actors.trainer import TrainerGroup
 from raytool.agent.render import as_in_turn
@@ -74,7 +74,7 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     with run_log(run_dir):
         connect(address or cfg.cluster.address)
         wait_for_resources(cfg, only={"trainer worker"})
-        trainer = TrainerGroup(cfg, model_path, namespace=cfg.cluster.namespace or f"raytool-sft-{run_dir.resolve().name}")
+        trainer = TrainerGroup(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-sft-{run_dir.resolve().name}"))
         tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
         per_epoch = math.ceil(len(train_examples) / s.batch_size)
         total = per_epoch * s.epochs

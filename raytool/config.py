@@ -218,7 +218,7 @@ class ClusterConfig(_Section):
     light_actor_cpus: float = 0.0  # Ray CPUs of manager, agent, sandbox and reward actors
     accelerator: Literal["GPU", "NPU"] = "GPU"  # the Ray resource rollout.num_gpus / trainer.num_gpus count (NPU: Ascend nodes started with --resources '{"NPU": 8}')
     env_vars: dict[str, str] = msgspec.field(default_factory=dict)  # environment of every actor, e.g. HCCL_* or NCCL_* settings of your network
-    namespace: str | None = None  # Ray namespace of the run's actors (None: raytool-<run directory name>)
+    namespace: str | None = None  # Ray namespace of the run's actors (None: raytool-<run directory name>-<6 random hex digits>)
     wait_for_resources_s: float = 0.0  # an autoscaling cluster: wait this long for nodes before a missing resource is an error (0: fail at once)
     placement_timeout_s: float = 600.0  # the trainer's placement group not placed by then is an error naming what it waits for
 
