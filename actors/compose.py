@@ -240,13 +240,12 @@ def wait_for_resources(cfg: RunConfig, skip: set[str] = frozenset(), only: set[s
     wanted = [d for d in placement.demands(cfg) if d.role not in skip and (only is None or d.role in only)]
     deadline = time.monotonic() + cfg.cluster.wait_for_resources_s
     while True:
-        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-        reason = placement.shortfall(wanted, nodes)
-        if reason is None:
-            return
-        if time.monotonic() >= deadline:
-            raise placement.PlacementError(f"cannot place the run's actors: {reason}")
-        log.info("waiting for the cluster to grow: %s", reason)
+        try:
+            return placement.check(wanted, [node["Resources"] for node in ray.nodes() if node.get("Alive")])
+        except placement.PlacementError as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("waiting for the cluster to grow: %s", exc)
         time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
 
 

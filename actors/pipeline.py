@@ -104,10 +104,11 @@ def rollout_metrics(stats: list[dict]) -> dict:
     return metrics
 
 
-def serving_metrics(graph: Graph) -> dict:
-    """The rollout servers' side of a step: health, retries and the engines' own counters."""
+def serving_metrics(graph: Graph, server_stats: dict) -> dict:
+    """The rollout servers' side of a step: health, retries and the engines' own counters
+    (`server_stats`: the manager's server_stats())."""
     manager = ray.get(graph.manager.stats.remote())
-    engines = [e for e in ray.get(graph.manager.server_stats.remote()).values() if "error" not in e]
+    engines = [e for e in server_stats.values() if "error" not in e]
     hits = [e["prefix_cache_hit_rate"] for e in engines if e.get("prefix_cache_hit_rate") is not None]
     metrics = {
         "rollout/servers_healthy": len(manager["in_flight"]) - len(manager["ejected"]),
@@ -305,7 +306,8 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             sync = graph.sync_weights(state.version)
             sync_s = time.perf_counter() - sync_start
 
-            metrics = {"step": step, **batch_metrics, **train_metrics, **serving_metrics(graph), **sandbox_metrics(graph)}
+            engines = ray.get(graph.manager.server_stats.remote())
+            metrics = {"step": step, **batch_metrics, **train_metrics, **serving_metrics(graph, engines), **sandbox_metrics(graph)}
             metrics.update({
                 "rollout/tokens_per_s": sum(s["generated_tokens"] for s in stats) / rollout_s,
                 "timing/step_s": time.perf_counter() - step_start,
@@ -317,7 +319,6 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
                 "policy_version": state.version,
             })
             # The dashboard's view of the step (Ray metrics on the head's Prometheus endpoint).
-            engines = ray.get(graph.manager.server_stats.remote())
             record_step(step, step_s=metrics["timing/step_s"], train_s=train_s, sync_s=sync_s, rollout_s=rollout_s, trainer_version=state.version,
                         server_versions={name: e["policy_version"] for name, e in engines.items() if "policy_version" in e})
             every = cfg.eval.every

@@ -13,7 +13,7 @@ from actors.common import actor_options
 from raytool.config import RunConfig
 from raytool.device import detect, set_torch_threads
 from raytool.errors import ActorStartError, start_failure
-from raytool.placement import PlacementError, accelerator_request
+from raytool import placement
 from raytool.training import Trainer
 from raytool.training.batching import split_across_ranks
 from raytool.training.model import DTYPES
@@ -110,10 +110,10 @@ class TrainerGroup:
     def __init__(self, cfg: RunConfig, model_path: str, namespace: str | None = None):
         """Workers are named `trainer-<rank>` in `namespace` (None: anonymous)."""
         t, c = cfg.trainer, cfg.cluster
-        bundle = {"CPU": t.num_cpus, **accelerator_request(c.accelerator, t.num_gpus)}
+        bundle = placement.bundle(cfg, "trainer worker")  # what the driver checked the cluster can hold
         self.pg = None
         strategy = None
-        if any(bundle.values()):
+        if bundle:
             self.pg = placement_group([dict(bundle) for _ in range(t.num_workers)], strategy="PACK")
             self._wait_placed(bundle, t.num_workers, c.placement_timeout_s)
         self.workers = []
@@ -139,7 +139,7 @@ class TrainerGroup:
             remove_placement_group(self.pg)
             free = ", ".join(f"{v:g} {k}" for k, v in sorted(ray.available_resources().items()) if "_group_" not in k and not k.startswith("node:"))
             wanted = ", ".join(f"{v:g} {k}" for k, v in sorted(bundle.items()) if v)
-            raise PlacementError(
+            raise placement.PlacementError(
                 f"the trainer's placement group ({count} x {{{wanted}}}) was not placed within {timeout_s:g}s "
                 f"(cluster.placement_timeout_s); free now: {free or 'nothing'} (config keys trainer.num_workers, trainer.num_cpus, trainer.num_gpus)"
             ) from None

@@ -94,8 +94,13 @@ def _hint(missing: list[str], nodes: list[dict[str, float]]) -> str:
     return ""
 
 
-def check(cfg: RunConfig, nodes: list[dict[str, float]]) -> None:
-    """Raise PlacementError naming the missing resource if the run cannot be placed on `nodes`."""
-    reason = shortfall(demands(cfg), nodes)
+def check(wanted: list[Demand], nodes: list[dict[str, float]]) -> None:
+    """Raise PlacementError naming the missing resource if `wanted` cannot be placed on `nodes`."""
+    reason = shortfall(wanted, nodes)
     if reason:
         raise PlacementError(f"cannot place the run's actors: {reason}")
+
+
+def bundle(cfg: RunConfig, role: str) -> dict[str, float]:
+    """What one actor of `role` reserves ({} when it reserves nothing)."""
+    return next((d.bundle for d in demands(cfg) if d.role == role), {})

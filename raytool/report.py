@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from raytool.data.rows import BadRow, jsonl_lines
 from raytool.errors import RaytoolError
 from raytool.tracking import verl_names
 
@@ -82,18 +83,12 @@ def read_jsonl(path: Path, problems: list[str], what: str) -> list[tuple[int, di
         problems.append(f"{path}: missing, so no {what}")
         return []
     rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                problems.append(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); line skipped")
-                continue
-            if not isinstance(row, dict):
-                problems.append(f"{path}:{number}: expected a JSON object, got {type(row).__name__}; line skipped")
-                continue
+    for number, row in jsonl_lines(path.read_text(encoding="utf-8", errors="replace")):
+        if isinstance(row, BadRow):
+            problems.append(f"{path}:{number}: {row}; line skipped")
+        elif not isinstance(row, dict):
+            problems.append(f"{path}:{number}: expected a JSON object, got {type(row).__name__}; line skipped")
+        else:
             rows.append((number, row))
     return rows
 

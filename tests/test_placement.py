@@ -22,7 +22,7 @@ def test_the_default_run_fits_a_two_core_machine():
 
 def test_two_servers_on_two_cores_name_the_cpus_and_the_keys():
     with pytest.raises(PlacementError) as err:
-        check(cfg("rollout.num_servers=2"), TWO_CORES)
+        check(demands(cfg("rollout.num_servers=2")), TWO_CORES)
     line = str(err.value)
     assert "needs 3 CPU (2 rollout servers x 1, 1 trainer worker x 1) but the cluster has 2" in line
     assert "missing resource CPU" in line and "rollout.num_cpus" in line and "trainer.num_cpus" in line and "\n" not in line

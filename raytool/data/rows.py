@@ -26,17 +26,21 @@ def kind(value) -> str:
     return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def _jsonl_rows(text: str) -> list[tuple[str, object]]:
-    """(location, row) per non-blank line; a line that is not JSON gives a BadRow as its row."""
+def jsonl_lines(text: str) -> list[tuple[int, object]]:
+    """(1-based line number, row) per non-blank line; a line that is not JSON gives a BadRow as its row."""
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            rows.append((f"line {n}", json.loads(line)))
+            rows.append((n, json.loads(line)))
         except json.JSONDecodeError as exc:
-            rows.append((f"line {n}", BadRow(f"not valid JSON ({exc.msg} at column {exc.colno})")))
+            rows.append((n, BadRow(f"not valid JSON ({exc.msg} at column {exc.colno})")))
     return rows
+
+
+def _jsonl_rows(text: str) -> list[tuple[str, object]]:
+    return [(f"line {n}", row) for n, row in jsonl_lines(text)]
 
 
 def _parquet_rows(path: Path) -> list[tuple[str, object]]:
