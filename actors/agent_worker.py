@@ -31,6 +31,7 @@ def trajectory_stats(t: Trajectory) -> dict:
         "tool_errors": t.tool_errors,
         "tool_error_kinds": t.tool_error_kinds,
         "tool_repaired": t.tool_repaired,
+        "tool_cut_in_fence": t.tool_cut_in_fence,
         "finish_reason": t.finish_reason,
         "verify_timeout": t.reward_extra.get("verify_timeout", 0.0),
     }
@@ -56,7 +57,8 @@ class AgentLoopWorker:
         self.reward_workers = itertools.cycle(reward_workers)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.toolset = build_toolset(cfg.agent, tokenizer, self._execute)
-        self.renderer = ChatRenderer(tokenizer, tools=self.toolset.schemas if cfg.agent.format == "hermes" else None)
+        self.renderer = ChatRenderer(tokenizer, tools=self.toolset.schemas if cfg.agent.format == "hermes" else None,
+                                     template_kwargs=cfg.agent.chat_template_kwargs)
         self.slots = asyncio.Semaphore(cfg.agent.max_concurrent_trajectories)
         get_agent_loop(cfg.agent.default_agent)  # an unknown default fails now, not on the first row
 

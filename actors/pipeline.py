@@ -98,6 +98,7 @@ def rollout_metrics(stats: list[dict]) -> dict:
     for kind in sorted({k for s in stats for k in s.get("tool_error_kinds", {})}):
         metrics[f"tool/errors/{kind}"] = sum(s["tool_error_kinds"].get(kind, 0) for s in stats) / max(calls, 1)
     metrics["tool/repaired"] = sum(s.get("tool_repaired", 0) for s in stats)
+    metrics["tool/cut_in_fence"] = sum(s.get("tool_cut_in_fence", 0) for s in stats)
     metrics["reward/timeouts"] = sum(s.get("verify_timeout", 0.0) for s in stats)  # answers whose check ran out of time (scored wrong)
     for reason in sorted({s["finish_reason"] for s in stats}):
         metrics[f"finish/{reason}"] = sum(s["finish_reason"] == reason for s in stats) / n
@@ -143,11 +144,11 @@ def warmup_examples(cfg: RunConfig, task: Task, tokenizer, rng: random.Random) -
     pool = task.sft_traces or [c for path in cfg.sft.train_files for c in load_conversations(path)[0]]
     chosen = rng.sample(pool, min(len(pool), cfg.trainer.sft_warmup_steps * cfg.sft.batch_size))
     if not task.sft_traces:
-        return sft_examples(chosen, tokenizer, cfg.sft.max_length)[0]
+        return sft_examples(chosen, tokenizer, cfg.sft.max_length, cfg.agent.chat_template_kwargs)[0]
     if cfg.agent.observation_style == "in_turn":
         chosen = [as_in_turn(m) for m in chosen]
-    renderer = ChatRenderer(tokenizer)
-    return [renderer.sft_example(m) for m in chosen]
+    renderer = ChatRenderer(tokenizer, template_kwargs=cfg.agent.chat_template_kwargs)
+    return [ex for m in chosen for ex in renderer.sft_examples(m)]
 
 
 def run_sft_warmup(graph: Graph, cfg: RunConfig, examples: list, tracker: Tracker) -> None:

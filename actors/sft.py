@@ -47,7 +47,7 @@ def _load(files: list[str]):
 def _examples(conversations, cfg: RunConfig, tokenizer):
     if cfg.agent.observation_style == "in_turn":
         conversations = [msgspec.structs.replace(c, messages=as_in_turn(c.messages)) for c in conversations]
-    return sft_examples(conversations, tokenizer, cfg.sft.max_length)[0]  # (it logs its own counts)
+    return sft_examples(conversations, tokenizer, cfg.sft.max_length, cfg.agent.chat_template_kwargs)[0]  # (it logs its own counts)
 
 
 def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None) -> Path:

@@ -105,6 +105,7 @@ class AgentConfig(_Section):
     loop_modules: list[str] = msgspec.field(default_factory=list)  # modules the agent workers import first (where your own loops and tools register)
     num_workers: int = 1  # AgentLoopWorker actors
     system_prompt: str | None = None  # None: the task's own system prompt
+    chat_template_kwargs: dict = msgspec.field(default_factory=dict)  # extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 (verl's apply_chat_template_kwargs)
 
 
 class SandboxConfig(_Section):

@@ -78,6 +78,7 @@ class Trajectory(msgspec.Struct):
     tool_errors: int = 0
     tool_error_kinds: dict[str, int] = {}  # tool_errors by kind (raytool.tools.base.ERROR_KINDS)
     tool_repaired: int = 0  # calls that parsed only after an unambiguous repair
+    tool_cut_in_fence: int = 0  # retool code blocks ended by a </code> inside their still-open ``` fence
     finish_reason: str = ""
     policy_version: int = 0
     agent_name: str = ""  # the agent loop that produced it

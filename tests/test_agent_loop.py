@@ -180,6 +180,14 @@ def test_each_hermes_error_kind_is_answered_and_counted(renderer, call, kind, ph
     assert traj.tool_error_kinds == {kind: 1} and traj.finish_reason == "answer"
 
 
+def test_a_call_python_cannot_decode_is_answered_not_raised(renderer):
+    call = '<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 4400 + ', "b": 2}}</tool_call>'
+    (run, _), _ = hermes_loop(renderer, [call, "\\boxed{3}"], max_tokens_per_turn=6000, max_response_tokens=9000)
+    traj = run()
+    (obs,) = observations(traj)
+    assert obs.startswith("Error (invalid_json)") and "4300 digits" in obs and traj.finish_reason == "answer"
+
+
 def test_hermes_calls_run_concurrently_in_text_order_with_a_per_turn_limit(renderer):
     calls = "".join(f'<tool_call>{{"name": "add", "arguments": {{"a": {i}, "b": 100}}}}</tool_call>' for i in range(4))
     broken = '<tool_call>{"name": "add" "arguments": {}}</tool_call>'
@@ -217,6 +225,16 @@ def test_in_turn_observations_stay_inside_the_assistant_turn(renderer, tokenizer
     assert calls[1] == traj.prompt_ids + gen1 + obs
     text = renderer.conversation_text(traj.messages)
     assert tokenizer.decode(traj.prompt_ids + traj.response_ids) == text[: text.rfind(tokenizer.eos_token) + len(tokenizer.eos_token)]
+
+
+def test_in_turn_a_close_tag_inside_a_string_cuts_the_code_and_is_counted(renderer):
+    # Generation stops at the first </code> (a stop string), even inside the code's own string:
+    # the cut code runs, its error goes back to the model, and the cut is counted.
+    turn1 = 'Let me check.\n<code>\n```python\nprint("</code>'
+    run, _ = make_loop(renderer, [turn1, " \\boxed{1}"], observation_style="in_turn", max_tokens_per_turn=200)
+    traj = run()
+    assert traj.tool_cut_in_fence == 1 and traj.tool_error_kinds == {"exit_error": 1}
+    assert "SyntaxError" in traj.turns[0]["calls"][0]["output"]
 
 
 def test_turn_limit_token_budget_and_wall_clock(renderer):

@@ -112,7 +112,7 @@ def test_sft_steps_lower_the_loss_and_checkpoint_reloads(tiny_model_path, render
     from raytool.data import make_splits, sft_messages
 
     trainer = _trainer(tiny_model_path, "trainer.micro_batch_tokens=2048")
-    batch = [renderer.sft_example(sft_messages(p)) for p in make_splits(4, 1, seed=0)[0]]
+    batch = [renderer.sft_examples(sft_messages(p))[0] for p in make_splits(4, 1, seed=0)[0]]
     losses = [trainer.sft_step(batch, lr=3e-3)["sft/loss"] for _ in range(6)]
     assert losses[-1] < losses[0] * 0.9
     out = trainer.export_hf(tmp_path / "hf")

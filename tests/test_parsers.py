@@ -1,5 +1,6 @@
 """Tool-call parsing: calls found, unambiguous mistakes repaired, the rest answered with a ToolError."""
 
+import json
 import time
 
 import pytest
@@ -242,6 +243,9 @@ def test_tool_error_kind_is_checked():
         "<tool_call>" + ("</tool_call" + "<tool_cal") * 10_000,
         "<code>" * 35_000,
         "<code>```" + "`" * 200_000 + "</code>",
+        "<code>\n```python\nx" * 20_000,  # fences never closed
+        "<code>\n```\n" * 25_000,  # each fence closed by the next block's
+        "<code>```\n" + "\n```" * 50_000 + "</code>" * 10_000,
     ],
 )
 def test_pathological_input_is_fast(text):
@@ -328,3 +332,91 @@ def test_get_parser():
     assert get_parser("hermes") is parse_hermes and get_parser("retool") is parse_retool
     with pytest.raises(ValueError, match="unknown tool parser 'xml'; expected one of"):
         get_parser("xml")
+
+
+# --- code fences (retool) ---------------------------------------------------------------------------
+
+
+def test_retool_tags_inside_fenced_strings_are_code():
+    text = ('Check the parser.\n<code>\n```python\nprint("</code>")\ns = "<code>not a call</code>"\nprint(s)\n```\n</code>'
+            "\nThen <code>\n```python\nprint(2)\n```\n</code>")
+    r = parse_retool(text)
+    assert [c.arguments["code"] for c in r.calls] == ['print("</code>")\ns = "<code>not a call</code>"\nprint(s)', "print(2)"]
+    assert not r.errors and r.cut_in_fence == 0
+
+
+def test_retool_a_fence_left_open_ends_at_the_first_close_tag_and_is_counted():
+    # What in_turn generation hands over when the </code> stop string fired inside a string literal,
+    # and what a model that forgot the closing fence writes: the code runs as cut, and it is counted.
+    r = parse_retool('<code>\n```python\nprint("</code>')
+    assert [c.arguments["code"] for c in r.calls] == ['print("'] and r.cut_in_fence == 1
+    r = parse_retool("<code>\n```python\nprint(1)\n</code> and <code>print(2)</code>")
+    assert [c.arguments["code"] for c in r.calls] == ["print(1)", "print(2)"] and r.cut_in_fence == 1
+
+
+# --- no model output can crash a parser --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, phrase", [
+    ('{"name": "f", "arguments": {"n": ' + "7" * 5000 + "}}", "4300 digits"),
+    ('{"name": "f", "arguments": {"s": "\\ud800"}}', "unpaired surrogate"),
+    ('{"name": "f", "arguments": ' + "[" * 50_000 + "]" * 50_000 + "}", "nested too deeply"),
+])
+def test_undecodable_calls_are_typed_errors(body, phrase):
+    error = only_error(parse_hermes(hermes(body)))
+    assert error.kind == "invalid_json" and phrase in error.message, error.message
+
+
+_PIECES = ["<tool_call>", "</tool_call>", "<code>", "</code>", "```", "```python\n", "\n", " ", "{", "}", "[", "]", '"',
+           "\\", "\\u", "\\ud800", "d800", ":", ",", '"name"', '"arguments"', '"parameters"', '"code"', '"f"', "null",
+           "9" * 4400, "1e999", "-", "0.5", "true", "\x00", "\u2028", "\ud800", "é", "print(1)", "\\n", "\\frac"]
+_VALID = [
+    '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2.5, null, true]}"}</tool_call>',
+    "<code>\n```python\nprint('</code>')\n```\n</code>",
+]
+
+
+def _mutated():
+    from hypothesis import strategies as st
+
+    edits = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 3), st.sampled_from(_PIECES)), max_size=6)
+
+    def apply(base, changes):
+        for at, drop, piece in changes:
+            at %= len(base) + 1
+            base = base[:at] + piece + base[at + drop:]
+        return base
+
+    return st.builds(apply, st.sampled_from(_VALID), edits)
+
+
+def _model_text():
+    from hypothesis import strategies as st
+
+    return st.one_of(st.lists(st.sampled_from(_PIECES), max_size=40).map("".join), st.text(max_size=200), _mutated())
+
+
+def _check_parse(parse, text):
+    result = parse(text)
+    items = result.items()
+    assert len(items) == len(result.calls) + len(result.errors)
+    for item in items:
+        if isinstance(item, ToolError):
+            assert item.kind in ERROR_KINDS and item.message.startswith(f"Error ({item.kind}): ")
+        else:
+            assert isinstance(item, ToolCall) and isinstance(item.name, str) and isinstance(item.arguments, dict)
+            json.dumps(item.arguments, ensure_ascii=False).encode()  # what is run can be sent on as UTF-8
+    return result
+
+
+def test_parsers_never_raise_on_any_model_output():
+    from hypothesis import given, settings
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None)
+    @given(_model_text())
+    def check(text):
+        _check_parse(parse_hermes, text)
+        _check_parse(parse_retool, text)
+
+    check()

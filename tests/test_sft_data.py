@@ -190,8 +190,8 @@ def test_truncation_and_dropping_are_counted(tokenizer):
     short = [Message("user", "hi"), Message("assistant", "hello")]
     long_answer = [Message("user", "hi"), Message("assistant", "word " * 200)]
     long_prompt = [Message("user", "tell me " * 200), Message("assistant", "no")]
-    max_length = len(renderer.sft_example(short).input_ids) + 10
-    full = renderer.sft_example(long_answer)
+    max_length = len(renderer.sft_examples(short)[0].input_ids) + 10
+    (full,) = renderer.sft_examples(long_answer)
     examples, stats = sft_examples([Conversation(m) for m in (short, long_answer, long_prompt)], tokenizer, max_length)
     assert (stats["count"], stats["truncated"], stats["dropped"]) == (2, 1, 1)
     assert len(examples[1].input_ids) == max_length and examples[1].loss_mask == full.loss_mask[:max_length]

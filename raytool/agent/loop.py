@@ -12,7 +12,9 @@ Every malformed call, unknown tool, bad argument and failed execution is answere
 model-readable error observation and counted by kind (`tool_error_kinds`, logged as
 `tool/errors/<kind>`); nothing is dropped. The loop ends on an answer (a turn without a tool
 call), the turn limit, the response token budget (an observation that does not fit ends the
-trajectory rather than being cut), or the wall-clock limit. Tools are released in `finally`.
+trajectory rather than being cut), or the wall-clock limit; an observation the chat template cannot
+render exactly ends it with finish reason `render_error` (see `raytool.agent.render`). Tools are
+released in `finally`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Awaitable, Callable
 
 from raytool.agent.parsers import ParseResult, ToolError, check_arguments, get_parser
 from raytool.agent.registry import register_agent_loop
-from raytool.agent.render import ChatRenderer
+from raytool.agent.render import ChatRenderer, RenderError
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.tools.base import Tool, ToolContext, ToolResult
 from raytool.types import Message, SamplingParams, TokenOutput, ToolCall, Trajectory
@@ -63,6 +65,7 @@ class _State:
     calls: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     repaired: int = 0
+    cut_in_fence: int = 0
     finish: str = "max_turns"
     version: int = 0
 
@@ -115,6 +118,7 @@ class ToolAgentLoop:
             response_mask=state.mask, rollout_logprobs=state.logprobs, messages=state.messages,
             ground_truth=ground_truth, num_turns=len(state.turns), tool_calls=state.calls,
             tool_errors=sum(state.errors.values()), tool_error_kinds=dict(state.errors), tool_repaired=state.repaired,
+            tool_cut_in_fence=state.cut_in_fence,
             finish_reason=state.finish, policy_version=state.version, turns=state.turns,
             timings={"total_s": time.monotonic() - start, "generate_s": sum(t["generate_s"] for t in state.turns),
                      "tools_s": sum(t.get("tools_s", 0.0) for t in state.turns)},
@@ -164,7 +168,13 @@ class ToolAgentLoop:
                 return
             outputs = await self._observe(parsed, uid, state, info)
             observations = [Message("tool", text) for text in outputs]
-            obs_ids = self.renderer.observation_ids(observations, state.messages)
+            try:
+                obs_ids = self.renderer.observation_ids(observations, state.messages)
+            except RenderError as exc:  # never a guessed observation: end here and say why
+                state.finish = "render_error"
+                info["render_error"] = str(exc)
+                log.warning("agent loop: trajectory %s ends: %s", uid, exc)
+                return
             if len(state.response_ids) + len(obs_ids) >= self.agent.max_response_tokens:
                 state.finish = "length"  # the observation does not fit: end here rather than cut it
                 info["observation_dropped"] = True
@@ -210,6 +220,7 @@ class ToolAgentLoop:
     async def _observe(self, parsed: ParseResult, uid: str, state: _State, info: dict) -> list[str]:
         """Answer every item of a turn (calls run concurrently, up to the per-turn limit) in text order."""
         state.repaired += parsed.repaired
+        state.cut_in_fence += parsed.cut_in_fence
         items = parsed.items()
         limit = self.agent.max_tool_calls_per_turn
         t = time.monotonic()

@@ -28,7 +28,15 @@ Repairs to a <tool_call> body (each call that needed any counts once in `ParseRe
 A call without `arguments` (nor `parameters`) gets `{}`. Anything else is an error.
 
 All scanning is linear in the text (str.find and single-character regex searches), so no input
-can make a parser slow.
+can make a parser slow, and no input can make one raise: whatever goes wrong decoding a call
+(an integer of more than 4,300 digits, nesting deeper than the recursion limit, an unpaired
+surrogate that could never be encoded) becomes a `ToolError` answered to the model.
+
+The `retool` scan knows code fences: inside a <code> block whose code opens with a ``` fence, a
+`</code>` or `<code>` before the closing fence is part of the code (a string literal), not a tag.
+With `agent.observation_style: in_turn` generation stops at the first `</code>` (a stop string), so
+a `</code>` inside the code's own strings still ends the block there: the code runs as cut, and
+`ParseResult.cut_in_fence` counts such blocks (logged as `tool/cut_in_fence`).
 """
 
 from __future__ import annotations
@@ -86,6 +94,7 @@ class ParseResult:
     errors: list[ToolError] = field(default_factory=list)
     repaired: int = 0
     order: list[str] = field(default_factory=list)
+    cut_in_fence: int = 0  # <code> blocks whose ``` fence was still open at their </code> (retool)
 
     @property
     def any(self) -> bool:
@@ -130,6 +139,43 @@ def _tagged_bodies(text: str, open_tag: str, close_tag: str) -> Iterator[str | N
 
 
 _FENCE_INFO = re.compile(r"[A-Za-z0-9_.+-]*")
+_FENCE_OPEN = re.compile(r"[ \t\r\n]*```")
+_FENCE_CLOSE = re.compile(r"\n[ \t]*```")
+
+
+def _code_blocks(text: str) -> Iterator[tuple[str | None, bool]]:
+    """(body, cut_in_fence) of each <code> block in text order; body None where it is never closed.
+
+    A block whose code opens with a ``` fence ends at the first `</code>` after its closing fence
+    (a line starting with ```), so tags inside the fenced code's strings are code. Without a closing
+    fence it ends at its first `</code>` and `cut_in_fence` is True. Linear: every search resumes
+    past the last one, and a search that found nothing is not repeated."""
+    n = len(text)
+    no_fence_from = n  # no closing fence starts at or after this position
+    close = -1  # the last </code> found (n + 1: none after it)
+    i = text.find("<code>")
+    while i >= 0:
+        start = i + len("<code>")
+        code_end, cut = start, False  # where the code's own text is known to end; the fence left open
+        opening = _FENCE_OPEN.match(text, start)
+        if opening is not None:
+            fence = _FENCE_CLOSE.search(text, opening.end()) if opening.end() < no_fence_from else None
+            if fence is None:
+                no_fence_from = min(no_fence_from, opening.end())
+                cut = True
+            else:
+                code_end = fence.end()
+        if close < code_end:
+            close = text.find("</code>", code_end)
+            if close < 0:
+                close = n + 1
+        nxt = text.find("<code>", code_end)
+        if close <= n and not 0 <= nxt < close:
+            yield text[start:close], cut
+            i = text.find("<code>", close + len("</code>"))
+        else:
+            yield None, False
+            i = nxt
 
 
 def _strip_fence(body: str) -> tuple[str, bool]:
@@ -223,11 +269,20 @@ def _loads(s: str):
     """(value, repaired, None) or (None, False, 'what is wrong and where')."""
     fixed, anchors = _repair_json(s)
     try:
-        return json.loads(fixed), len(anchors) > 1, None
+        value = json.loads(fixed)
     except json.JSONDecodeError as exc:
         return None, False, f"{exc.msg.removesuffix(' at')} at {_where(s, anchors, exc.pos)}"
     except RecursionError:
         return None, False, "nested too deeply"
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits (Python's int conversion limit)
+        return None, False, _cut(str(exc).split(";")[0], 80)
+    try:  # a lone surrogate (\ud800) decodes to a str that can never be sent on as UTF-8
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return None, False, "a string holds an unpaired surrogate escape (\\ud800-\\udfff)"
+    except (RecursionError, ValueError):
+        return None, False, "nested too deeply"
+    return value, len(anchors) > 1, None
 
 
 _JSON_TYPE = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
@@ -290,23 +345,34 @@ def parse_hermes(text: str) -> ParseResult:
                 )
             )
         else:
-            item, repaired = _hermes_call(body)
+            try:
+                item, repaired = _hermes_call(body)
+            except Exception as exc:  # nothing a model writes may escape the parser
+                item, repaired = _undecodable(exc), False
             result.add(item)
             result.repaired += repaired
     return result
 
 
+def _undecodable(exc: Exception) -> ToolError:
+    return _error("invalid_json", f"the call could not be decoded ({type(exc).__name__}: {_cut(str(exc), 60)}). "
+                  + _HERMES_FORMAT)
+
+
 def parse_retool(text: str) -> ParseResult:
     """Each <code> block is a `code_interpreter` call; its code may be fenced (```python, ```py,
-    ``` or any language name) or bare, and is dedented. No repairs are counted."""
+    ``` or any language name) or bare, and is dedented. No repairs are counted. A fenced block ends
+    at the first `</code>` after its closing fence (see `_code_blocks`)."""
     result = ParseResult()
-    for body in _tagged_bodies(text, "<code>", "</code>"):
+    for body, cut in _code_blocks(text):
         if body is None:
             result.add(
                 _error("unterminated_tag", "<code> was opened but never closed. Write <code>```python ... ```</code>.")
             )
             continue
+        result.cut_in_fence += cut
         code = textwrap.dedent(_strip_fence(body)[0]).strip("\n").rstrip()
+        code = code.encode("utf-8", "replace").decode()  # a lone surrogate (never in decoded tokens) becomes "?"
         if not code.strip():
             result.add(
                 _error("empty_call", "the <code> block is empty. Put Python in it: <code>```python ... ```</code>.")

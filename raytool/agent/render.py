@@ -1,41 +1,70 @@
 """Token-exact chat rendering: prompts through the chat template, observations as template deltas.
 
-Generated tokens are never re-tokenized. What the loop appends after an assistant turn is the text
-the chat template adds between "the conversation so far" and "the conversation plus the new
-messages" (up to the next assistant turn's first token), tokenized on its own: so prompt +
-generated + observation ids decode to the template's rendering of the whole conversation, and
-equal its tokenization wherever the template is prefix-stable.
+Generated tokens are never re-tokenized: what the model saw while generating is what it trains
+on. What the loop appends after an assistant turn (an observation) is the text the chat template
+puts between that turn's end-of-turn token and the next assistant turn's first token, tokenized on
+its own. Templates that merge consecutive tool messages into one turn (Qwen2.5 and Qwen3: one
+`<tool_response>` user turn) are handled by rendering all of a turn's observations at once.
 
-Templates are not always prefix-stable. A template that renders a past assistant turn differently
-once later turns exist (Qwen3 strips earlier reasoning), or whose rendering of the prompt changes
-when the conversation grows, makes training see different tokens than inference did.
-`ChatRenderer` probes the template at start-up with a tool-calling conversation and reports each
-such place (`stability_problems`, logged as a warning). Templates that merge consecutive tool
-messages into one turn (Qwen2.5: one `<tool_response>` user turn) are handled by rendering all of a
-turn's observations in one delta, never one message at a time.
+Templates are not all prefix-stable, and how each observation is derived follows from that:
+- Where rendering the conversation plus the tool messages extends the rendering of the conversation
+  so far (ChatML, Qwen2.5, Llama 3.1 ...), the observation is that extension.
+- Where the template re-renders the last assistant turn once later messages exist (Qwen3 writes
+  an empty `<think>\\n\\n</think>\\n\\n` into the last assistant turn only while it is last, and
+  strips reasoning from turns before the last user message), the real conversation has no such
+  extension. The observation is then read off a rendering in which the last assistant turn holds
+  a unique marker: the text between the marker's end-of-turn token and the end is exactly what the
+  template writes after that turn, whatever it does to the turn itself. The generated ids stay
+  verbatim; the template's re-rendering of earlier turns is never trained on.
+- If neither works (the marker is not followed by the end-of-turn token, or the template fails),
+  `observation_text` raises `RenderError` and the agent loop ends the trajectory with finish
+  reason `render_error`: a wrong observation is never produced silently.
+
+At start-up `ChatRenderer` probes the template with tool-calling conversations (several user turns,
+turns with and without reasoning, parallel tool calls) and logs once what it found, naming the
+template and the place (`template_report`).
+
+SFT follows the same rules (`sft_examples`): assistant content is trained as written (what the
+engine emits), observations come from `observation_text`, and a later user message continues the
+same example only where the template's rendering of the prompt extends what came before. Where it
+does not (Qwen3 strips earlier reasoning once a new user message comes), the conversation becomes
+one example per such user turn, each with the prompt exactly as rollout would render it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
+import uuid
+
+from jinja2 import TemplateError
 
 from raytool.types import Message, SFTExample
 
 log = logging.getLogger(__name__)
 
-# A fixed conversation for measuring deltas when the real one cannot be used; its content does not matter.
-_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-# The probe conversation of the start-up stability check: a tool-calling exchange with two calls in a turn.
-_PROBE = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is 2 + 3, and 4 * 5?"},
-    {"role": "assistant", "content": "<think>two calls</think>Let me compute.\n<tool_call>\n{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"print(2 + 3)\"}}\n</tool_call>"},
-    {"role": "tool", "content": "5"},
-    {"role": "tool", "content": "20"},
-    {"role": "assistant", "content": "<think>done</think>The answers are \\boxed{5} and \\boxed{20}."},
-]
 
+class RenderError(Exception):
+    """The chat template gives no exact rendering of an observation (the message says where and why)."""
+
+
+_CALL = '<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "print({})"}}}}\n</tool_call>'
+# The start-up probe: two user turns; assistant turns with and without reasoning; one and two calls per turn.
+_PROBE = [
+    Message("system", "You are a helpful assistant."),
+    Message("user", "What is 2 + 3?"),
+    Message("assistant", "<think>\nOne call.\n</think>\n\n" + _CALL.format("2 + 3")),
+    Message("tool", "5"),
+    Message("assistant", "It is \\boxed{5}."),
+    Message("user", "And 4 * 5 and 6 * 7?"),
+    Message("assistant", "Two calls.\n" + _CALL.format("4 * 5") + "\n" + _CALL.format("6 * 7")),
+    Message("tool", "20"),
+    Message("tool", "42"),
+    Message("assistant", "<think>\nBoth came back.\n</think>\n\n" + _CALL.format("20 + 42")),
+    Message("tool", "62"),
+    Message("assistant", "They are \\boxed{20} and \\boxed{42}."),
+]
 
 _INTERPRETER = re.compile(r"\n<interpreter>\n.*?\n</interpreter>\n", re.DOTALL)
 
@@ -59,80 +88,92 @@ def _as_dict(m) -> dict:
     return m if isinstance(m, dict) else {"role": m.role, "content": m.content}
 
 
+def _describe(m: Message) -> str:
+    if m.role != "assistant":
+        return m.role
+    return "assistant with reasoning" if "</think>" in m.content else "assistant without reasoning"
+
+
 class ChatRenderer:
-    def __init__(self, tokenizer, tools: list[dict] | None = None):
+    """The chat template of one tokenizer (with the tools it lists and its extra kwargs, e.g.
+    Qwen3's `enable_thinking`) as the agent loop and SFT use it."""
+
+    def __init__(self, tokenizer, tools: list[dict] | None = None, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None  # OpenAI-format schemas the template lists
+        self.template_kwargs = dict(template_kwargs or {})
         self.eos_id = tokenizer.eos_token_id
         self.eos_text = tokenizer.eos_token
-        base = self._text(_BASE, add_generation_prompt=False)
-        end = base.rfind(self.eos_text)
-        if end < 0:
-            raise ValueError("chat template does not end assistant turns with the tokenizer's eos token")
-        # Text the template writes after the assistant's end-of-turn token (e.g. "\n").
-        self._after_eos = base[end + len(self.eos_text):]
-        self._base_len = len(base)
-        self.stability_problems = self.check_prefix_stability()
-        for problem in self.stability_problems:
-            log.warning("chat template is not prefix-stable: %s", problem)
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+        self.name = (f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'} "
+                     f"(sha256 {hashlib.sha256(template.encode()).hexdigest()[:12]})")
+        try:
+            base = self._text([Message("user", "x"), Message("assistant", "y")], add_generation_prompt=False)
+        except TemplateError as exc:
+            raise ValueError(f"{self.name} cannot render a user and an assistant message"
+                             f"{' with these tools' if self.tools else ' without tools'}: {exc}") from None
+        if self.eos_text not in base:
+            raise ValueError(f"{self.name} does not end assistant turns with the tokenizer's eos token {self.eos_text!r}")
+        self.template_report = self.probe()
+        for finding in self.template_report:
+            log.info("%s: %s", self.name, finding)
 
     def _text(self, messages, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            [_as_dict(m) for m in messages], tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-        )
-
-    def check_prefix_stability(self) -> list[str]:
-        """Where the template breaks "each render extends the previous one" on a tool-calling probe."""
-        problems = []
-        full = self._text(_PROBE, add_generation_prompt=False)
-        prompt = self._text(_PROBE[:2], add_generation_prompt=True)
-        if not full.startswith(prompt):
-            problems.append("the prompt renders differently once the conversation goes on")
-        first_turn = self._text(_PROBE[:3], add_generation_prompt=False)
-        if not full.startswith(first_turn):
-            problems.append("a past assistant turn renders differently once later turns exist (e.g. earlier reasoning is "
-                            "stripped): trained tokens differ from what the model saw while generating")
-        with_obs = self._text(_PROBE[:5], add_generation_prompt=True)
-        if not with_obs.startswith(first_turn):
-            problems.append("appending tool messages re-renders the assistant turn before them")
-        elif not full.startswith(with_obs):
-            problems.append("the tool observations render differently once the next assistant turn exists")
-        return problems
+        try:
+            return self.tokenizer.apply_chat_template(
+                [_as_dict(m) for m in messages], tools=self.tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **self.template_kwargs,
+            )
+        except TemplateError:
+            raise
+        except Exception as exc:  # a template's own bug (e.g. iterating `tools` when there are none)
+            raise TemplateError(f"{type(exc).__name__}: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def prompt_text(self, messages: list[Message]) -> str:
+        return self._text(messages, add_generation_prompt=True)
+
     def prompt_ids(self, messages: list[Message]) -> list[int]:
-        return self.encode(self._text(messages, add_generation_prompt=True))
+        return self.encode(self.prompt_text(messages))
 
-    def observation_text(self, tool_messages: list[Message], history: list[Message] | None = None) -> str:
-        """What the template puts between the last assistant turn's eos and the next assistant
-        turn's first token, for all of `tool_messages` at once.
+    def conversation_text(self, messages: list[Message]) -> str:
+        return self._text(messages, add_generation_prompt=False)
 
-        With `history` (the conversation so far, ending with that assistant turn) the delta is
-        measured against the real conversation, so templates whose rendering of a tool message
-        depends on what precedes it render it as they will in training; without it (or where the
-        real conversation is not prefix-stable) against a fixed stand-in conversation.
-        """
-        if history:
+    # --- observations ----------------------------------------------------------------------------
+
+    def observation_text(self, tool_messages: list[Message], history: list[Message]) -> str:
+        """What the template writes between the end-of-turn token of the last assistant turn of
+        `history` and the next assistant turn's first token, for all of `tool_messages` at once
+        (see the module docstring). Raises `RenderError` where the template gives no exact answer."""
+        if not history or history[-1].role != "assistant":
+            raise ValueError("observation_text: the history must end with the assistant turn the tools answer")
+        try:
             before = self._text(history, add_generation_prompt=False)
             after = self._text([*history, *tool_messages], add_generation_prompt=True)
             end = before.rfind(self.eos_text)
-            if end >= 0 and after.startswith(before):
+            if end >= 0 and after.startswith(before):  # the template extends the conversation as it stands
                 return before[end + len(self.eos_text):] + after[len(before):]
-        full = self._text([*_BASE, *tool_messages], add_generation_prompt=True)
-        return self._after_eos + full[self._base_len:]
+            marker = f"raytool-marker-{uuid.uuid4().hex}"
+            marked = self._text([*history[:-1], Message("assistant", marker), *tool_messages], add_generation_prompt=True)
+        except TemplateError as exc:
+            raise RenderError(f"{self.name} cannot render the tool messages after this turn: {exc}") from None
+        at = marked.find(marker)
+        if at < 0 or marked.count(marker) != 1 or not marked.startswith(self.eos_text, at + len(marker)):
+            raise RenderError(f"{self.name} re-renders the assistant turn before the tool messages and does not end it "
+                              "with the eos token right after its content, so the observation cannot be derived exactly")
+        return marked[at + len(marker) + len(self.eos_text):]
 
-    def observation_ids(self, tool_messages: list[Message], history: list[Message] | None = None) -> list[int]:
+    def observation_ids(self, tool_messages: list[Message], history: list[Message]) -> list[int]:
         """Tokens between an assistant turn's eos and the next assistant turn's first token."""
         return self.encode(self.observation_text(tool_messages, history))
+
+    # --- assistant turns -------------------------------------------------------------------------
 
     def assistant_ids(self, content: str) -> list[int]:
         """An assistant turn as the engine would emit it: the content, then the eos token."""
         return self.encode(content) + [self.eos_id]
-
-    def conversation_text(self, messages: list[Message]) -> str:
-        return self._text(messages, add_generation_prompt=False)
 
     def assistant_segments(self, content: str) -> list[tuple[list[int], int]]:
         """An assistant turn as the loop records it: (ids, mask) pieces, where in-turn tool output
@@ -146,27 +187,106 @@ class ChatRenderer:
         pieces.append((self.encode(content[pos:]) + [self.eos_id], 1))
         return pieces
 
-    def sft_example(self, messages: list[Message]) -> SFTExample:
-        """Tokenize a trace exactly as the agent loop would have produced it; loss on assistant
-        turns, not on tool output (tool messages, or in-turn <interpreter> blocks)."""
-        first_reply = next(i for i, m in enumerate(messages) if m.role == "assistant")
-        ids = self.prompt_ids(messages[:first_reply])
-        mask = [0] * len(ids)
-        i = first_reply
+    # --- whole conversations ---------------------------------------------------------------------
+
+    def _walk(self, messages: list[Message]):
+        """The conversation as the agent loop would have produced it, piece by piece, as
+        (kind, index of the first message it covers, text): "example" where a new example starts
+        (its prompt rendered fresh), "assistant" per assistant turn (its content), "observation" per
+        run of tool messages, and "continue" where a later user message extends the current example."""
+        first = next((i for i, m in enumerate(messages) if m.role == "assistant"), None)
+        if first is None:
+            return
+        text = self.prompt_text(messages[:first])
+        yield "example", 0, text
+        i = first
         while i < len(messages):
             if messages[i].role == "assistant":
-                for piece, m in self.assistant_segments(messages[i].content):
-                    ids += piece
-                    mask += [m] * len(piece)
+                text += messages[i].content + self.eos_text
+                yield "assistant", i, messages[i].content
                 i += 1
                 continue
             j = i
             while j < len(messages) and messages[j].role != "assistant":
                 j += 1
             if j == len(messages):  # trailing non-assistant messages: nothing to learn after them
-                break
-            obs = self.observation_ids(messages[i:j], messages[:i])
-            ids += obs
-            mask += [0] * len(obs)
+                return
+            if all(m.role == "tool" for m in messages[i:j]):
+                delta = self.observation_text(messages[i:j], messages[:i])
+                text += delta
+                yield "observation", i, delta
+            else:
+                fresh = self.prompt_text(messages[:j])
+                if fresh.startswith(text):
+                    yield "continue", i, fresh[len(text):]
+                else:  # the template re-renders earlier turns for this prompt: rollout would start here
+                    yield "example", i, fresh
+                text = fresh
             i = j
-        return SFTExample(input_ids=ids, loss_mask=mask)
+
+    def sft_examples(self, messages: list[Message]) -> list[SFTExample]:
+        """Tokenize a trace exactly as the agent loop would have produced it: loss on assistant
+        turns, not on tool output (tool messages, or in-turn <interpreter> blocks). One example,
+        or one per user turn where the template re-renders earlier turns (see the module docstring)."""
+        examples: list[SFTExample] = []
+        ids: list[int] = []
+        mask: list[int] = []
+        for kind, _, text in self._walk(messages):
+            if kind == "example":
+                if any(mask):
+                    examples.append(SFTExample(input_ids=ids, loss_mask=mask))
+                ids, mask = [], []
+            pieces = self.assistant_segments(text) if kind == "assistant" else [(self.encode(text), 0)]
+            for piece, m in pieces:
+                ids = ids + piece
+                mask = mask + [m] * len(piece)
+        if any(mask):
+            examples.append(SFTExample(input_ids=ids, loss_mask=mask))
+        return examples
+
+    # --- the start-up probe ----------------------------------------------------------------------
+
+    def probe(self) -> list[str]:
+        """What this template does to a tool-calling conversation (`_PROBE`), one line per finding
+        naming the place and what raytool does about it; [] for a prefix-stable template."""
+        findings: list[str] = []
+        try:
+            events = list(self._walk(_PROBE))
+        except RenderError as exc:
+            return [f"{exc}; trajectories that reach such a turn end with finish reason render_error"]
+        except TemplateError as exc:
+            return [f"the probe conversation cannot be rendered: {exc}"]
+        text, pieces, split, diverged = "", [], None, False
+        for kind, i, value in events:
+            if kind == "example":
+                split = i if text else None
+                text, pieces = "", []
+            if kind == "assistant":
+                if split is not None:
+                    findings.append(f"the prompt of message {i} re-renders earlier turns once a new user message comes "
+                                    f"(message {split}): SFT makes one example per such user turn, its prompt rendered "
+                                    "as rollout renders it")
+                    split = None
+                fresh = self.prompt_text(_PROBE[:i])
+                if fresh != text and not diverged:
+                    diverged = True
+                    findings.append(f"{_place(fresh, text, pieces)} in the prompt of message {i}: generated tokens are "
+                                    "kept as generated, observations are read off the template's rendering after each turn")
+                value += self.eos_text
+            pieces.append((len(text), kind, i))
+            text += value
+        full = self.conversation_text(_PROBE)
+        if not full.startswith(text):
+            findings.append(f"{_place(full, text, pieces)} in the finished conversation: raytool trains on the tokens "
+                            "as generated, not on this rendering")
+        return findings
+
+
+def _place(rendered: str, walked: str, pieces: list[tuple[int, str, int]]) -> str:
+    """Where the template's rendering first differs from what the model saw, named by the piece of
+    `walked` it falls in (`pieces`: offset, kind and first message index of each)."""
+    at = next((k for k, (x, y) in enumerate(zip(rendered, walked)) if x != y), min(len(rendered), len(walked)))
+    _, kind, i = max((p for p in pieces if p[0] <= at), default=(0, "example", 0))
+    where = {"assistant": f"message {i} ({_describe(_PROBE[i])})", "observation": f"the tool turn from message {i}",
+             "continue": f"the user turn at message {i}"}.get(kind, "the prompt")
+    return f"{where} renders as {rendered[at:at + 24]!r} where the model saw {walked[at:at + 24]!r}"

@@ -15,7 +15,7 @@ A row is one conversation:
 Structured tool calls become text in the assistant's content, in the Hermes/Qwen form the agent loop
 parses (`raytool.agent.parsers.parse_hermes`) and Qwen2.5's template writes: the content, then per
 call `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, joined by newlines. The
-trained tokens are what the model must generate at rollout time, and `ChatRenderer.sft_example`
+trained tokens are what the model must generate at rollout time, and `ChatRenderer.sft_examples`
 tokenizes the assistant content as the engine emits it (it never sees a `tool_calls` field).
 Retool-format data (`<code>` blocks, `<interpreter>` output) is already text and is used as it is.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import msgspec
 from jinja2 import TemplateError
 
-from raytool.agent.render import ChatRenderer
+from raytool.agent.render import ChatRenderer, RenderError
 from raytool.data.rows import BadRow, DataError, convert_rows, json_list, kind, read_rows, warn_each
 from raytool.errors import one_line
 from raytool.types import Message, SFTExample, ToolCall
@@ -152,10 +152,12 @@ def load_conversations(path: str | Path) -> tuple[list[Conversation], list[str]]
 # --- tokenizing ----------------------------------------------------------------------------------
 
 
-def sft_examples(conversations: list[Conversation], tokenizer, max_length: int) -> tuple[list[SFTExample], dict]:
-    """Each conversation tokenized by a `ChatRenderer` for its tools (loss on assistant tokens only),
-    cut to `max_length` tokens, and stats: `count`, `truncated`, `dropped` (no assistant token
-    within `max_length`), `unrenderable` (the chat template rejected it), `mean_tokens`, `loss_tokens`."""
+def sft_examples(conversations: list[Conversation], tokenizer, max_length: int,
+                 template_kwargs: dict | None = None) -> tuple[list[SFTExample], dict]:
+    """Each conversation tokenized by a `ChatRenderer` for its tools (loss on assistant tokens only;
+    one example, or one per user turn where the template re-renders earlier turns), each cut to
+    `max_length` tokens, and stats: `count`, `truncated`, `dropped` (no assistant token within
+    `max_length`), `unrenderable` (the chat template rejected it), `mean_tokens`, `loss_tokens`."""
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     renderers: dict[str, ChatRenderer] = {}  # by the tools' JSON: the template lists them in the prompt
@@ -164,19 +166,20 @@ def sft_examples(conversations: list[Conversation], tokenizer, max_length: int) 
     for conv in conversations:
         key = json.dumps(conv.tools, sort_keys=True)
         if key not in renderers:
-            renderers[key] = ChatRenderer(tokenizer, conv.tools)
+            renderers[key] = ChatRenderer(tokenizer, conv.tools, template_kwargs)
         try:
-            ex = renderers[key].sft_example(conv.messages)
-        except TemplateError as exc:  # e.g. a template that requires alternating roles
+            tokenized = renderers[key].sft_examples(conv.messages)
+        except (TemplateError, RenderError) as exc:  # e.g. a template that requires alternating roles
             problems.append(f"{conv.source}: the chat template cannot render it ({one_line(exc)})")
             continue
-        if len(ex.input_ids) > max_length:
-            ex = SFTExample(input_ids=ex.input_ids[:max_length], loss_mask=ex.loss_mask[:max_length])
-            if not any(ex.loss_mask):
-                dropped += 1
-                continue
-            truncated += 1
-        examples.append(ex)
+        for ex in tokenized:
+            if len(ex.input_ids) > max_length:
+                ex = SFTExample(input_ids=ex.input_ids[:max_length], loss_mask=ex.loss_mask[:max_length])
+                if not any(ex.loss_mask):
+                    dropped += 1
+                    continue
+                truncated += 1
+            examples.append(ex)
     warn_each(problems, "the SFT data")
     if not examples:
         raise DataError(f"no SFT example from {len(conversations)} conversations: {dropped} have no assistant "

@@ -1,0 +1,362 @@
+"""The agent loop and SFT on the real chat templates of the models the recipes train.
+
+Each template is the model's own `chat_template`, byte for byte (checked by sha256 below), set on
+SmolLM2's tokenizer with the model's special and added tokens put in (the real vocabularies cannot
+be downloaded here; what the tests check is the template's text and where its tokens split).
+
+For every template and conversation shape the real `ToolAgentLoop` runs over a scripted engine and a
+scripted sandbox, and the tests check against the template's own rendering:
+- the loss mask is 1 on exactly the ids the engine generated, in order;
+- every observation is exactly what the template writes after the turn it answers, in the fresh
+  rendering of the conversation so far (what a chat server would have sent);
+- every prompt the engine got, and the finished conversation, equal the template's rendering, token
+  for token, except where the template rewrites what the model already saw; there the difference
+  is the template's known rewrite (`REWRITES`) and nothing else;
+- SFT on the conversation gives the tokens the rollout gives;
+- the start-up probe reports the template's behaviour, naming the place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from raytool.agent.loop import ToolAgentLoop
+from raytool.agent.render import ChatRenderer, RenderError
+from raytool.config import AgentConfig, RolloutConfig
+from raytool.tools import CodeInterpreterTool
+from raytool.types import ExecResult, Message, TokenOutput
+
+FIXTURES = Path(__file__).parent / "fixtures" / "templates"
+
+
+@dataclass(frozen=True)
+class Template:
+    file: str
+    sha256: str
+    eos: str
+    special: tuple[str, ...] = ()  # special tokens of the model that SmolLM2's tokenizer lacks
+    added: tuple[str, ...] = ()  # added (atomic, non-special) tokens of the model
+    bos: str | None = None
+    # The generation prompt ends in whitespace that SmolLM2's GPT-2-style pre-tokenizer splits
+    # differently once text follows it ("\n\n" + "<" gives "\n", "\n", "<"; Llama 3's own
+    # pre-tokenizer keeps "\n\n"): the engine's ids then differ from a re-tokenization of the whole
+    # text at that one boundary, as token-in-token-out intends, and exactness is checked on the text.
+    splits_after_generation_prompt: bool = False
+
+
+_QWEN3_ADDED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+_LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                   "<|eom_id|>", "<|python_tag|>")
+
+TEMPLATES = {
+    # Qwen/Qwen3-4B: the hybrid-thinking template of the Qwen3 dense models (current HF revision, with
+    # `message.content is string` in its reverse scan). Vendored byte for byte by huggingface/trl,
+    # trl/chat_templates/qwen3.jinja at f2cd57710ae345ea6428ae95363267fcf38a3dc8 (TRL's tests compare
+    # it with the hub's tokenizer); the first 4,023 characters also match a Qwen3-4B-Thinking-2507
+    # tokenizer_config.json copy (akougkas/warpio-cli), which differs only in its generation prompt.
+    "qwen3": Template("qwen3.jinja", "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8",
+                      "<|im_end|>", added=_QWEN3_ADDED),
+    # Qwen/Qwen3-4B-Instruct-2507: huggingface/trl trl/chat_templates/qwen3_instruct_2507.jinja
+    # (last changed in e5677dace3f8ab512ab40ba95fe8a887f5d37a45).
+    "qwen3_instruct_2507": Template("qwen3_instruct_2507.jinja",
+                                    "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326",
+                                    "<|im_end|>", added=_QWEN3_ADDED),
+    # Qwen/Qwen2.5-32B-Instruct (the Qwen2.5-Instruct template): huggingface/trl
+    # trl/chat_templates/qwen2_5.jinja; the same bytes as llama.cpp models/templates/
+    # Qwen-Qwen2.5-7B-Instruct.jinja, huggingface.js's e2e fixture and axolotl's qwen_25.jinja.
+    "qwen2_5_instruct": Template("qwen2_5_instruct.jinja", "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f",
+                                 "<|im_end|>", added=("<tool_call>", "</tool_call>")),
+    # meta-llama/Llama-3.1-8B-Instruct: huggingface/trl trl/chat_templates/llama3_1.jinja; the same
+    # bytes as llama.cpp models/templates/meta-llama-Llama-3.1-8B-Instruct.jinja and huggingface.js's
+    # e2e fixture (fe42e68017ffc76d09922ea8f9b38a6964345710).
+    "llama3_1_instruct": Template("llama3_1_instruct.jinja", "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65",
+                                  "<|eot_id|>", special=_LLAMA3_SPECIAL, bos="<|begin_of_text|>",
+                                  splits_after_generation_prompt=True),
+    # NousResearch/Hermes-3-Llama-3.1-8B, its `tool_use` template: llama.cpp models/templates/
+    # NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja at 1eeb523c3e0c7ffbd59469f5463dcbdecba3535e
+    # (written by scripts/get_chat_template.py from the hub's tokenizer_config.json).
+    "hermes3_tool_use": Template("hermes3_tool_use.jinja", "7ce09d55d3690e06c70b5c07228cc7e8c99c43a23cdc027762be4011efcdea6c",
+                                 "<|im_end|>", special=("<|begin_of_text|>",), bos="<|begin_of_text|>",
+                                 added=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")),
+}
+
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def _keep_last(text: str, old: str, new: str, finished: bool) -> str:
+    """`old` replaced by `new` everywhere, except its last occurrence unless `finished`."""
+    parts = text.split(old)
+    if len(parts) == 1:
+        return text
+    head, last = parts[:-1], parts[-1]
+    joined = new.join(head)
+    return joined + (new if finished else old) + last
+
+
+def _qwen3(text: str, finished: bool) -> str:
+    """Qwen3 renders the LAST assistant turn with an empty <think> block when it has no reasoning, and
+    no such block once later turns exist; the generation prompt carries one with enable_thinking=False."""
+    text = _keep_last(text, EMPTY_THINK, "", finished=False)  # only the last one survives a re-render
+    if finished:  # the finished conversation's last assistant turn, if it has no reasoning, gets one
+        at = text.rfind("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")
+        if not text.startswith("<think>", at):
+            text = text[:at] + EMPTY_THINK + text[at:]
+    return text
+
+
+def _hermes3(text: str, finished: bool) -> str:
+    """Hermes-3 ends a tool turn with "</tool_response><|im_end|>" while it is the last message and with
+    "</tool_response>\\n<|im_end|>" once anything follows it."""
+    return _keep_last(text, "</tool_response><|im_end|>", "</tool_response>\n<|im_end|>", finished)
+
+
+# How each template renders what the model already saw (as generated, as observed), given the text
+# the model saw; a template missing here must render it unchanged.
+REWRITES = {"qwen3": _qwen3, "hermes3_tool_use": _hermes3}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tokenizer):
+    """A tokenizer per template: SmolLM2's, with the model's tokens and chat template."""
+    out = {}
+    for name, t in TEMPLATES.items():
+        tok = copy.deepcopy(tokenizer)
+        if t.special:
+            tok.add_special_tokens({"additional_special_tokens": list(t.special)})
+        if t.added:
+            tok.add_tokens(list(t.added))
+        tok.eos_token = t.eos
+        if t.bos:
+            tok.bos_token = t.bos
+        tok.chat_template = (FIXTURES / t.file).read_text()
+        out[name] = tok
+    return out
+
+
+def test_the_templates_are_the_models_own_bytes():
+    for name, t in TEMPLATES.items():
+        data = (FIXTURES / t.file).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == t.sha256, name
+
+
+# --- conversations ------------------------------------------------------------------------------------
+
+
+def call(expr: str) -> str:
+    return f'<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "print({expr})"}}}}\n</tool_call>'
+
+
+def code(expr: str) -> str:
+    return f"<code>\n```python\nprint({expr})\n```\n</code>"
+
+
+SYSTEM = Message("system", "You are a helpful assistant. Use the code interpreter.")
+USER = Message("user", "What is 2 + 3?")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    prompt: tuple[Message, ...]
+    turns: tuple[str, ...]  # what the engine generates, turn by turn
+    format: str = "hermes"
+    style: str = "tool_message"
+    template_kwargs: tuple = ()
+
+
+SCENARIOS = {
+    "one_call": Scenario((SYSTEM, USER), (call("2 + 3"), "It is \\boxed{5}.")),
+    "parallel_calls": Scenario((SYSTEM, USER), ("Two calls.\n" + call("2 + 3") + "\n" + call("3 + 2"), "Both say \\boxed{5}.")),
+    "thinking": Scenario((SYSTEM, USER), ("<think>\nI should run it.\n</think>\n\n" + call("2 + 3"),
+                                          "<think>\nIt printed 5.\n</think>\n\nIt is \\boxed{5}.")),
+    "mixed_turns": Scenario((SYSTEM, USER), ("<think>\nFirst 2 + 3.\n</think>\n\n" + call("2 + 3"), "Check it.\n" + call("5 * 1"),
+                                             "Checked: \\boxed{5}.")),
+    "several_users": Scenario(
+        (SYSTEM, Message("user", "What is 1 + 1?"), Message("assistant", "<think>\nEasy.\n</think>\n\nIt is 2."), USER),
+        (call("2 + 3"), "<think>\nThe tool said 5.\n</think>\n\nIt is \\boxed{5}.")),
+    "retool_tool_message": Scenario((SYSTEM, USER), ("Let me run it.\n" + code("2 + 3"), "It is \\boxed{5}."), format="retool"),
+    "retool_in_turn": Scenario((SYSTEM, USER), ("Let me run it.\n" + code("2 + 3"), "So it is \\boxed{5}."),
+                               format="retool", style="in_turn"),
+    "no_thinking_mode": Scenario((SYSTEM, USER), (call("2 + 3"), "Check.\n" + call("5 * 1"), "It is \\boxed{5}."),
+                                 template_kwargs=(("enable_thinking", False),)),
+}
+# Hermes-3's tool_use template needs tools (its `default` template is for chat without them): the
+# retool scenarios, which pass none, do not apply; enable_thinking is Qwen3's.
+CASES = [(t, s) for t in TEMPLATES for s in SCENARIOS
+         if (s != "no_thinking_mode" or t == "qwen3") and not (t == "hermes3_tool_use" and s.startswith("retool"))]
+
+
+class Script:
+    """A scripted engine (replays the scenario's turns: each its tokens, then eos, unless it ends with
+    the in-turn stop string) and a scripted sandbox (prints the value of print(<expr>))."""
+
+    def __init__(self, renderer: ChatRenderer, turns):
+        self.renderer, self.turns = renderer, list(turns)
+        self.prompts: list[list[int]] = []
+        self.generated: list[list[int]] = []
+
+    async def generate(self, prompt_ids, sampling, request_id, session):
+        text = self.turns[len(self.prompts)]
+        self.prompts.append(list(prompt_ids))
+        in_turn_stop = any(text.endswith(s) for s in sampling.stop)
+        ids = self.renderer.encode(text) if in_turn_stop else self.renderer.assistant_ids(text)
+        self.generated.append(ids)
+        return TokenOutput(ids, [-0.5] * len(ids), "stop", policy_version=1)
+
+    @staticmethod
+    async def execute(code_text, session):
+        expr = re.fullmatch(r"print\((.*)\)", code_text.strip()).group(1)
+        return ExecResult(status="ok", stdout=f"{eval(expr)}\n", exit_code=0)  # noqa: S307 (the scenarios' own arithmetic)
+
+
+def run(tok, scenario: Scenario):
+    tool = CodeInterpreterTool(Script.execute, tokenizer=tok)
+    renderer = ChatRenderer(tok, tools=[tool.schema] if scenario.format == "hermes" else None,
+                            template_kwargs=dict(scenario.template_kwargs))
+    script = Script(renderer, scenario.turns)
+    agent = AgentConfig(format=scenario.format, observation_style=scenario.style, max_turns=6, max_response_tokens=2000)
+    loop = ToolAgentLoop(renderer, {"code_interpreter": tool}, script.generate, agent, RolloutConfig(max_tokens_per_turn=500))
+    traj = asyncio.run(loop.run(list(scenario.prompt), "5", "t0", "g0"))
+    return renderer, script, traj
+
+
+def decode(tok, ids):
+    return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("template, scenario", CASES)
+def test_rollout_is_token_exact_on_the_real_template(tokenizers, template, scenario):
+    tok, sc = tokenizers[template], SCENARIOS[scenario]
+    renderer, script, traj = run(tok, sc)
+    assert traj.finish_reason == "answer" and len(script.generated) == len(sc.turns)
+    rewrite = REWRITES.get(template, lambda text, finished: text)
+
+    # The mask is 1 on exactly the generated ids, in order; everything else is an observation.
+    ids = traj.prompt_ids + traj.response_ids
+    mask = [0] * len(traj.prompt_ids) + traj.response_mask
+    assert [t for t, m in zip(ids, mask) if m] == [t for g in script.generated for t in g]
+    starts = [len(p) for p in script.prompts]
+    for k, gen in enumerate(script.generated):
+        assert ids[starts[k]:starts[k] + len(gen)] == gen and all(mask[starts[k]:starts[k] + len(gen)])
+        assert script.prompts[k] == ids[:starts[k]]
+
+    # Each engine prompt is the template's fresh rendering of the conversation so far (up to its rewrite).
+    history = list(sc.prompt)
+    messages = traj.messages[len(sc.prompt):]
+    for k in range(1, len(script.prompts)):
+        if sc.style == "in_turn":
+            break  # one assistant turn: there is no "conversation so far" to re-render
+        history = traj.messages[:len(sc.prompt) + _messages_before_turn(messages, k)]
+        fresh = renderer.prompt_text(history)
+        seen = decode(tok, script.prompts[k])
+        assert rewrite(seen, False) == fresh
+        # The observation is what the template writes after the turn it answers, whatever it does to the turn.
+        observation = decode(tok, ids[starts[k - 1] + len(script.generated[k - 1]):starts[k]])
+        assert observation and fresh.endswith(tok.eos_token + observation)
+        if rewrite(seen, False) == seen and not TEMPLATES[template].splits_after_generation_prompt:
+            assert script.prompts[k] == renderer.encode(fresh)  # token for token
+
+    # The finished conversation.
+    full = renderer.conversation_text(traj.messages)
+    seen = decode(tok, ids)
+    assert full.startswith(rewrite(seen, True)) and full[len(rewrite(seen, True)):] in ("", "\n")
+    if rewrite(seen, True) == seen and not TEMPLATES[template].splits_after_generation_prompt:
+        assert ids == renderer.encode(full)[:len(ids)]
+
+
+def _messages_before_turn(messages: list[Message], k: int) -> int:
+    """How many of the generated/observed messages come before assistant turn k."""
+    seen = 0
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            if seen == k:
+                return i
+            seen += 1
+    return len(messages)
+
+
+@pytest.mark.parametrize("template, scenario", CASES)
+def test_sft_on_the_conversation_gives_the_rollout_tokens(tokenizers, template, scenario):
+    from raytool.agent.render import as_in_turn
+
+    tok, sc = tokenizers[template], SCENARIOS[scenario]
+    renderer, _, traj = run(tok, sc)
+    messages = as_in_turn(traj.messages) if sc.style == "in_turn" else traj.messages
+    examples = renderer.sft_examples(messages)
+    last = examples[-1]
+    if TEMPLATES[template].splits_after_generation_prompt and scenario == "several_users":
+        # The rollout's prompt holds the first answer re-tokenized with the text around it; SFT keeps
+        # it as generated: the same text, split differently at the generation prompt.
+        assert decode(tok, last.input_ids) == decode(tok, traj.prompt_ids + traj.response_ids)
+        assert last.input_ids[-len(traj.response_ids):] == traj.response_ids
+    else:
+        assert last.input_ids == traj.prompt_ids + traj.response_ids
+    assert last.loss_mask[-len(traj.response_ids):] == traj.response_mask
+    # Earlier assistant turns in the prompt are learned too where the template keeps them as they were.
+    prompt_learned = decode(tok, [t for t, m in zip(last.input_ids[:-len(traj.response_ids)], last.loss_mask) if m])
+    if scenario == "several_users" and template == "qwen3":
+        # Qwen3 strips the first answer's reasoning once the second question comes: that answer is
+        # learned in an example of its own, with its reasoning, as rollout produced it.
+        assert len(examples) == 2 and prompt_learned == ""
+        first = examples[0]
+        assert decode(tok, [t for t, m in zip(first.input_ids, first.loss_mask) if m]) == sc.prompt[2].content + tok.eos_token
+    elif scenario == "several_users":
+        assert len(examples) == 1 and prompt_learned == sc.prompt[2].content + tok.eos_token
+    else:
+        assert len(examples) == 1 and prompt_learned == ""
+
+
+# --- the start-up probe ------------------------------------------------------------------------------
+
+
+def test_probe_is_quiet_on_prefix_stable_templates(tokenizers):
+    for name in ("qwen3_instruct_2507", "qwen2_5_instruct", "llama3_1_instruct"):
+        assert ChatRenderer(tokenizers[name]).template_report == [], name
+
+
+def test_probe_names_qwen3s_rewrites(tokenizers, caplog):
+    with caplog.at_level("INFO", logger="raytool.agent.render"):
+        report = ChatRenderer(tokenizers["qwen3"]).template_report
+    assert len(report) == 2, report
+    assert "the prompt of message 6 re-renders earlier turns once a new user message comes (message 5)" in report[0]
+    assert "SFT makes one example per such user turn" in report[0]
+    assert report[1].startswith("message 11 (assistant without reasoning) renders as '<think>\\n\\n</think>")
+    assert "in the finished conversation" in report[1]
+    assert caplog.records and all("the chat template of" in r.getMessage() and "(sha256 " in r.getMessage() for r in caplog.records)
+
+    no_thinking = ChatRenderer(tokenizers["qwen3"], template_kwargs={"enable_thinking": False}).template_report
+    assert any("in the prompt of message 4" in f and "generated tokens are kept as generated" in f for f in no_thinking), no_thinking
+
+
+def test_probe_names_hermes3s_tool_turn_rewrite(tokenizers):
+    from raytool.tools.code_interpreter import SCHEMA
+
+    report = ChatRenderer(tokenizers["hermes3_tool_use"], tools=[SCHEMA]).template_report
+    assert any(f.startswith("the tool turn from message 7 renders as '\\n<|im_end|>") and "in the prompt of message 11" in f
+               for f in report), report
+    with pytest.raises(ValueError, match=r"cannot render a user and an assistant message without tools: TypeError"):
+        ChatRenderer(tokenizers["hermes3_tool_use"])
+
+
+# --- what cannot be rendered exactly is never guessed ------------------------------------------------
+
+
+def test_an_observation_the_template_cannot_place_ends_the_trajectory(tokenizers):
+    tok = copy.deepcopy(tokenizers["qwen2_5_instruct"])
+    # An assistant turn gets a signature after its content once later turns exist: the conversation
+    # is not prefix-stable, and the marker's turn does not end right after its content either.
+    old = "message.content + '<|im_end|>' + '\\n'"
+    assert old in tok.chat_template
+    tok.chat_template = tok.chat_template.replace(
+        old, "message.content + ('' if loop.last or message.role != 'assistant' else ' (signed)') + '<|im_end|>' + '\\n'")
+    renderer, script, traj = run(tok, SCENARIOS["one_call"])
+    assert traj.finish_reason == "render_error" and "cannot be derived exactly" in traj.turns[0]["render_error"]
+    assert traj.response_ids == script.generated[0] and len(script.generated) == 1  # nothing guessed, nothing lost
+    with pytest.raises(RenderError):
+        renderer.observation_text([Message("tool", "5")], [SYSTEM, USER, Message("assistant", "x")])
