@@ -4,7 +4,8 @@
 #   docker build -t raytool:cpu .
 #   docker run --rm -it raytool:cpu                      # the embedded tiny run: `raytool train`
 FROM python:3.11-slim
-RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ util-linux && rm -rf /var/lib/apt/lists/*
+# libtcmalloc-minimal4: vLLM's CPU engine runs with it preloaded (rollout.cpu_preload), +18% decode.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ util-linux libtcmalloc-minimal4 && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/raytool
 COPY pyproject.toml README.md ./
 COPY scripts ./scripts

@@ -33,6 +33,7 @@ from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
 from raytool.config import ConfigError, RunConfig, SandboxConfig, sandbox_backend_options
 from raytool.data.prompts import PromptRow, with_system_prompt
+from raytool.device import engine_dtype
 from raytool import placement
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
@@ -161,7 +162,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     dashboard shows who is who. A cluster that can never hold the run is an error before any actor
     starts; an actor that fails to start is reported by role and cause in one line."""
     model_path = model_path or resolve_model(cfg.model.path)
-    cfg = with_tool_sandbox_settings(cfg)
+    cfg = with_engine_dtype(with_tool_sandbox_settings(cfg))
     wait_for_resources(cfg, skip={"trainer worker"} if not with_trainer else set())
     ns = namespace or cfg.cluster.namespace or run_namespace("raytool")
     log.info("actors in Ray namespace %s", ns)
@@ -288,12 +289,24 @@ def build_sandbox_pools(cfg: RunConfig, options=None) -> list:
     ]
 
 
+def with_engine_dtype(cfg: RunConfig) -> RunConfig:
+    """`cfg` with model.dtype resolved (auto: see `raytool.device.engine_dtype`), so that the engines
+    and the weight syncs that feed them agree; a dtype the rollout device cannot run stops here."""
+    try:
+        dtype, why = engine_dtype(cfg.model.dtype, on_accelerator=cfg.rollout.num_gpus > 0, engine=cfg.rollout.engine)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if dtype != cfg.model.dtype:
+        log.info("model.dtype %s: %s (%s)", cfg.model.dtype, dtype, why)
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype=dtype))
+
+
 def engine_options(cfg: RunConfig, seed: int) -> dict:
     """What a RolloutServer passes to its engine (each engine takes the options that apply to it)."""
     r = cfg.rollout
     return {
         "dtype": cfg.model.dtype, "max_batch_size": r.max_batch_size, "seed": seed,
         "tensor_parallel_size": r.tensor_parallel_size, "gpu_memory_utilization": r.gpu_memory_utilization,
-        "max_model_len": r.max_model_len, "cpu_kv_cache_gb": r.cpu_kv_cache_gb, "enforce_eager": r.enforce_eager,
+        "max_model_len": r.max_model_len, "cpu_kv_cache_gb": r.cpu_kv_cache_gb, "cpu_preload": r.cpu_preload, "enforce_eager": r.enforce_eager,
         "weight_sync_pause": r.weight_sync_pause, "start_timeout_s": r.engine_start_timeout_s,
     }

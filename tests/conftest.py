@@ -51,6 +51,21 @@ def tokenizer(tiny_model_path):
 
 
 @pytest.fixture(scope="session")
+def logprob_tolerance() -> float:
+    """Per-token |engine - trainer| log-prob of the sampled tokens after a weight sync, with this
+    machine's default dtypes (`model.dtype: auto`, `trainer.compute_dtype: auto`): 1e-3 nats where
+    both run in fp32 (CPUs without native bf16); 1e-2 where both run in bf16 (CPUs with it; 1.1e-3
+    was measured on tiny-random with a bf16 engine and trainer, `rollout/logprob_abs_diff`)."""
+    import torch
+
+    from raytool.device import engine_dtype
+    from raytool.training.trainer import compute_dtype
+
+    engine = engine_dtype("auto", on_accelerator=False)[0]
+    return 1e-3 if engine == "float32" and compute_dtype("auto", torch.device("cpu")) == torch.float32 else 1e-2
+
+
+@pytest.fixture(scope="session")
 def renderer(tokenizer):
     from raytool.agent.render import ChatRenderer
 

@@ -304,8 +304,10 @@ def test_sft_on_the_conversation_gives_the_rollout_tokens(tokenizers, template, 
         # Qwen3 strips the first answer's reasoning once the second question comes: that answer is
         # learned in an example of its own, with its reasoning, as rollout produced it.
         assert len(examples) == 2 and prompt_learned == ""
-        first = examples[0]
-        assert decode(tok, [t for t, m in zip(first.input_ids, first.loss_mask) if m]) == sc.prompt[2].content + tok.eos_token
+        # The first example is the rollout of the first question, token for token.
+        _, _, first_traj = run(tok, Scenario(sc.prompt[:2], (sc.prompt[2].content,)))
+        assert examples[0].input_ids == first_traj.prompt_ids + first_traj.response_ids
+        assert examples[0].loss_mask == [0] * len(first_traj.prompt_ids) + first_traj.response_mask
     elif scenario == "several_users":
         assert len(examples) == 1 and prompt_learned == sc.prompt[2].content + tok.eos_token
     else:
@@ -315,12 +317,23 @@ def test_sft_on_the_conversation_gives_the_rollout_tokens(tokenizers, template, 
 # --- the start-up probe ------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def fresh_probes(monkeypatch):
+    """Each renderer probes and logs again (the probe runs once per template in a process)."""
+    from raytool.agent import render
+
+    monkeypatch.setattr(render, "_REPORTS", {})
+
+
 def test_probe_is_quiet_on_prefix_stable_templates(tokenizers):
+    from raytool.tools.code_interpreter import SCHEMA
+
     for name in ("qwen3_instruct_2507", "qwen2_5_instruct", "llama3_1_instruct"):
-        assert ChatRenderer(tokenizers[name]).template_report == [], name
+        for tools in (None, [SCHEMA]):
+            assert ChatRenderer(tokenizers[name], tools=tools).template_report == [], (name, tools)
 
 
-def test_probe_names_qwen3s_rewrites(tokenizers, caplog):
+def test_probe_names_qwen3s_rewrites(tokenizers, caplog, fresh_probes):
     with caplog.at_level("INFO", logger="raytool.agent.render"):
         report = ChatRenderer(tokenizers["qwen3"]).template_report
     assert len(report) == 2, report
@@ -328,7 +341,8 @@ def test_probe_names_qwen3s_rewrites(tokenizers, caplog):
     assert "SFT makes one example per such user turn" in report[0]
     assert report[1].startswith("message 11 (assistant without reasoning) renders as '<think>\\n\\n</think>")
     assert "in the finished conversation" in report[1]
-    assert caplog.records and all("the chat template of" in r.getMessage() and "(sha256 " in r.getMessage() for r in caplog.records)
+    assert len(caplog.records) == 2 and all(r.levelname == "INFO" and "the chat template of" in r.getMessage()
+                                            and "(sha256 " in r.getMessage() for r in caplog.records)
 
     no_thinking = ChatRenderer(tokenizers["qwen3"], template_kwargs={"enable_thinking": False}).template_report
     assert any("in the prompt of message 4" in f and "generated tokens are kept as generated" in f for f in no_thinking), no_thinking
@@ -347,7 +361,7 @@ def test_probe_names_hermes3s_tool_turn_rewrite(tokenizers):
 # --- what cannot be rendered exactly is never guessed ------------------------------------------------
 
 
-def test_an_observation_the_template_cannot_place_ends_the_trajectory(tokenizers):
+def test_an_observation_the_template_cannot_place_ends_the_trajectory(tokenizers, caplog, fresh_probes):
     tok = copy.deepcopy(tokenizers["qwen2_5_instruct"])
     # An assistant turn gets a signature after its content once later turns exist: the conversation
     # is not prefix-stable, and the marker's turn does not end right after its content either.
@@ -355,8 +369,22 @@ def test_an_observation_the_template_cannot_place_ends_the_trajectory(tokenizers
     assert old in tok.chat_template
     tok.chat_template = tok.chat_template.replace(
         old, "message.content + ('' if loop.last or message.role != 'assistant' else ' (signed)') + '<|im_end|>' + '\\n'")
-    renderer, script, traj = run(tok, SCENARIOS["one_call"])
+    with caplog.at_level("WARNING", logger="raytool.agent.render"):
+        renderer, script, traj = run(tok, SCENARIOS["one_call"])
+    probe = [r for r in caplog.records if r.name == "raytool.agent.render"]
+    assert [r.levelname for r in probe] == ["WARNING"] and "render_error" in probe[0].getMessage()
     assert traj.finish_reason == "render_error" and "cannot be derived exactly" in traj.turns[0]["render_error"]
     assert traj.response_ids == script.generated[0] and len(script.generated) == 1  # nothing guessed, nothing lost
     with pytest.raises(RenderError):
         renderer.observation_text([Message("tool", "5")], [SYSTEM, USER, Message("assistant", "x")])
+
+
+def test_tool_rendering_that_depends_on_the_turn_before_it_is_refused(tokenizers):
+    tok = copy.deepcopy(tokenizers["qwen2_5_instruct"])
+    # A tool turn that quotes the start of the assistant turn it answers: the marker cannot stand in.
+    old = "{{- '\\n<tool_response>\\n' }}"
+    assert old in tok.chat_template
+    tok.chat_template = tok.chat_template.replace(old, "{{- '\\n<tool_response>' + messages[loop.index0 - 1].content[:3] + '\\n' }}")
+    renderer = ChatRenderer(tok)
+    with pytest.raises(RenderError, match="depending on the assistant turn before them"):
+        renderer.observation_text([Message("tool", "5")], [SYSTEM, USER, Message("assistant", "abc")])

@@ -246,6 +246,8 @@ def test_tool_error_kind_is_checked():
         "<code>\n```python\nx" * 20_000,  # fences never closed
         "<code>\n```\n" * 25_000,  # each fence closed by the next block's
         "<code>```\n" + "\n```" * 50_000 + "</code>" * 10_000,
+        "<code>```\n" * 20_000 + "```" * 20_000,  # each block's closing fence lies past the next block
+        "<code>\n```" + "`" * 100_000 + " " * 100_000,
     ],
 )
 def test_pathological_input_is_fast(text):
@@ -345,6 +347,16 @@ def test_retool_tags_inside_fenced_strings_are_code():
     assert not r.errors and r.cut_in_fence == 0
 
 
+def test_retool_fences_closed_before_the_close_tag_keep_blocks_apart():
+    text = "<code>```python\nprint(1)```</code> and <code>\n```python\nprint(2)\n```\n</code>"
+    r = parse_retool(text)
+    assert [c.arguments["code"] for c in r.calls] == ["print(1)", "print(2)"] and r.cut_in_fence == 0
+    # A fence left open does not reach into the next fenced block for its closing fence.
+    text = "<code>\n```python\nprint(1)\n</code> then <code>\n```python\nprint(2)\n```\n</code>"
+    r = parse_retool(text)
+    assert [c.arguments["code"] for c in r.calls] == ["print(1)", "print(2)"] and r.cut_in_fence == 1
+
+
 def test_retool_a_fence_left_open_ends_at_the_first_close_tag_and_is_counted():
     # What in_turn generation hands over when the </code> stop string fired inside a string literal,
     # and what a model that forgot the closing fence writes: the code runs as cut, and it is counted.
@@ -413,7 +425,7 @@ def _check_parse(parse, text):
 def test_parsers_never_raise_on_any_model_output():
     from hypothesis import given, settings
 
-    @settings(max_examples=400, deadline=None, derandomize=True, database=None)
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None)
     @given(_model_text())
     def check(text):
         _check_parse(parse_hermes, text)

@@ -62,8 +62,8 @@ def test_qwen_style_template_merged_tool_messages_are_token_exact(chatml_tools):
     expected = r.encode(full)
     assert ids == expected[: len(ids)] and r.tokenizer.decode(expected[len(ids):]) == "\n"
     # The trap: rendering the tool messages one at a time would open a user turn per output.
-    assert r.observation_text(obs, history).count("<|im_start|>user") == 1
-    assert r.observation_text(obs[:1], history).endswith("<|im_start|>assistant\n")
+    assert r.observation_text(obs, history) == ("\n<|im_start|>user<tool_response>\n5\n</tool_response><tool_response>\n20\n"
+                                                "</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_templates_that_rewrite_earlier_turns_are_reported_once_at_start_up(tokenizer, caplog):
@@ -75,6 +75,8 @@ def test_templates_that_rewrite_earlier_turns_are_reported_once_at_start_up(toke
         "{{ m.content.split('</think>')[-1] if not loop.last else m.content }}\n{%- if m.tool_calls %}")
     with caplog.at_level("INFO", logger="raytool.agent.render"):
         r = ChatRenderer(tok, tools=[SCHEMA])
+        again = ChatRenderer(tok, tools=[SCHEMA])  # the same template, tools and kwargs: probed and logged once
+    assert again.template_report == r.template_report
     assert r.template_report and r.template_report[0].startswith("message 2 (assistant with reasoning) renders as")
     assert [rec.getMessage() for rec in caplog.records] == [f"{r.name}: {f}" for f in r.template_report]
     # The observation is still the template's own text after the turn, not an offset stand-in.

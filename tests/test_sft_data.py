@@ -196,7 +196,7 @@ def test_truncation_and_dropping_are_counted(tokenizer):
     assert (stats["count"], stats["truncated"], stats["dropped"]) == (2, 1, 1)
     assert len(examples[1].input_ids) == max_length and examples[1].loss_mask == full.loss_mask[:max_length]
     assert stats["mean_tokens"] == (len(examples[0].input_ids) + max_length) / 2
-    with pytest.raises(DataError, match="1 have no assistant token within max_length=10"):
+    with pytest.raises(DataError, match="1 examples have no assistant token within max_length=10"):
         sft_examples([Conversation(long_prompt)], tokenizer, 10)
 
 

@@ -42,6 +42,7 @@ a `</code>` inside the code's own strings still ends the block there: the code r
 from __future__ import annotations
 
 import json
+import logging
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from typing import Callable, Iterator
 
 from raytool.tools.base import ERROR_KINDS
 from raytool.types import ToolCall
+
+log = logging.getLogger(__name__)
 
 _HERMES_FORMAT = 'Write {"name": "...", "arguments": {...}}.'
 
@@ -140,18 +143,39 @@ def _tagged_bodies(text: str, open_tag: str, close_tag: str) -> Iterator[str | N
 
 _FENCE_INFO = re.compile(r"[A-Za-z0-9_.+-]*")
 _FENCE_OPEN = re.compile(r"[ \t\r\n]*```")
-_FENCE_CLOSE = re.compile(r"\n[ \t]*```")
+# A closing fence: ``` at the start of a line, or right before </code> (`print(1)```</code>).
+_FENCE_CLOSE = re.compile(r"\n[ \t]*```|```(?=[ \t\r\n]{0,8}</code>)")
+_FENCED_CODE = re.compile(r"<code>[ \t\r\n]*```")
+
+
+class _FirstMatch:
+    """The first match of `pattern` at or after a position that only ever grows: a match found
+    stays the answer until the position passes it, and "none" stays the answer for good, so a scan
+    that asks at every block stays linear."""
+
+    def __init__(self, pattern: re.Pattern, text: str):
+        self.pattern, self.text = pattern, text
+        self.match: re.Match | None = None
+        self.exhausted = False
+
+    def at_or_after(self, pos: int) -> re.Match | None:
+        if self.exhausted:
+            return None
+        if self.match is None or self.match.start() < pos:
+            self.match = self.pattern.search(self.text, pos)
+            self.exhausted = self.match is None
+        return self.match
 
 
 def _code_blocks(text: str) -> Iterator[tuple[str | None, bool]]:
     """(body, cut_in_fence) of each <code> block in text order; body None where it is never closed.
 
-    A block whose code opens with a ``` fence ends at the first `</code>` after its closing fence
-    (a line starting with ```), so tags inside the fenced code's strings are code. Without a closing
-    fence it ends at its first `</code>` and `cut_in_fence` is True. Linear: every search resumes
-    past the last one, and a search that found nothing is not repeated."""
+    A block whose code opens with a ``` fence ends at the first `</code>` after its closing fence,
+    so tags inside the fenced code's strings are code. Without a closing fence before the next
+    fenced block, it ends at its first `</code>` and `cut_in_fence` is True. Linear: every search
+    resumes past the last one (`_FirstMatch`)."""
     n = len(text)
-    no_fence_from = n  # no closing fence starts at or after this position
+    fences, fenced_blocks = _FirstMatch(_FENCE_CLOSE, text), _FirstMatch(_FENCED_CODE, text)
     close = -1  # the last </code> found (n + 1: none after it)
     i = text.find("<code>")
     while i >= 0:
@@ -159,9 +183,8 @@ def _code_blocks(text: str) -> Iterator[tuple[str | None, bool]]:
         code_end, cut = start, False  # where the code's own text is known to end; the fence left open
         opening = _FENCE_OPEN.match(text, start)
         if opening is not None:
-            fence = _FENCE_CLOSE.search(text, opening.end()) if opening.end() < no_fence_from else None
-            if fence is None:
-                no_fence_from = min(no_fence_from, opening.end())
+            fence, next_block = fences.at_or_after(opening.end()), fenced_blocks.at_or_after(opening.end())
+            if fence is None or (next_block is not None and next_block.start() < fence.start()):
                 cut = True
             else:
                 code_end = fence.end()
@@ -280,7 +303,7 @@ def _loads(s: str):
         json.dumps(value, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         return None, False, "a string holds an unpaired surrogate escape (\\ud800-\\udfff)"
-    except (RecursionError, ValueError):
+    except RecursionError:
         return None, False, "nested too deeply"
     return value, len(anchors) > 1, None
 
@@ -347,7 +370,8 @@ def parse_hermes(text: str) -> ParseResult:
         else:
             try:
                 item, repaired = _hermes_call(body)
-            except Exception as exc:  # nothing a model writes may escape the parser
+            except Exception as exc:  # nothing a model writes may escape the parser (but a parser bug shows in the log)
+                log.warning("hermes parser: a call could not be decoded: %s: %s", type(exc).__name__, exc)
                 item, repaired = _undecodable(exc), False
             result.add(item)
             result.repaired += repaired

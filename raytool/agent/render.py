@@ -6,19 +6,18 @@ puts between that turn's end-of-turn token and the next assistant turn's first t
 its own. Templates that merge consecutive tool messages into one turn (Qwen2.5 and Qwen3: one
 `<tool_response>` user turn) are handled by rendering all of a turn's observations at once.
 
-Templates are not all prefix-stable, and how each observation is derived follows from that:
-- Where rendering the conversation plus the tool messages extends the rendering of the conversation
-  so far (ChatML, Qwen2.5, Llama 3.1 ...), the observation is that extension.
-- Where the template re-renders the last assistant turn once later messages exist (Qwen3 writes
-  an empty `<think>\\n\\n</think>\\n\\n` into the last assistant turn only while it is last, and
-  strips reasoning from turns before the last user message), the real conversation has no such
-  extension. The observation is then read off a rendering in which the last assistant turn holds
-  a unique marker: the text between the marker's end-of-turn token and the end is exactly what the
-  template writes after that turn, whatever it does to the turn itself. The generated ids stay
-  verbatim; the template's re-rendering of earlier turns is never trained on.
-- If neither works (the marker is not followed by the end-of-turn token, or the template fails),
-  `observation_text` raises `RenderError` and the agent loop ends the trajectory with finish
-  reason `render_error`: a wrong observation is never produced silently.
+Templates are not all prefix-stable: some re-render the last assistant turn once later messages
+exist (Qwen3 writes an empty `<think>\n\n</think>\n\n` into the last assistant turn only while it is
+last, and strips reasoning from turns before the last user message), some re-render a tool turn once
+the next assistant turn exists (Hermes-3). So the observation is not a diff against the rendering of
+the conversation so far. It is read off a rendering of the conversation plus the tool messages in
+which the last assistant turn holds a unique marker: the text between the marker's end-of-turn token
+and the end is exactly what the template writes after that turn, whatever it does to the turn
+itself; and the real conversation's rendering must end with that same text (so nothing the template
+writes after a turn depends on what the turn said). The generated ids stay verbatim; a template's
+re-rendering of what the model already saw is never trained on. Where either check fails,
+`observation_text` raises `RenderError` and the agent loop ends the trajectory with finish reason
+`render_error`: a wrong observation is never produced silently.
 
 At start-up `ChatRenderer` probes the template with tool-calling conversations (several user turns,
 turns with and without reasoning, parallel tool calls) and logs once what it found, naming the
@@ -34,6 +33,7 @@ one example per such user turn, each with the prompt exactly as rollout would re
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import uuid
@@ -43,6 +43,10 @@ from jinja2 import TemplateError
 from raytool.types import Message, SFTExample
 
 log = logging.getLogger(__name__)
+
+
+# The start-up probe's findings (text, severe) by template, tools and template kwargs.
+_REPORTS: dict[tuple[str, str, str], list[tuple[str, bool]]] = {}
 
 
 class RenderError(Exception):
@@ -112,11 +116,14 @@ class ChatRenderer:
         except TemplateError as exc:
             raise ValueError(f"{self.name} cannot render a user and an assistant message"
                              f"{' with these tools' if self.tools else ' without tools'}: {exc}") from None
-        if self.eos_text not in base:
+        if "y" + self.eos_text not in base:
             raise ValueError(f"{self.name} does not end assistant turns with the tokenizer's eos token {self.eos_text!r}")
-        self.template_report = self.probe()
-        for finding in self.template_report:
-            log.info("%s: %s", self.name, finding)
+        key = (template, json.dumps(self.tools, sort_keys=True), json.dumps(self.template_kwargs, sort_keys=True, default=str))
+        if key not in _REPORTS:  # once per process: SFT data may build a renderer per tool set
+            _REPORTS[key] = self.probe()
+            for finding, severe in _REPORTS[key]:
+                log.log(logging.WARNING if severe else logging.INFO, "%s: %s", self.name, finding)
+        self.template_report = [finding for finding, _ in _REPORTS[key]]
 
     def _text(self, messages, add_generation_prompt: bool) -> str:
         try:
@@ -149,21 +156,22 @@ class ChatRenderer:
         (see the module docstring). Raises `RenderError` where the template gives no exact answer."""
         if not history or history[-1].role != "assistant":
             raise ValueError("observation_text: the history must end with the assistant turn the tools answer")
+        marker = f"raytool-marker-{uuid.uuid4().hex}"
         try:
-            before = self._text(history, add_generation_prompt=False)
-            after = self._text([*history, *tool_messages], add_generation_prompt=True)
-            end = before.rfind(self.eos_text)
-            if end >= 0 and after.startswith(before):  # the template extends the conversation as it stands
-                return before[end + len(self.eos_text):] + after[len(before):]
-            marker = f"raytool-marker-{uuid.uuid4().hex}"
             marked = self._text([*history[:-1], Message("assistant", marker), *tool_messages], add_generation_prompt=True)
+            real = self._text([*history, *tool_messages], add_generation_prompt=True)
         except TemplateError as exc:
             raise RenderError(f"{self.name} cannot render the tool messages after this turn: {exc}") from None
         at = marked.find(marker)
         if at < 0 or marked.count(marker) != 1 or not marked.startswith(self.eos_text, at + len(marker)):
-            raise RenderError(f"{self.name} re-renders the assistant turn before the tool messages and does not end it "
-                              "with the eos token right after its content, so the observation cannot be derived exactly")
-        return marked[at + len(marker) + len(self.eos_text):]
+            raise RenderError(f"{self.name} does not end an assistant turn with the eos token right after its content, "
+                              "so the observation cannot be derived exactly")
+        observation = marked[at + len(marker) + len(self.eos_text):]
+        # What follows the turn must not depend on what the turn says (the marker stood in for it).
+        if not real.endswith(self.eos_text + observation):
+            raise RenderError(f"{self.name} renders the tool messages differently depending on the assistant turn "
+                              "before them, so the observation cannot be derived exactly")
+        return observation
 
     def observation_ids(self, tool_messages: list[Message], history: list[Message]) -> list[int]:
         """Tokens between an assistant turn's eos and the next assistant turn's first token."""
@@ -238,47 +246,50 @@ class ChatRenderer:
                 ids, mask = [], []
             pieces = self.assistant_segments(text) if kind == "assistant" else [(self.encode(text), 0)]
             for piece, m in pieces:
-                ids = ids + piece
-                mask = mask + [m] * len(piece)
+                ids.extend(piece)
+                mask.extend([m] * len(piece))
         if any(mask):
             examples.append(SFTExample(input_ids=ids, loss_mask=mask))
         return examples
 
     # --- the start-up probe ----------------------------------------------------------------------
 
-    def probe(self) -> list[str]:
-        """What this template does to a tool-calling conversation (`_PROBE`), one line per finding
-        naming the place and what raytool does about it; [] for a prefix-stable template."""
-        findings: list[str] = []
+    def probe(self) -> list[tuple[str, bool]]:
+        """What this template does to a tool-calling conversation (`_PROBE`): one (finding, severe)
+        per place, naming it and what raytool does about it; severe where trajectories will end
+        with render_error. [] for a prefix-stable template."""
+        findings: list[tuple[str, bool]] = []
+        text, pieces, split, diverged, at = "", [], None, False, 0
         try:
-            events = list(self._walk(_PROBE))
+            for kind, i, value in self._walk(_PROBE):
+                at = i
+                if kind == "example":
+                    split = i if text else None
+                    text, pieces = "", []
+                if kind == "assistant":
+                    if split is not None:
+                        findings.append((f"the prompt of message {i} re-renders earlier turns once a new user message "
+                                         f"comes (message {split}): SFT makes one example per such user turn, its prompt "
+                                         "rendered as rollout renders it", False))
+                        split = None
+                    fresh = self.prompt_text(_PROBE[:i])
+                    if fresh != text and not diverged:
+                        diverged = True
+                        findings.append((f"{_place(fresh, text, pieces)} in the prompt of message {i}: generated tokens "
+                                         "are kept as generated, observations are read off the template's rendering "
+                                         "after each turn", False))
+                    value += self.eos_text
+                pieces.append((len(text), kind, i))
+                text += value
+            full = self.conversation_text(_PROBE)
         except RenderError as exc:
-            return [f"{exc}; trajectories that reach such a turn end with finish reason render_error"]
+            return [*findings, (f"after message {at} of the probe: {exc}; trajectories that reach a tool turn end with "
+                                "finish reason render_error", True)]
         except TemplateError as exc:
-            return [f"the probe conversation cannot be rendered: {exc}"]
-        text, pieces, split, diverged = "", [], None, False
-        for kind, i, value in events:
-            if kind == "example":
-                split = i if text else None
-                text, pieces = "", []
-            if kind == "assistant":
-                if split is not None:
-                    findings.append(f"the prompt of message {i} re-renders earlier turns once a new user message comes "
-                                    f"(message {split}): SFT makes one example per such user turn, its prompt rendered "
-                                    "as rollout renders it")
-                    split = None
-                fresh = self.prompt_text(_PROBE[:i])
-                if fresh != text and not diverged:
-                    diverged = True
-                    findings.append(f"{_place(fresh, text, pieces)} in the prompt of message {i}: generated tokens are "
-                                    "kept as generated, observations are read off the template's rendering after each turn")
-                value += self.eos_text
-            pieces.append((len(text), kind, i))
-            text += value
-        full = self.conversation_text(_PROBE)
+            return [*findings, (f"the probe conversation cannot be rendered after message {at}: {exc}", True)]
         if not full.startswith(text):
-            findings.append(f"{_place(full, text, pieces)} in the finished conversation: raytool trains on the tokens "
-                            "as generated, not on this rendering")
+            findings.append((f"{_place(full, text, pieces)} in the finished conversation: raytool trains on the tokens "
+                             "as generated, not on this rendering", False))
         return findings
 
 

@@ -43,4 +43,10 @@ def _trainer(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
-BENCHES: dict[str, Bench] = {"router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}
+def _engine(cfg: RunConfig) -> tuple[str, dict]:
+    from raytool.bench.engine import bench
+
+    return bench(cfg)
+
+
+BENCHES: dict[str, Bench] = {"engine": _engine, "router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}

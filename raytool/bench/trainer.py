@@ -107,6 +107,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         ours.append(timed(lambda: trainer.rl_step(trajectories)))
         theirs.append(timed(run_plain))
     ours_s, plain_s = min(ours), min(theirs)
+    dtype_result, dtype_rows = ({}, []) if cuda else _bf16_vs_fp32(cfg, model_path, trainer, trajectories, timed, repeats)
     result = {
         "tokens_per_step": tokens,
         "trainer_tokens_per_s": tokens / ours_s,
@@ -115,6 +116,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         "compute_dtype": str(trainer.dtype).removeprefix("torch."),
         "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
+        **dtype_result,
     }
     if cuda:
         params = sum(p.numel() for p in plain.parameters())
@@ -128,6 +130,32 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
          f"{'':18} {'s/step':>8} {'tokens/s':>10}"]
         + [f"{name:18} {s:8.3f} {tps:10.0f}" for name, s, tps in rows]
         + [f"trainer_vs_plain = {result['trainer_vs_plain']:.2f}"]
+        + dtype_rows
         + ([f"mfu = {result['mfu']:.1%}  peak memory = {result['peak_mem_gib']:.1f} GiB"] if "mfu" in result else [])
     )
     return table, result
+
+
+def _bf16_vs_fp32(cfg: RunConfig, model_path: str, trainer, trajectories, timed, repeats: int) -> tuple[dict, list[str]]:
+    """On a CPU: the RL step in the other compute dtype too (same batch, alternating), where the
+    CPU computes bf16 natively; elsewhere bf16 is emulated, many times slower, and not timed."""
+    import msgspec
+
+    from raytool.device import cpu_bf16_support
+    from raytool.training import Trainer
+
+    native, why = cpu_bf16_support()
+    if not native:
+        return {"cpu_bf16_native": False, "bf16_vs_fp32": None}, [f"bf16_vs_fp32: not measured, this CPU has no native bf16 ({why})"]
+    other_dtype = "float32" if trainer.dtype == torch.bfloat16 else "bfloat16"
+    other = Trainer(msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, compute_dtype=other_dtype)),
+                    model_path, device="cpu")
+    timed(lambda: other.rl_step(trajectories))
+    theirs, ours = [], []
+    for _ in range(repeats):
+        theirs.append(timed(lambda: other.rl_step(trajectories)))
+        ours.append(timed(lambda: trainer.rl_step(trajectories)))
+    other_s = min(theirs)
+    fp32_s, bf16_s = (other_s, min(ours)) if other_dtype == "float32" else (min(ours), other_s)
+    return ({"cpu_bf16_native": True, "bf16_vs_fp32": fp32_s / bf16_s, "fp32_step_s": fp32_s, "bf16_step_s": bf16_s},
+            [f"bf16 RL step {bf16_s:.3f} s, fp32 {fp32_s:.3f} s: bf16_vs_fp32 = {fp32_s / bf16_s:.2f} ({why})"])

@@ -189,8 +189,10 @@ def _live_engine_seconds(cfg: RunConfig, model_dir: str, state: dict) -> float:
     from raytool.weightsync import WeightSender
 
     r = cfg.rollout
+    from raytool.device import engine_dtype
+
     engine = VLLMEngine(
-        model_dir, dtype=cfg.model.dtype, max_batch_size=4, cpu_kv_cache_gb=r.cpu_kv_cache_gb,
+        model_dir, dtype=engine_dtype(cfg.model.dtype, on_accelerator=torch.cuda.is_available())[0], max_batch_size=4, cpu_kv_cache_gb=r.cpu_kv_cache_gb,
         enforce_eager=r.enforce_eager, max_model_len=512,
     )
     g = torch.Generator().manual_seed(0)

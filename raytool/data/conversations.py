@@ -182,8 +182,8 @@ def sft_examples(conversations: list[Conversation], tokenizer, max_length: int,
             examples.append(ex)
     warn_each(problems, "the SFT data")
     if not examples:
-        raise DataError(f"no SFT example from {len(conversations)} conversations: {dropped} have no assistant "
-                        f"token within max_length={max_length}, {len(problems)} could not be rendered"
+        raise DataError(f"no SFT example from {len(conversations)} conversations: {dropped} examples have no "
+                        f"assistant token within max_length={max_length}, {len(problems)} conversations could not be rendered"
                         + (f" (first: {problems[0]})" if problems else ""))
     lengths = [len(ex.input_ids) for ex in examples]
     stats = {"count": len(examples), "truncated": truncated, "dropped": dropped, "unrenderable": len(problems),

@@ -72,6 +72,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         max_batch_size: int = 256,
         cpu_kv_cache_gb: float = 1.0,
+        cpu_preload: bool = True,
         enforce_eager: bool = False,
         seed: int = 0,
         weight_sync_pause: Literal["keep", "wait"] = "keep",
@@ -92,6 +93,8 @@ class VLLMEngine:
         # for SmolLM2-135M at 16 sequences when the worker gets both). Users can still set it.
         if len(os.sched_getaffinity(0)) < 8:
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        if cpu_preload:
+            _preload_cpu_libraries()
         self.model_path = model_path
         self.policy_version = 0
         self.weight_sync_pause = weight_sync_pause
@@ -231,3 +234,21 @@ def _shared_memory_segments() -> set[str]:
         with contextlib.suppress(psutil.Error):
             paths |= {m.path for m in proc.memory_maps(grouped=True) if m.path.startswith("/dev/shm/psm_")}
     return paths
+
+
+def _preload_cpu_libraries() -> None:
+    """On a CPU, put tcmalloc and Intel OpenMP (where installed) in LD_PRELOAD before vLLM starts
+    its engine core, which inherits it: +18% and +19% decode each, +32% together, for SmolLM2-135M
+    on 2 AVX2 cores (`raytool bench engine`). Libraries the user already preloads are left as they are."""
+    from vllm.platforms import current_platform
+
+    from raytool.device import cpu_preloads
+
+    if not current_platform.is_cpu():
+        return
+    current = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+    names = {os.path.basename(p).split(".so")[0] for p in current}
+    extra = [p for p in cpu_preloads() if os.path.basename(p).split(".so")[0] not in names]
+    if extra:
+        os.environ["LD_PRELOAD"] = ":".join([*extra, *current])
+        log.info("vLLM on CPU: LD_PRELOAD %s", os.environ["LD_PRELOAD"])

@@ -24,7 +24,7 @@ TINY = ["model.path=tiny-random", "trainer.total_steps=2", "trainer.sft_warmup_s
         "data.prompts_per_step=2", "rollout.max_tokens_per_turn=24", "agent.max_response_tokens=64"]
 
 
-def test_tiny_run_checkpoints_and_a_resumed_run_repeats_step_three_exactly(ray_cluster, tmp_path):
+def test_tiny_run_checkpoints_and_a_resumed_run_repeats_step_three_exactly(ray_cluster, tmp_path, logprob_tolerance):
     """A 3-step run that checkpoints at step 2, and a run resumed from that checkpoint: step 3
     draws the same prompts, samples the same tokens (seeded) and trains to the same metrics."""
     from safetensors.torch import load_file
@@ -44,8 +44,8 @@ def test_tiny_run_checkpoints_and_a_resumed_run_repeats_step_three_exactly(ray_c
         assert REQUIRED_KEYS <= m.keys()
         assert m["timing_s/update_weights"] > 0 and m["response_length/mean"] > 0
         # After each sync the engine serves the trainer's weights: its log-probs of the sampled
-        # tokens equal the trainer's (fp32 on both sides; tolerance 1e-3 nats per token).
-        assert m["rollout/logprob_abs_diff"] < 1e-3
+        # tokens equal the trainer's (tolerance per token by the default dtypes here: fp32 1e-3, bf16 1e-2).
+        assert m["rollout/logprob_abs_diff"] < logprob_tolerance
     # SFT warm-up synced version 1; each GRPO step one more.
     assert [m["policy_version"] for m in grpo] == [2, 3, 4]
     traces = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]

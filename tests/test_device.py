@@ -1,0 +1,95 @@
+"""Which dtypes a CPU gets: native bf16 detection, the trainer's and the engine's `auto`, and the
+one-line warnings and refusals for dtypes a CPU would emulate or cannot run."""
+
+import logging
+
+import pytest
+import torch
+
+from raytool import device
+from raytool.training import trainer as trainer_module
+
+# /proc/cpuinfo excerpts of real machines (flags shortened to the ones that matter, order kept).
+EPYC_MILAN = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu sse sse2 avx fma avx2 bmi2\n"
+EPYC_GENOA = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n"
+SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+SKYLAKE_SP = "processor\t: 0\nflags\t\t: avx2 avx512f avx512bw avx512vl avx512dq\n"  # AVX-512, but bf16 only emulated
+GRAVITON3 = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm svebf16\n"
+GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics\n"
+
+
+@pytest.mark.parametrize("cpuinfo, native, reason", [
+    (EPYC_MILAN, False, "no avx512_bf16"), (SKYLAKE_SP, False, "no avx512_bf16"), (GRAVITON2, False, "no avx512_bf16"),
+    (EPYC_GENOA, True, "avx512_bf16"), (SAPPHIRE_RAPIDS, True, "avx512_bf16"), (GRAVITON3, True, "bf16"),
+])
+def test_native_bf16_is_read_off_the_cpu_flags(cpuinfo, native, reason):
+    got, why = device.cpu_bf16_support(cpuinfo)
+    assert got is native and why.startswith(reason)
+
+
+def test_this_machine_agrees_with_torch():
+    native, why = device.cpu_bf16_support()
+    assert native == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()), why
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend this CPU has (True) or lacks (False) native bf16."""
+    def set_native(native: bool):
+        answer = (native, "avx512_bf16" if native else "no avx512_bf16 or amx (torch: AVX2)")
+        monkeypatch.setattr(device, "cpu_bf16_support", lambda cpuinfo=None: answer)
+        monkeypatch.setattr(trainer_module, "cpu_bf16_support", lambda cpuinfo=None: answer)
+    return set_native
+
+
+def test_trainer_auto_is_bf16_only_where_the_cpu_computes_it(cpu, caplog):
+    cpu_device, gpu = torch.device("cpu"), torch.device("cuda")
+    cpu(True)
+    assert trainer_module.compute_dtype("auto", cpu_device) == torch.bfloat16
+    cpu(False)
+    assert trainer_module.compute_dtype("auto", cpu_device) == torch.float32
+    assert trainer_module.compute_dtype("auto", gpu) == torch.bfloat16
+    assert trainer_module.compute_dtype("float32", gpu) == torch.float32
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        assert trainer_module.compute_dtype("bfloat16", cpu_device) == torch.bfloat16  # the user's choice stands
+    (record,) = caplog.records
+    assert "trainer.compute_dtype" in record.getMessage() and "no native bf16" in record.getMessage()
+    assert "\n" not in record.getMessage()
+
+
+def test_engine_auto_and_refusals(cpu, caplog):
+    cpu(True)
+    assert device.engine_dtype("auto", on_accelerator=False)[0] == "bfloat16"
+    cpu(False)
+    assert device.engine_dtype("auto", on_accelerator=False) == ("float32", "CPU without native bf16: no avx512_bf16 or amx (torch: AVX2)")
+    assert device.engine_dtype("auto", on_accelerator=True)[0] == "bfloat16"
+    assert device.engine_dtype("float16", on_accelerator=True)[0] == "float16"
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        assert device.engine_dtype("bfloat16", on_accelerator=False)[0] == "bfloat16"  # runs, emulated: a warning
+    (record,) = caplog.records
+    assert "config key 'model.dtype' is bfloat16" in record.getMessage() and "\n" not in record.getMessage()
+
+
+def test_an_engine_dtype_the_platform_cannot_run_is_refused(cpu, monkeypatch):
+    from vllm.platforms import current_platform
+
+    cpu(True)
+    # vLLM's CPU platform on a Mac without FEAT_BF16 lists only fp16 and fp32.
+    monkeypatch.setattr(type(current_platform), "supported_dtypes", property(lambda self: [torch.float16, torch.float32]))
+    with pytest.raises(ValueError, match=r"^config key 'model.dtype': vLLM cannot run bfloat16 on this CPU \(it runs float16, float32\)"):
+        device.engine_dtype("bfloat16", on_accelerator=False)
+    assert device.engine_dtype("bfloat16", on_accelerator=False, engine="hf")[0] == "bfloat16"
+
+
+def test_native_fp16_flags():
+    assert not device.cpu_fp16_support(EPYC_GENOA) and device.cpu_fp16_support(SAPPHIRE_RAPIDS.replace("amx_int8", "amx_int8 amx_fp16"))
+    assert device.cpu_fp16_support("Features\t: fp asimd asimdhp\n")
+
+
+def test_preloads_are_existing_libraries():
+    for lib in device.cpu_preloads():
+        assert lib.endswith((".so", ".so.4")) and ("tcmalloc" in lib or "iomp" in lib)
+        with open(lib, "rb") as f:
+            assert f.read(4) == b"\x7fELF"
