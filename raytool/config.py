@@ -42,7 +42,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ModelConfig(_Section):
     path: str = "smollm2-135m-instruct"  # built-in name (smollm2-135m-instruct, tiny-random) or HF checkpoint dir
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # rollout-engine weights and the dtype weight syncs carry (auto: bfloat16 on GPU/NPU and on CPUs with native bf16, float32 on other CPUs, where emulated bf16 decodes 3x slower)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # rollout-engine weights and weight syncs (auto, decided on the driver: bfloat16 on GPU/NPU and native-bf16 CPUs, else float32)
     attn_implementation: str = "sdpa"  # transformers attention in the trainer (flash_attention_2 on GPUs that have it: sequences are then packed)
 
 

@@ -1,9 +1,13 @@
-"""Which accelerator a process has: torch device, distributed backend and Ray resource name."""
+"""What hardware a process has: its accelerator (torch device, distributed backend, Ray resource
+name), whether its CPU computes bf16 / fp16 natively, and the dtypes and preloads that follow."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,11 +55,12 @@ def _cpu_flags(cpuinfo: str) -> set[str]:
 
 
 def cpu_bf16_support(cpuinfo: str | None = None) -> tuple[bool, str]:
-    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX, Arm BF16), and what said so.
+    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX-BF16, Arm BF16), and what said so.
 
-    Elsewhere PyTorch emulates bf16 matmuls, and they are far slower than fp32 (measured on an AVX2
-    AMD EPYC: 1 vs 120 GFLOP/s; on an AVX512-BF16 one: 990 vs 215). torch's own CPU probes decide on
-    x86; /proc/cpuinfo (or `cpuinfo`, for tests) on Arm and where torch lacks them."""
+    Elsewhere PyTorch emulates bf16 matmuls, far slower than fp32 (measured with 2 threads on an
+    AVX2 AMD EPYC: 1 vs 120 GFLOP/s; on an AVX512-BF16 one bf16 was the faster: 990 vs 215).
+    torch's own probe says yes for AVX512-BF16; otherwise the flags of /proc/cpuinfo (or `cpuinfo`,
+    for tests) decide."""
     import platform
 
     if cpuinfo is None:
@@ -64,21 +69,27 @@ def cpu_bf16_support(cpuinfo: str | None = None) -> tuple[bool, str]:
 
             if torch.cpu._is_avx512_bf16_supported():
                 return True, "avx512_bf16"
-            if torch.cpu._is_amx_tile_supported():
-                return True, "amx"
-            if platform.machine() in ("x86_64", "AMD64"):
-                return False, f"no avx512_bf16 or amx (torch: {torch.backends.cpu.get_cpu_capability()})"
         except (ImportError, AttributeError):
             pass
         try:
-            cpuinfo = open("/proc/cpuinfo").read()
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
         except OSError:
             return False, "unknown CPU (no /proc/cpuinfo)"
     flags = _cpu_flags(cpuinfo)
     for flag in ("avx512_bf16", "amx_bf16", "bf16"):  # x86 flags, then Arm's feature name
         if flag in flags:
             return True, flag
-    return False, "no avx512_bf16, amx_bf16 or bf16 CPU flag"
+    return False, "no avx512_bf16, amx_bf16 or bf16 CPU flag" + (f" (torch: {_torch_capability()})" if platform.machine() in ("x86_64", "AMD64") else "")
+
+
+def _torch_capability() -> str:
+    try:
+        import torch
+
+        return torch.backends.cpu.get_cpu_capability()
+    except ImportError:
+        return "?"
 
 
 _TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -106,7 +117,8 @@ def cpu_fp16_support(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes fp16 natively (x86 AVX512-FP16 or AMX-FP16, Arm FP16 SIMD)."""
     if cpuinfo is None:
         try:
-            cpuinfo = open("/proc/cpuinfo").read()
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
         except OSError:
             return False
     return bool(_cpu_flags(cpuinfo) & {"avx512_fp16", "amx_fp16", "asimdhp"})
@@ -134,9 +146,7 @@ def engine_dtype(name: str, on_accelerator: bool, engine: str = "vllm") -> tuple
                              "use auto or one of those")
     emulated = (name == "bfloat16" and not native_bf16) or (name == "float16" and not cpu_fp16_support())
     if emulated:
-        import logging
-
-        logging.getLogger(__name__).warning(
+        log.warning(
             "config key 'model.dtype' is %s, but this CPU has no native %s (%s): the engine emulates it, several times "
             "slower than float32 (auto would pick float32 here)", name, name, why if name == "bfloat16" else "no fp16 flag")
     return name, "set"

@@ -25,11 +25,14 @@ GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 cr
 def test_native_bf16_is_read_off_the_cpu_flags(cpuinfo, native, reason):
     got, why = device.cpu_bf16_support(cpuinfo)
     assert got is native and why.startswith(reason)
+    assert device.cpu_fp16_support(cpuinfo) is False
 
 
-def test_this_machine_agrees_with_torch():
+def test_this_machine_agrees_with_its_cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        flags = device._cpu_flags(f.read())
     native, why = device.cpu_bf16_support()
-    assert native == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()), why
+    assert native == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}), why
 
 
 @pytest.fixture
@@ -38,7 +41,6 @@ def cpu(monkeypatch):
     def set_native(native: bool):
         answer = (native, "avx512_bf16" if native else "no avx512_bf16 or amx (torch: AVX2)")
         monkeypatch.setattr(device, "cpu_bf16_support", lambda cpuinfo=None: answer)
-        monkeypatch.setattr(trainer_module, "cpu_bf16_support", lambda cpuinfo=None: answer)
     return set_native
 
 
@@ -93,3 +95,37 @@ def test_preloads_are_existing_libraries():
         assert lib.endswith((".so", ".so.4")) and ("tcmalloc" in lib or "iomp" in lib)
         with open(lib, "rb") as f:
             assert f.read(4) == b"\x7fELF"
+
+
+def test_the_engine_preloads_what_the_user_has_not(monkeypatch):
+    from raytool.engines import vllm_engine
+
+    monkeypatch.setattr(device, "cpu_preloads", lambda: ["/usr/lib/libtcmalloc_minimal.so.4", "/venv/lib/libiomp5.so"])
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libjemalloc.so.2")  # the user's own allocator stays the only one
+    vllm_engine._preload_cpu_libraries()
+    assert device.os.environ["LD_PRELOAD"] == "/venv/lib/libiomp5.so:/opt/libjemalloc.so.2"
+    monkeypatch.setenv("LD_PRELOAD", "")
+    vllm_engine._preload_cpu_libraries()
+    assert device.os.environ["LD_PRELOAD"] == "/usr/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so"
+
+
+def test_the_graph_gets_one_resolved_engine_dtype(cpu, caplog, monkeypatch):
+    import msgspec
+    from vllm.platforms import current_platform
+
+    from actors.compose import with_engine_dtype
+    from raytool.config import ConfigError, RunConfig
+
+    cfg = RunConfig()
+    cpu(False)
+    with caplog.at_level(logging.INFO, logger="actors.compose"):
+        assert with_engine_dtype(cfg).model.dtype == "float32"
+    assert "model.dtype auto: float32 (CPU without native bf16" in caplog.text
+    cpu(True)
+    assert with_engine_dtype(cfg).model.dtype == "bfloat16"
+    on_gpus = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, num_gpus=1))
+    assert with_engine_dtype(on_gpus).model.dtype == "bfloat16"
+    monkeypatch.setattr(type(current_platform), "supported_dtypes", property(lambda self: [torch.bfloat16, torch.float32]))
+    fp16 = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype="float16"))
+    with pytest.raises(ConfigError, match=r"^config key 'model.dtype': vLLM cannot run float16 on this CPU"):
+        with_engine_dtype(fp16)

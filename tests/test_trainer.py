@@ -33,6 +33,31 @@ def process_group_cleanup():
         dist.destroy_process_group()
 
 
+def test_trainer_bench_times_both_dtypes_where_the_cpu_computes_bf16(tiny_model_path, process_group_cleanup, monkeypatch):
+    import time
+
+    from raytool import device
+    from raytool.bench.trainer import _bf16_vs_fp32
+
+    monkeypatch.setattr(device, "cpu_bf16_support", lambda cpuinfo=None: (True, "avx512_bf16"))
+    cfg = load_config(None, [])
+    trainer = Trainer(cfg, tiny_model_path)
+    assert trainer.dtype == torch.bfloat16  # auto, on a CPU that computes bf16
+
+    def timed(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    result, rows = _bf16_vs_fp32(cfg, tiny_model_path, trainer, BATCH, timed, repeats=1)
+    assert result["cpu_bf16_native"] and result["bf16_vs_fp32"] == result["fp32_step_s"] / result["bf16_step_s"] > 0
+    assert rows[0].startswith("bf16 RL step") and "avx512_bf16" in rows[0]
+    monkeypatch.setattr(device, "cpu_bf16_support", lambda cpuinfo=None: (False, "no avx512_bf16, amx_bf16 or bf16 CPU flag"))
+    assert _bf16_vs_fp32(cfg, tiny_model_path, trainer, BATCH, timed, repeats=1) == (
+        {"cpu_bf16_native": False, "bf16_vs_fp32": None},
+        ["bf16_vs_fp32: not measured, this CPU has no native bf16 (no avx512_bf16, amx_bf16 or bf16 CPU flag)"])
+
+
 def test_bf16_compute_with_fp32_master_weights_applies_a_tiny_update(tiny_model_path, process_group_cleanup):
     """At lr 1e-6 (the reference recipes'), a bf16 weight rounds most of an AdamW step away; the
     trainer's fp32 master weights keep it, while forward and backward still run in bf16."""

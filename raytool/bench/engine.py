@@ -4,9 +4,10 @@ allocator / OpenMP runtime.
 Each variant runs in a fresh process (LD_PRELOAD only applies to a new process, and vLLM's engine
 core inherits it): the run's engine (model.path, rollout.engine) generates the default workload,
 the task's rendered prompts x rollout.n at rollout.temperature with per-request seeds, all at once,
-`ROUNDS` times after a warm-up round; the best round counts. Variants: fp32 and bf16 weights, each
-without preloads and with what `raytool.device.cpu_preloads` finds (tcmalloc, Intel OpenMP).
-Ratios are against fp32 without preloads, measured in the same run.
+`ROUNDS` times after a warm-up round; the best round counts. Variants: fp32, bf16 and fp16 weights
+with vLLM's own preload only (torch's libgomp), and fp32 and bf16 with what
+`raytool.device.cpu_preloads` finds (tcmalloc, Intel OpenMP), alone and together. Ratios are
+against fp32 without our preloads, measured in the same run.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _worker(spec: dict) -> dict:
     problems = make_splits(spec["prompts"], 1, seed=0)[0]
     prompts = [renderer.prompt_ids(prompt_row(p).prompt) for p in problems]
     started = time.perf_counter()
-    engine = make_engine(spec["engine"], model_path, dtype=spec["dtype"], max_batch_size=256, seed=0, enforce_eager=spec["eager"],
+    engine = make_engine(spec["engine"], model_path, dtype=spec["dtype"], max_batch_size=spec["max_batch_size"], seed=0, enforce_eager=spec["eager"],
                          cpu_preload=False)  # the variant's LD_PRELOAD is set by the bench, not by the engine
     start_s = time.perf_counter() - started
 
@@ -69,7 +70,7 @@ def _worker(spec: dict) -> dict:
 def _variants(preloads: list[str]) -> list[tuple[str, str, list[str]]]:
     """(name, engine dtype, libraries to preload): each dtype bare and with all the preloads, and
     fp32 with each preload alone, so that each one's effect shows."""
-    out = [("fp32", "float32", []), ("bf16", "bfloat16", [])]
+    out = [("fp32", "float32", []), ("bf16", "bfloat16", []), ("fp16", "float16", [])]
     if len(preloads) > 1:
         out += [(f"fp32+{_short(lib)}", "float32", [lib]) for lib in preloads]
     if preloads:
@@ -89,15 +90,19 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
     preloads = cpu_preloads()
     spec = {"model": cfg.model.path, "engine": cfg.rollout.engine, "prompts": cfg.data.prompts_per_step, "n": cfg.rollout.n,
             "max_tokens": cfg.rollout.max_tokens_per_turn, "temperature": cfg.rollout.temperature,
-            "eager": cfg.rollout.enforce_eager}
+            "eager": cfg.rollout.enforce_eager, "max_batch_size": cfg.rollout.max_batch_size}
     results = {}
     for name, dtype, libs in _variants(preloads):
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         if libs:
             env["LD_PRELOAD"] = ":".join(libs)
         with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-            proc = subprocess.run([sys.executable, "-m", "raytool.bench.engine", json.dumps({**spec, "dtype": dtype}), out.name],
-                                  env=env, capture_output=True, text=True, timeout=1800)
+            try:
+                proc = subprocess.run([sys.executable, "-m", "raytool.bench.engine", json.dumps({**spec, "dtype": dtype}), out.name],
+                                      env=env, capture_output=True, text=True, timeout=1800)
+            except subprocess.TimeoutExpired:
+                results[name] = {"error": "no result within 1800 s"}
+                continue
             written = out.read()
         if not written:  # vLLM logs to stdout: the result goes to a file of its own
             results[name] = {"error": f"exit {proc.returncode}: " + ((proc.stderr + proc.stdout).strip().splitlines() or ["?"])[-1]}

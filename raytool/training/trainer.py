@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
 from raytool.config import RunConfig
-from raytool.device import cpu_bf16_support
+from raytool import device as device_info
 from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right
 from raytool.training.model import DTYPES, PolicyModel, load_lm, merged_named_weights, shard
 from raytool.types import SFTExample, Trajectory
@@ -65,13 +65,20 @@ class _Seq:
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     """The forward/backward dtype of `trainer.compute_dtype` on `device`. auto: bfloat16 on
-    accelerators and on CPUs that compute bf16 natively (AVX512-BF16, AMX, Arm BF16), float32 on
-    other CPUs, where PyTorch emulates bf16 far slower than fp32."""
+    accelerators and on CPUs that compute bf16 natively (AVX512-BF16, AMX-BF16, Arm BF16), float32
+    on other CPUs, where PyTorch emulates bf16 far slower than fp32. With several CPU ranks in a
+    process group, auto is bf16 only if every rank's CPU has it (FSDP needs one dtype)."""
     if device.type != "cpu":
         return torch.bfloat16 if name == "auto" else DTYPES[name]
-    native, why = cpu_bf16_support()
+    native, why = device_info.cpu_bf16_support()
     if name == "auto":
-        return torch.bfloat16 if native else torch.float32
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([int(native)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            native = bool(flag.item())
+        chosen = torch.bfloat16 if native else torch.float32
+        log.info("trainer.compute_dtype auto: %s (%s)", str(chosen).removeprefix("torch."), why)
+        return chosen
     if name == "bfloat16" and not native:
         log.warning("config key 'trainer.compute_dtype' is bfloat16, but this CPU has no native bf16 (%s): PyTorch "
                     "emulates it, many times slower than float32 (auto would pick float32 here)", why)
