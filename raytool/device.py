@@ -3,8 +3,10 @@ name), whether its CPU computes bf16 / fp16 natively, and the dtypes and preload
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,16 @@ def _cpu_flags(cpuinfo: str) -> set[str]:
     return set()
 
 
+@functools.lru_cache(maxsize=1)
+def _this_cpu_flags() -> frozenset[str] | None:
+    """This machine's CPU flags, read once per process (None: no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(_cpu_flags(f.read()))
+    except OSError:
+        return None
+
+
 def cpu_bf16_support(cpuinfo: str | None = None) -> tuple[bool, str]:
     """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX-BF16, Arm BF16), and what said so.
 
@@ -63,33 +75,21 @@ def cpu_bf16_support(cpuinfo: str | None = None) -> tuple[bool, str]:
     for tests) decide."""
     import platform
 
-    if cpuinfo is None:
-        try:
-            import torch
+    import torch
 
-            if torch.cpu._is_avx512_bf16_supported():
-                return True, "avx512_bf16"
-        except (ImportError, AttributeError):
-            pass
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
+    if cpuinfo is None:
+        if torch.cpu._is_avx512_bf16_supported():
+            return True, "avx512_bf16"
+        flags = _this_cpu_flags()
+        if flags is None:
             return False, "unknown CPU (no /proc/cpuinfo)"
-    flags = _cpu_flags(cpuinfo)
+    else:
+        flags = _cpu_flags(cpuinfo)
     for flag in ("avx512_bf16", "amx_bf16", "bf16"):  # x86 flags, then Arm's feature name
         if flag in flags:
             return True, flag
-    return False, "no avx512_bf16, amx_bf16 or bf16 CPU flag" + (f" (torch: {_torch_capability()})" if platform.machine() in ("x86_64", "AMD64") else "")
-
-
-def _torch_capability() -> str:
-    try:
-        import torch
-
-        return torch.backends.cpu.get_cpu_capability()
-    except ImportError:
-        return "?"
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return False, "no avx512_bf16, amx_bf16 or bf16 CPU flag" + (f" (torch: {torch.backends.cpu.get_cpu_capability()})" if x86 else "")
 
 
 _TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -113,15 +113,25 @@ def cpu_preloads() -> list[str]:
     return found
 
 
+_PRELOAD_KINDS = {"allocator": ("tcmalloc", "jemalloc", "mimalloc"), "openmp": ("gomp", "iomp", "libomp")}
+
+
+def with_preloads(ld_preload: str, libraries: list[str]) -> str:
+    """`ld_preload` (an LD_PRELOAD value) with `libraries` put in front, one allocator and one OpenMP
+    runtime at most: a kind already there is the user's choice and stays the only one."""
+    def kind(path: str) -> str:
+        name = os.path.basename(path)
+        return next((k for k, names in _PRELOAD_KINDS.items() if any(n in name for n in names)), name)
+
+    current = [p for p in re.split(r"[: ]", ld_preload) if p]
+    taken = {kind(p) for p in current}
+    return ":".join([*(p for p in libraries if kind(p) not in taken), *current])
+
+
 def cpu_fp16_support(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes fp16 natively (x86 AVX512-FP16 or AMX-FP16, Arm FP16 SIMD)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    return bool(_cpu_flags(cpuinfo) & {"avx512_fp16", "amx_fp16", "asimdhp"})
+    flags = (_this_cpu_flags() or frozenset()) if cpuinfo is None else _cpu_flags(cpuinfo)
+    return bool(flags & {"avx512_fp16", "amx_fp16", "asimdhp"})
 
 
 def engine_dtype(name: str, on_accelerator: bool, engine: str = "vllm") -> tuple[str, str]:

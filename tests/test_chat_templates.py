@@ -247,11 +247,9 @@ def test_rollout_is_token_exact_on_the_real_template(tokenizers, template, scena
         assert script.prompts[k] == ids[:starts[k]]
 
     # Each engine prompt is the template's fresh rendering of the conversation so far (up to its rewrite).
-    history = list(sc.prompt)
     messages = traj.messages[len(sc.prompt):]
-    for k in range(1, len(script.prompts)):
-        if sc.style == "in_turn":
-            break  # one assistant turn: there is no "conversation so far" to re-render
+    # (in_turn: one assistant turn, so there is no "conversation so far" to re-render)
+    for k in range(1, len(script.prompts) if sc.style != "in_turn" else 1):
         history = traj.messages[:len(sc.prompt) + _messages_before_turn(messages, k)]
         fresh = renderer.prompt_text(history)
         seen = decode(tok, script.prompts[k])

@@ -61,7 +61,7 @@ def _worker(spec: dict) -> dict:
     try:
         rounds = asyncio.run(main())
     finally:
-        getattr(engine, "shutdown", lambda: None)()
+        engine.shutdown()
     best = max(tokens / s for tokens, s in rounds)
     return {"tokens_per_s": best, "tokens": rounds[0][0], "engine_start_s": start_s,
             "ld_preload": os.environ.get("LD_PRELOAD", "")}

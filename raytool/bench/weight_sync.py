@@ -186,11 +186,10 @@ def _live_engine_seconds(cfg: RunConfig, model_dir: str, state: dict) -> float:
 
     from raytool.engines.vllm_engine import VLLMEngine
     from raytool.types import SamplingParams
+    from raytool.device import engine_dtype
     from raytool.weightsync import WeightSender
 
     r = cfg.rollout
-    from raytool.device import engine_dtype
-
     engine = VLLMEngine(
         model_dir, dtype=engine_dtype(cfg.model.dtype, on_accelerator=torch.cuda.is_available())[0], max_batch_size=4, cpu_kv_cache_gb=r.cpu_kv_cache_gb,
         enforce_eager=r.enforce_eager, max_model_len=512,

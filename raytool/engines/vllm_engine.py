@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from typing import Literal
 
 from raytool.engines import EngineStats
@@ -243,20 +242,12 @@ def _preload_cpu_libraries() -> None:
     on 2 AVX2 cores (`raytool bench engine`). Libraries the user already preloads are left as they are."""
     from vllm.platforms import current_platform
 
-    from raytool.device import cpu_preloads
+    from raytool.device import cpu_preloads, with_preloads
 
     if not current_platform.is_cpu():
         return
-    current = [p for p in re.split(r"[: ]", os.environ.get("LD_PRELOAD", "")) if p]
-    # One allocator and one OpenMP runtime: a kind the user already preloads is left to their choice.
-    kinds = {"allocator": ("tcmalloc", "jemalloc", "mimalloc"), "openmp": ("gomp", "iomp", "libomp")}
-
-    def kind(path: str) -> str:
-        name = os.path.basename(path)
-        return next((k for k, names in kinds.items() if any(n in name for n in names)), name)
-
-    taken = {kind(p) for p in current}
-    extra = [p for p in cpu_preloads() if kind(p) not in taken]
-    if extra:
-        os.environ["LD_PRELOAD"] = ":".join([*extra, *current])
-        log.info("vLLM on CPU: LD_PRELOAD %s", os.environ["LD_PRELOAD"])
+    before = os.environ.get("LD_PRELOAD", "")
+    after = with_preloads(before, cpu_preloads())
+    if after != before:
+        os.environ["LD_PRELOAD"] = after
+        log.info("vLLM on CPU: LD_PRELOAD %s", after)

@@ -70,6 +70,8 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     process group, auto is bf16 only if every rank's CPU has it (FSDP needs one dtype)."""
     if device.type != "cpu":
         return torch.bfloat16 if name == "auto" else DTYPES[name]
+    if name not in ("auto", "bfloat16"):
+        return DTYPES[name]
     native, why = device_info.cpu_bf16_support()
     if name == "auto":
         if dist.is_initialized() and dist.get_world_size() > 1:
