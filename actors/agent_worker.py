@@ -14,27 +14,10 @@ from raytool.agent.loop import reward_view
 from raytool.agent.registry import get_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig, RunConfig
+from raytool.streaming import trajectory_stats
 from raytool.tools.code_interpreter import CodeInterpreterTool
 from raytool.tools.registry import ToolSet, load_tool_config
 from raytool.types import Message, Trajectory
-
-
-def trajectory_stats(t: Trajectory) -> dict:
-    """The small per-trajectory summary the driver logs (the trajectories themselves stay in the store)."""
-    return {
-        "reward": t.reward,
-        "acc": t.reward_extra.get("acc", float(t.reward > 0)),
-        "response_length": len(t.response_ids),
-        "generated_tokens": sum(t.response_mask),
-        "num_turns": t.num_turns,
-        "tool_calls": t.tool_calls,
-        "tool_errors": t.tool_errors,
-        "tool_error_kinds": t.tool_error_kinds,
-        "tool_repaired": t.tool_repaired,
-        "tool_cut_in_fence": t.tool_cut_in_fence,
-        "finish_reason": t.finish_reason,
-        "verify_timeout": t.reward_extra.get("verify_timeout", 0.0),
-    }
 
 
 def build_toolset(agent: AgentConfig, tokenizer, executor) -> ToolSet:

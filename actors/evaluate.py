@@ -50,7 +50,7 @@ def evaluate(graph: Graph, rows: list[PromptRow], ecfg: EvalConfig, prefix: str 
 def eval_model_path(model: str, work_dir: Path) -> str:
     """An HF model directory for `--model`: a built-in name or HF directory as it is; a raytool
     checkpoint (or a run directory: its latest) through its `hf/` export, or exported into work_dir."""
-    from actors.pipeline import find_checkpoint
+    from actors.checkpoint import find_checkpoint
 
     path = Path(model)
     if not path.is_dir() or (path / "config.json").is_file():

@@ -18,17 +18,20 @@ from pathlib import Path
 import msgspec
 import ray
 
+from actors.checkpoint import find_checkpoint, load_buffer, save_checkpoint
 from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
 from actors.evaluate import evaluate
 from actors.metrics import record_step
 from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import ConfigError, RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
+from raytool.data.prompts import PromptRow
 from raytool.data.task import Task, load_task
 from raytool.errors import RaytoolError
 from raytool.evaluation import table as eval_table
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
+from raytool.streaming import RolloutStream
 from raytool.tools.registry import load_tool_config
 from raytool.tracking import Tracker, validate_backends
 from raytool.training import lr_at
@@ -79,30 +82,6 @@ def connect(address: str | None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     ray.init(address=address or "local", log_to_driver=True)
-
-
-def rollout_metrics(stats: list[dict]) -> dict:
-    n = len(stats)
-    calls = sum(s["tool_calls"] for s in stats)
-    metrics = {
-        "reward/mean": sum(s["reward"] for s in stats) / n,
-        "acc/mean": sum(s["acc"] for s in stats) / n,
-        "response_length/mean": sum(s["response_length"] for s in stats) / n,
-        "generated_tokens/mean": sum(s["generated_tokens"] for s in stats) / n,
-        "num_turns/mean": sum(s["num_turns"] for s in stats) / n,
-        "tool/calls_per_traj": calls / n,
-        "tool/error_rate": sum(s["tool_errors"] for s in stats) / calls if calls else 0.0,
-        "rollout/trajectories": n,
-    }
-    # Counts per step, by kind (raytool.tools.base.ERROR_KINDS), as a rate per call.
-    for kind in sorted({k for s in stats for k in s.get("tool_error_kinds", {})}):
-        metrics[f"tool/errors/{kind}"] = sum(s["tool_error_kinds"].get(kind, 0) for s in stats) / max(calls, 1)
-    metrics["tool/repaired"] = sum(s.get("tool_repaired", 0) for s in stats)
-    metrics["tool/cut_in_fence"] = sum(s.get("tool_cut_in_fence", 0) for s in stats)
-    metrics["reward/timeouts"] = sum(s.get("verify_timeout", 0.0) for s in stats)  # answers whose check ran out of time (scored wrong)
-    for reason in sorted({s["finish_reason"] for s in stats}):
-        metrics[f"finish/{reason}"] = sum(s["finish_reason"] == reason for s in stats) / n
-    return metrics
 
 
 def serving_metrics(graph: Graph, server_stats: dict) -> dict:
@@ -164,41 +143,6 @@ def run_sft_warmup(graph: Graph, cfg: RunConfig, examples: list, tracker: Tracke
         tracker.log(metrics, phase="sft")
 
 
-def group_rewards_vary(stats: list[dict]) -> list[bool]:
-    """Per group (stats carry their `group`), whether its rewards differ: a group whose samples all
-    scored the same has zero advantage under GRPO and teaches nothing."""
-    rewards: dict[int, set] = {}
-    for s in stats:
-        rewards.setdefault(s["group"], set()).add(s["reward"])
-    return [len(rewards[g]) > 1 for g in sorted(rewards)]
-
-
-def collect_rollouts(graph: Graph, cfg: RunConfig, loader: PromptLoader, step: int) -> tuple[list[dict], list, dict]:
-    """One step's training batch -> (stats of the trajectories trained on, their group refs, and
-    metrics of everything rolled out). With algorithm.dynamic_sampling, groups whose rewards are all
-    equal are dropped and more prompts are rolled out until data.prompts_per_step groups are kept or
-    algorithm.max_sampling_rounds rounds are done."""
-    want, algo = cfg.data.prompts_per_step, cfg.algorithm
-    progress = f"rollout step {step}" if cfg.logging.progress else None
-    everything, kept_stats, kept_refs = [], [], []
-    for rounds in range(1, (algo.max_sampling_rounds if algo.dynamic_sampling else 1) + 1):
-        stats, refs = graph.rollout(loader.next_batch(), f"s{step}r{rounds}g", progress)
-        everything += stats
-        if not algo.dynamic_sampling:
-            return stats, refs, rollout_metrics(stats)
-        for g, varies in enumerate(group_rewards_vary(stats)):
-            if varies and len(kept_refs) < want:
-                kept_stats += [{**s, "group": len(kept_refs)} for s in stats if s["group"] == g]
-                kept_refs.append(refs[g])
-        if len(kept_refs) == want:
-            break
-    metrics = rollout_metrics(everything)  # what the policy did, before the filter
-    metrics.update({"rollout/sampling_rounds": rounds, "rollout/prompts_drawn": rounds * want, "rollout/groups_kept": len(kept_refs)})
-    if not kept_refs:  # nothing to learn from in any round: train on the last one (its advantages are all zero)
-        return stats, refs, metrics
-    return kept_stats, kept_refs, metrics
-
-
 def validate(graph: Graph, cfg: RunConfig, task: Task, step: int) -> dict:
     """Validation metrics at `step` (also logged as a table)."""
     start = time.perf_counter()
@@ -214,35 +158,7 @@ class DriverState(msgspec.Struct):
     step: int  # GRPO steps done
     version: int  # policy version the rollout servers hold
     loader: dict  # the prompt loader's position
-
-
-def save_checkpoint(trainer, run_dir: Path, state: msgspec.Struct) -> Path:
-    """The trainer group's checkpoint in run_dir/checkpoints/step_N, with the driver's `state`
-    (a Struct with a `step`) next to it as driver_state.json."""
-    directory = (run_dir / "checkpoints" / f"step_{state.step}").resolve()
-    trainer.save_checkpoint(str(directory))
-    (directory / "driver_state.json").write_bytes(msgspec.json.encode(state))
-    log.info("checkpoint: %s", directory)
-    return directory
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from what a user passes to --resume: the checkpoint itself, or a run
-    directory (its latest checkpoint)."""
-    path = Path(path)
-    if (path / "driver_state.json").is_file():
-        return path
-    candidates = [d for d in (path / "checkpoints").glob("step_*") if (d / "driver_state.json").is_file()]
-    if not candidates:
-        raise RaytoolError(f"--resume {path}: no checkpoint there (expected a checkpoints/step_N directory with driver_state.json, or a run directory holding them)")
-    return max(candidates, key=lambda d: int(d.name.removeprefix("step_")))
-
-
-def latest_run_dir(root: Path = Path("runs")) -> Path:
-    runs = sorted((d for d in root.glob("*") if (d / "checkpoints").is_dir()), key=lambda d: d.stat().st_mtime)
-    if not runs:
-        raise RaytoolError(f"--resume: no run with checkpoints under {root.resolve()}; pass the run or checkpoint directory")
-    return runs[-1]
+    redo: list[tuple[str, PromptRow]] = []  # groups drawn but not finished at the checkpoint: rolled out again first, same keys and seeds
 
 
 def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None) -> Path:
@@ -271,20 +187,46 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     return run_dir
 
 
+def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: int) -> RolloutStream:
+    """The streaming rollout core on this run's actors (see raytool.streaming)."""
+
+    def submit(row: PromptRow, key: str):
+        return graph.submit_group(row, key)
+
+    def wait(stats_refs: list, also: list) -> tuple[dict, list]:
+        everything = stats_refs + also
+        ray.wait(everything, num_returns=1)
+        ready, _ = ray.wait(everything, num_returns=len(everything), timeout=0)
+        ready = set(ready)
+        finished = [ref for ref in stats_refs if ref in ready]
+        return dict(zip(finished, ray.get(finished))), [ref for ref in also if ref in ready]
+
+    a = cfg.algorithm
+    return RolloutStream(cfg.data.prompts_per_step, cfg.async_.max_staleness, loader.next_batch, submit, wait,
+                         dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, version=version)
+
+
 def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: Path | None) -> None:
-    """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run`."""
+    """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run`.
+
+    Each step takes a batch of finished groups from the rollout stream, trains on it while the
+    stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
+    then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"))
     tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     try:
         state = DriverState(step=0, version=0, loader=loader.state_dict())
+        buffered = []
         if checkpoint is not None:
             state = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=DriverState)
             graph.trainer.load_checkpoint(str(checkpoint))
             loader.load_state_dict(state.loader)
+            buffered = load_buffer(checkpoint, PromptRow)
             graph.sync_weights(state.version)
-            log.info("resumed from %s at step %d", checkpoint, state.step)
+            log.info("resumed from %s at step %d (%d groups to roll out again, %d finished groups to train)",
+                     checkpoint, state.step, len(state.redo), len(buffered))
         elif cfg.trainer.sft_warmup_steps:
             run_sft_warmup(graph, cfg, warmup, tracker)
             if kl_on:  # the KL reference is the cold-started policy
@@ -293,28 +235,38 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             graph.sync_weights(state.version)
         if cfg.eval.before_train and task.val and state.step == 0:
             tracker.log({"step": 0, **validate(graph, cfg, task, 0)})
+        stream = rollout_stream(graph, cfg, loader, state.version)
+        stream.restore(list(state.redo), buffered)
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
             step_start = time.perf_counter()
-            stats, traj_refs, batch_metrics = collect_rollouts(graph, cfg, loader, step)
+            batch, batch_metrics = stream.next_batch(step)
             rollout_s = time.perf_counter() - step_start
 
             train_start = time.perf_counter()
-            train_metrics = graph.trainer.rl_step(traj_refs, stats)
+            training = graph.trainer.rl_step_refs(batch)
+            stream.train_while_rolling(training)
+            train_metrics = ray.get(training)[0]
             train_s = time.perf_counter() - train_start
 
             sync_start = time.perf_counter()
             state.version += 1
             sync = graph.sync_weights(state.version)
+            stream.trained(state.version)
             sync_s = time.perf_counter() - sync_start
 
             engines = ray.get(graph.manager.server_stats.remote())
             metrics = {"step": step, **batch_metrics, **train_metrics, **serving_metrics(graph, engines), **sandbox_metrics(graph)}
+            step_s = time.perf_counter() - step_start
+            rollout_idle_s, trainer_wait_s = stream.clock.lap()
+            generated = sum(s["generated_tokens"] for s in batch.stats())
             metrics.update({
-                "rollout/tokens_per_s": sum(s["generated_tokens"] for s in stats) / rollout_s,
-                "timing/step_s": time.perf_counter() - step_start,
+                "rollout/tokens_per_s": generated / max(rollout_s if cfg.async_.max_staleness == 0 else step_s, 1e-9),
+                "timing/step_s": step_s,
                 "timing/rollout_s": rollout_s,
                 "timing/train_s": train_s,
                 "timing/weight_sync_s": sync_s,
+                "trainer/idle_ratio": trainer_wait_s / step_s,
+                "rollout/idle_ratio": min(1.0, rollout_idle_s / step_s),
                 "weight_sync/bytes": sync["sent"]["bytes"],
                 "weight_sync/failed_servers": len(sync["failed"]),
                 "policy_version": state.version,
@@ -327,13 +279,14 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
                 metrics.update(validate(graph, cfg, task, step))
             tracker.log(metrics)
             if cfg.logging.trace_samples:
-                tracker.trace(step, ray.get(traj_refs[0])[: cfg.logging.trace_samples], tokenizer.decode)
-            state.step, state.loader = step, loader.state_dict()
+                tracker.trace(step, ray.get(batch.refs[0])[: cfg.logging.trace_samples], tokenizer.decode)
+            redo, waiting = stream.unfinished()
+            state.step, state.loader, state.redo = step, loader.state_dict(), redo
             every = cfg.trainer.save_every
             if every and step % every == 0 and not (cfg.trainer.save_final and step == cfg.trainer.total_steps):
-                save_checkpoint(graph.trainer, run_dir, state)
+                save_checkpoint(graph.trainer, run_dir, state, waiting)
         if cfg.trainer.save_final:
-            directory = save_checkpoint(graph.trainer, run_dir, state)
+            directory = save_checkpoint(graph.trainer, run_dir, state, stream.unfinished()[1])
             log.info("final model (HF format): %s", graph.trainer.export_hf(str(directory / "hf")))
     finally:
         tracker.close()

@@ -15,7 +15,8 @@ from pathlib import Path
 import msgspec
 
 from actors.compose import run_namespace, wait_for_resources
-from actors.pipeline import connect, default_run_dir, find_checkpoint, run_log, save_checkpoint
+from actors.checkpoint import find_checkpoint, save_checkpoint
+from actors.pipeline import connect, default_run_dir, run_log
 from actors.trainer import TrainerGroup
 from raytool.agent.render import as_in_turn
 from raytool.config import RunConfig, to_yaml

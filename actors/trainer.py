@@ -14,6 +14,7 @@ from raytool.config import RunConfig
 from raytool.device import detect, set_torch_threads
 from raytool.errors import ActorStartError, start_failure
 from raytool import placement
+from raytool.streaming import RolloutBatch
 from raytool.training import Trainer
 from raytool.training.batching import split_across_ranks
 from raytool.training.model import DTYPES
@@ -146,22 +147,18 @@ class TrainerGroup:
                 f"(cluster.placement_timeout_s); free now: {free or 'nothing'} (config keys trainer.num_workers, trainer.num_cpus, trainer.num_gpus)"
             ) from None
 
-    def rl_step(self, trajectory_refs: list, stats: list[dict]) -> dict:
-        """One update on a rollout batch: one trajectories ref per group and every trajectory's
-        stats (reward, response_length, group). Each rank fetches only its balanced share."""
-        by_group: dict[int, list[dict]] = {}
-        for s in stats:
-            by_group.setdefault(s["group"], []).append(s)
-        sizes = [len(by_group[g]) for g in range(len(trajectory_refs))]
-        offsets = [sum(sizes[:g]) for g in range(len(sizes))]
-        rewards = [s["reward"] for g in range(len(sizes)) for s in by_group[g]]
-        groups = [g for g in range(len(sizes)) for _ in range(sizes[g])]
-        shares = split_across_ranks([[s["response_length"] + 1 for s in by_group[g]] for g in range(len(sizes))], len(self.workers))
-        calls = [
-            w.rl_step.remote([(trajectory_refs[g], g, positions) for g, positions in sorted(share.items())], rewards, groups, offsets)
+    def rl_step_refs(self, batch: RolloutBatch) -> list:
+        """Start one update on `batch` -> the workers' result refs (each rank's metrics, the same on
+        every rank). Each rank fetches only its balanced share of the trajectories."""
+        rewards, groups, offsets = batch.rewards, batch.group_index, batch.offsets
+        shares = split_across_ranks(batch.lengths(), len(self.workers))
+        return [
+            w.rl_step.remote([(batch.groups[g].ref, g, positions) for g, positions in sorted(share.items())], rewards, groups, offsets)
             for w, share in zip(self.workers, shares)
         ]
-        return ray.get(calls)[0]
+
+    def rl_step(self, batch: RolloutBatch) -> dict:
+        return ray.get(self.rl_step_refs(batch))[0]
 
     def _slices(self, examples: list[SFTExample]) -> list:
         """Each rank's share of an SFT batch, in the object store (a rank fetches only its own)."""

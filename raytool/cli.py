@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
         resume = args.resume
         if resume == "latest":
-            resume = args.run_dir or pipeline.latest_run_dir()
+            resume = args.run_dir or latest_run_dir()
         if args.command == "sft":
             from actors.sft import run_sft
 

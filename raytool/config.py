@@ -85,7 +85,6 @@ class RolloutConfig(_Section):
     enforce_eager: bool = True  # vLLM: no CUDA graphs / torch.compile: SmolLM2 on 2 CPU cores starts in 28 s instead of 106 s, decodes ~10% slower; set false on GPUs
     engine_start_timeout_s: int = 600  # a server whose engine is not up by then fails to start
     request_timeout_s: float = 600.0  # a generate call slower than this ejects its server; retried elsewhere
-    weight_sync_pause: Literal["keep", "wait"] = "keep"  # in-flight requests during a weight load: frozen then resumed on the new weights, or drained first
     affinity_slack: int = 8  # GRPO siblings share a server unless it has more than this many requests in flight beyond the least busy
     max_restarts: int = 3  # Ray restarts of a server whose process died (then re-synced and re-admitted)
     health_probe_interval_s: float = 5.0  # how often the manager probes ejected servers for re-admission
@@ -146,6 +145,18 @@ class RewardConfig(_Section):
     overlong_penalty_factor: float = 1.0  # DAPO: the penalty at agent.max_response_tokens, rising linearly from 0 over the buffer
 
 
+class RolloutCorrectionConfig(_Section):
+    """Off-policy correction between the engine's log-probs (the behaviour policy) and the trainer's
+    (names after verl's algorithm.rollout_correction). auto: on in asynchronous mode, off in synchronous mode."""
+
+    decoupled: bool = True  # decoupled PPO: clip around the trainer's own log-probs before the update (proximal policy); false: around the engine's (no recompute)
+    rollout_is: Literal["auto", "token", "sequence"] | None = "auto"  # importance weight trainer/engine per token or per sequence, truncated (null: off)
+    rollout_is_threshold: float = 2.0  # importance weights above this are cut to it
+    rollout_rs: Literal["token", "sequence"] | None = None  # rejection: mask tokens (or whole sequences) whose trainer/engine ratio leaves [lower, upper] (null: off)
+    rollout_rs_threshold: float = 2.0  # rejection: upper bound of the ratio
+    rollout_rs_threshold_lower: float | None = None  # rejection: lower bound (null: 1 / upper)
+
+
 class AlgorithmConfig(_Section):
     adv_estimator: str = "grpo"  # registered advantage estimator (grpo, rloo)
     norm_adv_by_std: bool = True  # GRPO: divide by the group std (False: Dr. GRPO)
@@ -162,6 +173,7 @@ class AlgorithmConfig(_Section):
     max_sampling_rounds: int = 4  # dynamic sampling: rollout rounds one step may take at most (then it trains on the groups it has)
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches: int = 1  # optimizer steps per pass
+    rollout_correction: RolloutCorrectionConfig = msgspec.field(default_factory=RolloutCorrectionConfig)
 
 
 class TrainerConfig(_Section):
@@ -206,6 +218,13 @@ class SFTConfig(_Section):
     save_every: int = 0  # resumable checkpoint every this many steps (0: only at the end)
 
 
+class AsyncConfig(_Section):
+    """Asynchronous training: rollout runs on while the trainer updates (0: the synchronous loop)."""
+
+    max_staleness: int = 0  # policy versions a trained token may lag the trainer by; groups running or buffered ahead stay within (max_staleness + 1) steps (0: synchronous)
+    partial_rollout: Literal["continue", "abort", "wait"] = "continue"  # requests in flight at a weight load: frozen and continued on the new weights (vLLM pause keep), aborted and resumed from their tokens on the new weights, or finished on the old weights first
+
+
 class LoggingConfig(_Section):
     logger: list[Literal["console", "tensorboard", "wandb"]] = msgspec.field(default_factory=lambda: ["console", "tensorboard"])  # trackers besides metrics.jsonl (always written), as verl's trainer.logger: a line per step on stderr, event files in RUN_DIR/tensorboard, Weights & Biases in RUN_DIR/wandb (online with WANDB_API_KEY set, else offline)
     project_name: str = "raytool"  # wandb: the W&B project
@@ -235,6 +254,7 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     sft: SFTConfig = msgspec.field(default_factory=SFTConfig)
+    async_: AsyncConfig = msgspec.field(default_factory=AsyncConfig, name="async")
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
@@ -245,6 +265,8 @@ def _allowed_values(key: str) -> list | None:
     node: Any = RunConfig
     for part in re.sub(r"\[\d+\]", "", key).split("."):  # 'logging.logger[1]': an item of a list of choices
         hints = typing.get_type_hints(node) if isinstance(node, type) else {}
+        if isinstance(node, type) and issubclass(node, msgspec.Struct):  # keys by their YAML name ('async' is field async_)
+            part = next((f.name for f in msgspec.structs.fields(node) if f.encode_name == part), part)
         if part not in hints:
             return None
         node = hints[part]
@@ -368,6 +390,7 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'data.train_files': data.task=files needs prompt files (raytool preprocess writes them)")
     if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:
         raise ConfigError(f"{source}: config key 'trainer.total_steps'/'trainer.sft_warmup_steps' must be >= 0")
+    validate_async(cfg, source)
     r = cfg.reward
     if not r.timeout_s > 0:
         raise ConfigError(f"{source}: config key 'reward.timeout_s': expected a positive number of seconds, got {r.timeout_s}")
@@ -379,6 +402,26 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
     if r.overlong_buffer_tokens >= cfg.agent.max_response_tokens:
         raise ConfigError(f"{source}: config key 'reward.overlong_buffer_tokens': must be below agent.max_response_tokens "
                           f"({cfg.agent.max_response_tokens}), got {r.overlong_buffer_tokens}")
+
+
+def validate_async(cfg: RunConfig, source: str = "config") -> None:
+    """Asynchronous training and off-policy correction: what the engine and the trainer can honour."""
+    a, c = cfg.async_, cfg.algorithm.rollout_correction
+    if a.max_staleness < 0:
+        raise ConfigError(f"{source}: config key 'async.max_staleness': expected >= 0 (0: synchronous), got {a.max_staleness}")
+    if a.max_staleness > 0 and cfg.rollout.engine == "hf" and a.partial_rollout != "wait":
+        raise ConfigError(f"{source}: config key 'async.partial_rollout': {a.partial_rollout} needs an engine that pauses mid-sequence (rollout.engine=vllm); "
+                          "the hf engine finishes each batch on the weights it started with: use wait")
+    if a.max_staleness > 0 and (cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0):
+        key = "rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k"
+        raise ConfigError(f"{source}: config key '{key}': in asynchronous mode the engine's log-probs are compared with the trainer's, which "
+                          "does not truncate the distribution; train with top_p=1 and top_k=-1 (validation may still use eval.top_p)")
+    if not c.rollout_is_threshold > 1.0:
+        raise ConfigError(f"{source}: config key 'algorithm.rollout_correction.rollout_is_threshold': expected > 1, got {c.rollout_is_threshold}")
+    lower = c.rollout_rs_threshold_lower if c.rollout_rs_threshold_lower is not None else 1.0 / c.rollout_rs_threshold
+    if not 0.0 < lower < 1.0 < c.rollout_rs_threshold:
+        raise ConfigError(f"{source}: config key 'algorithm.rollout_correction.rollout_rs_threshold': expected 0 < lower < 1 < upper, "
+                          f"got lower {lower:g}, upper {c.rollout_rs_threshold:g}")
 
 
 def sandbox_backend_options(s: SandboxConfig) -> dict:

@@ -30,7 +30,11 @@ class TokenOutput(msgspec.Struct):
     logprobs: list[float]
     finish_reason: FinishReason
     server: str = ""  # which rollout server produced it (for metrics and debugging)
-    policy_version: int = 0
+    policy_version: int = 0  # the version the engine held when the request ended
+    versions: list[int] = []  # the policy version that produced each token ([]: all policy_version)
+
+    def token_versions(self) -> list[int]:
+        return list(self.versions) if self.versions else [self.policy_version] * len(self.token_ids)
 
 
 class ToolCall(msgspec.Struct):
@@ -80,10 +84,18 @@ class Trajectory(msgspec.Struct):
     tool_repaired: int = 0  # calls that parsed only after an unambiguous repair
     tool_cut_in_fence: int = 0  # retool code blocks ended by a </code> inside their still-open ``` fence
     finish_reason: str = ""
-    policy_version: int = 0
+    policy_version: int = 0  # the version of the last generate call
+    response_versions: list[int] = []  # aligned with response_ids: the policy version that produced each generated token (-1 on observation tokens; []: all policy_version)
     agent_name: str = ""  # the agent loop that produced it
     turns: list[dict] = []  # the trace: per generate call its text, tokens, timing, tool calls and their outputs
     timings: dict[str, float] = {}
+
+
+def generated_versions(t: Trajectory) -> list[int]:
+    """The policy version of each generated (mask 1) token of `t`, in order."""
+    if not t.response_versions:
+        return [t.policy_version] * sum(t.response_mask)
+    return [v for v, m in zip(t.response_versions, t.response_mask) if m]
 
 
 class SFTExample(msgspec.Struct):

@@ -1,4 +1,9 @@
-from actors.pipeline import rollout_metrics
+"""The streaming rollout core (raytool.streaming) on scripted rollouts: no Ray, milliseconds."""
+
+from raytool.data import PromptLoader
+from raytool.streaming import RolloutStream, rollout_metrics
+
+_STAT = {"response_length": 10, "generated_tokens": 10, "num_turns": 1, "tool_calls": 0, "tool_errors": 0, "finish_reason": "answer"}
 
 
 def test_rollout_metrics_from_trajectory_stats():
@@ -13,53 +18,109 @@ def test_rollout_metrics_from_trajectory_stats():
     assert rollout_metrics([{**stats[0], "tool_calls": 0}])["tool/error_rate"] == 0.0
 
 
-class _ScriptedGraph:
-    """Graph.rollout with rewards scripted per round: each row is a list of its samples' rewards."""
+class _Rollouts:
+    """Scripted agent workers: `rewards(key)` gives a group's sample rewards; a group's tokens carry
+    the version the trainer held when it started, unless `late` moves them on. `wait` finishes
+    groups `per_wait` at a time in submission order (None: all), and reports the trainer's refs done
+    once nothing runs or `train_done` is True (None: together with the next groups that finish)."""
 
-    def __init__(self, rounds: list[list[list[float]]]):
-        self.rounds = iter(rounds)
-        self.prefixes = []
+    def __init__(self, rewards=lambda key: [1.0, 0.0], per_wait=None):
+        self.rewards, self.per_wait = rewards, per_wait
+        self.started: list[str] = []
+        self.version = 0
+        self.train_done = False
+        self.stream: RolloutStream | None = None
 
-    def rollout(self, rows, prefix, progress=None):
-        self.prefixes.append(prefix)
-        groups = next(self.rounds)
-        assert len(groups) == len(rows)
-        stats = [{**_STAT, "reward": r, "acc": r, "group": g, "row": row} for g, (row, rewards) in enumerate(zip(rows, groups)) for r in rewards]
-        return stats, [f"{prefix}-ref{g}" for g in range(len(groups))]
+    def submit(self, row, key):
+        self.started.append(key)
+        return f"traj-{key}", (f"stats-{key}", key, self.stream.version)
+
+    def wait(self, stats_refs, also):
+        if also and (self.train_done or not stats_refs):
+            return {}, list(also)
+        chosen = stats_refs if self.per_wait is None else stats_refs[: self.per_wait]
+        return self._finish(chosen), list(also) if self.train_done is None else []
+
+    def _finish(self, chosen):
+        return {ref: [{**_STAT, "reward": r, "acc": r, "min_version": ref[2], "max_version": ref[2], "version_counts": {ref[2]: 10}}
+                      for r in self.rewards(ref[1])] for ref in chosen}
 
 
-_STAT = {"response_length": 10, "generated_tokens": 10, "num_turns": 1, "tool_calls": 0, "tool_errors": 0, "finish_reason": "answer"}
+def _stream(rollouts: _Rollouts, k: int, dynamic: bool = False, rounds: int = 1, per_step: int = 2) -> RolloutStream:
+    loader = PromptLoader([f"p{i}" for i in range(100)], per_step, seed=0)
+    rollouts.stream = RolloutStream(per_step, k, loader.next_batch, rollouts.submit, rollouts.wait, dynamic_sampling=dynamic, max_rounds=rounds)
+    return rollouts.stream
 
 
-def _cfg(dynamic: bool, rounds: int = 3):
-    from raytool.config import load_config
-
-    return load_config(None, ["data.prompts_per_step=2", "rollout.n=2", f"algorithm.dynamic_sampling={str(dynamic).lower()}",
-                              f"algorithm.max_sampling_rounds={rounds}"])
+def test_synchronous_stream_rolls_out_one_batch_per_step_and_nothing_while_training():
+    r = _Rollouts()
+    stream = _stream(r, k=0)
+    batch, metrics = stream.next_batch(1)
+    assert [g.key for g in batch.groups] == ["s1r1g0", "s1r1g1"] and r.started == ["s1r1g0", "s1r1g1"]
+    assert batch.rewards == [1.0, 0.0, 1.0, 0.0] and batch.group_index == [0, 0, 1, 1] and batch.offsets == [0, 2]
+    stream.train_while_rolling(["train-ref"])
+    assert r.started == ["s1r1g0", "s1r1g1"]  # nothing starts on the old weights
+    stream.trained(1)
+    batch, metrics = stream.next_batch(2)
+    assert [g.key for g in batch.groups] == ["s2r1g0", "s2r1g1"] and batch.version == 1
+    assert metrics["staleness/token_max"] == 0 and metrics["rollout/groups_dropped_stale"] == 0
+    assert "rollout/sampling_rounds" not in metrics
 
 
 def test_dynamic_sampling_keeps_groups_with_a_reward_spread_until_the_batch_is_full():
-    from actors.pipeline import collect_rollouts
-    from raytool.data import PromptLoader
-
-    loader = PromptLoader(["p0", "p1", "p2", "p3", "p4", "p5"], 2, seed=0)
-    graph = _ScriptedGraph([[[1.0, 1.0], [0.0, 1.0]], [[0.0, 0.0], [1.0, 0.0]]])
-    stats, refs, metrics = collect_rollouts(graph, _cfg(True), loader, step=5)
-    assert refs == ["s5r1g-ref1", "s5r2g-ref1"]  # the second group of each round; the all-equal ones are dropped
-    assert sorted({s["group"] for s in stats}) == [0, 1] and len(stats) == 4  # re-indexed to the kept refs
-    assert [s["reward"] for s in stats if s["group"] == 1] == [1.0, 0.0]
+    script = {"s5r1g0": [1.0, 1.0], "s5r1g1": [0.0, 1.0], "s5r2g0": [0.0, 0.0], "s5r2g1": [1.0, 0.0]}
+    stream = _stream(_Rollouts(lambda key: script[key]), k=0, dynamic=True, rounds=3)
+    batch, metrics = stream.next_batch(5)
+    assert [g.key for g in batch.groups] == ["s5r1g1", "s5r2g1"]  # the all-equal groups are dropped
+    assert [s["group"] for s in batch.stats()] == [0, 0, 1, 1] and batch.rewards == [0.0, 1.0, 1.0, 0.0]
     assert metrics["rollout/sampling_rounds"] == 2 and metrics["rollout/prompts_drawn"] == 4 and metrics["rollout/groups_kept"] == 2
     assert metrics["reward/mean"] == 0.5  # over everything rolled out, before the filter
 
 
-def test_dynamic_sampling_stops_at_the_round_cap_and_without_it_everything_trains():
-    from actors.pipeline import collect_rollouts
-    from raytool.data import PromptLoader
-
-    loader = PromptLoader(list(range(10)), 2, seed=0)
-    flat = [[0.0, 0.0], [0.0, 0.0]]
-    stats, refs, metrics = collect_rollouts(_ScriptedGraph([flat, flat]), _cfg(True, rounds=2), loader, step=1)
+def test_dynamic_sampling_stops_at_the_round_cap_and_trains_on_the_last_round():
+    stream = _stream(_Rollouts(lambda key: [0.0, 0.0]), k=0, dynamic=True, rounds=2)
+    batch, metrics = stream.next_batch(1)
     assert metrics["rollout/sampling_rounds"] == 2 and metrics["rollout/groups_kept"] == 0
-    assert refs == ["s1r2g-ref0", "s1r2g-ref1"]  # nothing to learn from: the last round, whose advantages are all zero
-    stats, refs, metrics = collect_rollouts(_ScriptedGraph([flat]), _cfg(False), loader, step=2)
-    assert len(refs) == 2 and "rollout/sampling_rounds" not in metrics
+    assert [g.key for g in batch.groups] == ["s1r2g0", "s1r2g1"]  # nothing to learn from: the last round (advantages all zero)
+
+
+def test_asynchronous_admission_keeps_at_most_max_staleness_plus_one_steps_ahead():
+    r = _Rollouts(per_wait=1)
+    stream = _stream(r, k=1)
+    batch, _ = stream.next_batch(1)
+    assert r.started == ["s1r1g0", "s1r1g1", "s1r2g0", "s1r2g1"]  # two steps' worth at version 0
+    assert [g.key for g in batch.groups] == ["s1r1g0", "s1r1g1"]
+    stream.train_while_rolling(["train-ref"])  # the batch in training still counts: nothing new starts on version 0
+    assert len(r.started) == 4
+    stream.trained(1)
+    batch, metrics = stream.next_batch(2)
+    assert [g.key for g in batch.groups] == ["s1r2g0", "s1r2g1"] and batch.version == 1
+    assert r.started[4:] == ["s2r1g0", "s2r1g1"]  # started on version 1, for step 3
+    assert metrics["staleness/token_mean"] == 1 and metrics["staleness/traj_max"] == 1
+
+
+def test_a_group_older_than_the_bound_is_dropped_and_counted():
+    r = _Rollouts(per_wait=None)
+    stream = _stream(r, k=1)
+    stream.next_batch(1)  # takes wave 1; wave 2 (version 0) waits in the buffer
+    stream.trained(1)
+    stream.trained(2)  # two updates later wave 2 lags by 2 > max_staleness
+    batch, metrics = stream.next_batch(3)
+    assert metrics["rollout/groups_dropped_stale"] == 2
+    assert all(g.min_version == 2 for g in batch.groups) and metrics["staleness/traj_max"] == 0
+
+
+def test_unfinished_groups_are_redone_first_with_their_keys():
+    r = _Rollouts(per_wait=1)
+    stream = _stream(r, k=1)
+    stream.next_batch(1)
+    r.train_done = None  # the update ends after one more group finished
+    stream.train_while_rolling(["train-ref"])
+    redo, waiting = stream.unfinished()
+    assert [key for key, _ in redo] == ["s1r2g1"] and [g.key for g in waiting] == ["s1r2g0"]
+    r2 = _Rollouts()
+    resumed = _stream(r2, k=1)
+    resumed.restore(redo, waiting)
+    batch, _ = resumed.next_batch(2)
+    assert r2.started[0] == "s1r2g1"  # rolled out again before any new prompt is drawn
+    assert [g.key for g in batch.groups] == ["s1r2g0", "s1r2g1"]

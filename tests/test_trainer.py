@@ -207,3 +207,49 @@ def test_two_fsdp_ranks_compute_the_single_process_gradient(tiny_model_path, tmp
     exported = dict(AutoModelForCausalLM.from_pretrained(export_checkpoint(str(tmp_path / "two.pt.ckpt"), tmp_path / "hf")).named_parameters())
     for name, w in two["weights"].items():
         assert torch.equal(exported[name], w), name
+
+
+def _grads(trainer, batch):
+    """The update's gradients (captured before the optimizer step) and metrics."""
+    grads = {}
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: grads.update({i: p.grad.clone() for i, p in enumerate(trainer.params)})
+    try:
+        return trainer.rl_step(batch), grads
+    finally:
+        trainer.optimizer.step = step
+
+
+def test_asynchronous_mode_weights_each_token_by_the_truncated_trainer_engine_ratio(tiny_model_path):
+    """Engine log-probs equal to the trainer's give weights of 1, the synchronous update and no
+    truncation; engine log-probs far below the trainer's (a stale behaviour policy) cut every
+    weight to the threshold, which scales the update by it: the gradient doubles at 2.0."""
+    torch.manual_seed(0)
+    probe = _trainer(tiny_model_path)
+    seqs = [t.prompt_ids + t.response_ids for t in BATCH]
+    exact = []
+    for t, ids in zip(BATCH, seqs):
+        lay = layout([ids], [list(range(len(t.prompt_ids) - 1, len(ids) - 1))], 0, packed=False, device="cpu")
+        with torch.no_grad():
+            logp, _ = probe.policy(lay.input_ids, lay.select, lay.labels, temperature=1.0)
+        exact.append(logp.flatten().tolist())
+    same = [msgspec_replace(t, rollout_logprobs=lp) for t, lp in zip(BATCH, exact)]
+    stale = [msgspec_replace(t, rollout_logprobs=[x - 5.0 for x in lp]) for t, lp in zip(BATCH, exact)]
+    asynchronous = ["async.max_staleness=1", "async.partial_rollout=wait", "trainer.grad_clip=1e9"]  # gradients as computed, not clipped
+    sync_metrics, sync_grads = _grads(_trainer(tiny_model_path, "trainer.grad_clip=1e9"), same)
+    metrics, grads = _grads(_trainer(tiny_model_path, *asynchronous), same)
+    assert metrics["rollout_corr/is_mean"] == pytest.approx(1.0, abs=1e-4) and metrics["rollout_corr/is_truncated_frac"] == 0.0
+    assert "rollout_corr/is_mean" not in sync_metrics
+    for i in sync_grads:
+        torch.testing.assert_close(grads[i], sync_grads[i], rtol=1e-3, atol=1e-7)
+    metrics, grads = _grads(_trainer(tiny_model_path, *asynchronous), stale)
+    assert metrics["rollout_corr/is_truncated_frac"] == 1.0 and metrics["rollout_corr/is_mean"] == pytest.approx(2.0)
+    assert metrics["rollout_corr/mismatch_k1"] == pytest.approx(-5.0, abs=1e-3)
+    for i in sync_grads:
+        torch.testing.assert_close(grads[i], 2.0 * sync_grads[i], rtol=1e-3, atol=1e-7)
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)

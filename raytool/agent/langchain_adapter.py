@@ -124,6 +124,7 @@ class TokenRecorder:
         self.response_ids: list[int] = []
         self.response_mask: list[int] = []
         self.rollout_logprobs: list[float] = []
+        self.response_versions: list[int] = []  # per response token: the policy version that generated it (-1: observation)
         self.num_calls = 0  # model calls, recorded or not
         self.num_turns = 0  # recorded generated turns
         self.tool_calls = 0
@@ -164,6 +165,7 @@ class TokenRecorder:
         self.response_ids += obs
         self.response_mask += [0] * len(obs)
         self.rollout_logprobs += [0.0] * len(obs)
+        self.response_versions += [-1] * len(obs)
         self._text = rendered
         return self.prompt_ids + self.response_ids
 
@@ -177,6 +179,7 @@ class TokenRecorder:
             self.response_ids += ids
             self.response_mask += [1] * len(ids)
             self.rollout_logprobs += out.logprobs
+            self.response_versions += out.token_versions()
             self._text += self._decode(ids)
             self.num_turns += 1
             self._last_finish = out.finish_reason
@@ -208,6 +211,7 @@ class TokenRecorder:
             response_ids=list(self.response_ids),
             response_mask=list(self.response_mask),
             rollout_logprobs=list(self.rollout_logprobs),
+            response_versions=list(self.response_versions),
             messages=to_raytool_messages(messages),
             ground_truth=ground_truth,
             num_turns=self.num_turns,

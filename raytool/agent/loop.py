@@ -61,6 +61,7 @@ class _State:
     response_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per response token: the policy version that generated it (-1: observation)
     turns: list[dict] = field(default_factory=list)  # the trace: one entry per generate call
     calls: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -73,12 +74,14 @@ class _State:
         self.response_ids += out.token_ids
         self.mask += [1] * len(out.token_ids)
         self.logprobs += out.logprobs
+        self.versions += out.token_versions()
         self.version = out.policy_version
 
     def observed(self, ids: list[int]) -> None:
         self.response_ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -119,7 +122,7 @@ class ToolAgentLoop:
             ground_truth=ground_truth, num_turns=len(state.turns), tool_calls=state.calls,
             tool_errors=sum(state.errors.values()), tool_error_kinds=dict(state.errors), tool_repaired=state.repaired,
             tool_cut_in_fence=state.cut_in_fence,
-            finish_reason=state.finish, policy_version=state.version, turns=state.turns,
+            finish_reason=state.finish, policy_version=state.version, response_versions=state.versions, turns=state.turns,
             timings={"total_s": time.monotonic() - start, "generate_s": sum(t["generate_s"] for t in state.turns),
                      "tools_s": sum(t.get("tools_s", 0.0) for t in state.turns)},
         )

@@ -59,7 +59,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def ppo_clip(
     logp, old_logp, adv, mask, *,
     clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0,
-    agg="token-mean", num_tokens=None, num_seqs=None, max_len=None,
+    agg="token-mean", num_tokens=None, num_seqs=None, max_len=None, weights=None,
 ):
     """PPO-clip (Schulman et al. 2017), decoupled clip range (DAPO, Yu et al. 2025), dual-clip (Ye et al. 2020); inputs [B,T].
 
@@ -67,6 +67,8 @@ def ppo_clip(
     L = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
     A < 0:  L = min(L, -c A)   dual-clip: a negative-advantage token whose ratio blew up costs at most c|A|
     clip_ratio_c = c must be > 1; None turns dual-clip off.
+    weights [B,T] (detached, finite; e.g. truncated importance weights from algos.correction):
+    L is multiplied by them before aggregation; None leaves L as it is.
 
     Metrics are detached 0-d tensors (means over this micro-batch's mask tokens), so summing them
     over micro-batches never waits on the device:
@@ -87,6 +89,8 @@ def ppo_clip(
         loss_dual = -adv * clip_ratio_c
         dual_clipped = (adv < 0) & (per_token > loss_dual)
         per_token = torch.where(adv < 0, torch.minimum(per_token, loss_dual), per_token)
+    if weights is not None:
+        per_token = per_token * weights
     loss = masked_aggregate(per_token, mask, agg, num_tokens, num_seqs, max_len)
     metrics = {
         "actor/pg_clipfrac": _masked_mean(clipped.to(logp.dtype), mask),

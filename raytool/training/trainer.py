@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
+from raytool.algos.correction import rollout_correction
 from raytool.config import RunConfig
 from raytool import device as device_info
 from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right
@@ -113,6 +114,9 @@ class Trainer:
         self.policy = self._place(PolicyModel(self.lm))
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
+        c, asynchronous = cfg.algorithm.rollout_correction, cfg.async_.max_staleness > 0
+        # auto: truncated token-level importance weights in asynchronous mode, none in synchronous mode
+        self.rollout_is = ("token" if asynchronous else None) if c.rollout_is == "auto" else c.rollout_is
         self.reference: PolicyModel | None = None  # built on first use (KL on); LoRA uses the base model instead
         self.step = 0  # optimizer steps taken
         self.rl_updates = 0  # optimizer steps of the RL phase (drive its learning-rate schedule)
@@ -282,15 +286,24 @@ class Trainer:
                                        entropy_grad=a.entropy_coeff > 0)
         width = logp.size(1)
         mask = self._grid(group, "mask", width)
-        old = logp.detach() if on_policy else self._grid(group, "old", width)
+        rollout = self._grid(group, "rollout", width)  # the engine's (behaviour policy)
+        prox = logp.detach() if on_policy else self._grid(group, "old", width)  # the trainer's before this update
+        c = a.rollout_correction
+        options = {}
+        corrections = {}
+        if self.rollout_is or c.rollout_rs:
+            weights, mask, corrections = rollout_correction(prox, rollout, mask, rollout_is=self.rollout_is, is_threshold=c.rollout_is_threshold,
+                                                            rollout_rs=c.rollout_rs, rs_upper=c.rollout_rs_threshold, rs_lower=c.rollout_rs_threshold_lower)
+            if self.rollout_is:
+                options["weights"] = weights
         adv = torch.tensor([x.adv for x in group], device=self.device).unsqueeze(1).expand_as(logp)
         pg_loss, extra = get_policy_loss(a.policy_loss)(
-            logp, old, adv, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-            agg=a.loss_agg, num_tokens=n_tokens, num_seqs=n_seqs,
+            logp, prox if c.decoupled else rollout, adv, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+            agg=a.loss_agg, num_tokens=n_tokens, num_seqs=n_seqs, **options,
         )
+        extra.update(corrections)
         loss = pg_loss
         with torch.no_grad():
-            rollout = self._grid(group, "rollout", width)
             extra["rollout/logprob_abs_diff"] = ((logp.detach() - rollout).abs() * mask).sum() / mask.sum().clamp(min=1.0)
             extra["actor/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1.0)
         if a.kl_loss_coef > 0:

@@ -1,0 +1,326 @@
+"""The streaming rollout core (no Ray here): GRPO groups flow from the agent workers into a buffer,
+the trainer takes `data.prompts_per_step` of them per step, and admission control keeps the
+groups running or buffered ahead of the trainer within `async.max_staleness` policy versions.
+
+The synchronous loop is the special case `max_staleness: 0`: a step's prompts are drawn and
+rolled out, the trainer waits for all of them, nothing new starts while it trains, and the next
+prompts start on the new weights.
+
+Admission, with P = data.prompts_per_step and k = async.max_staleness:
+- a wave of P prompts starts when the groups running, buffered and being trained leave room for
+  a whole wave within (k + 1) * P. A wave admitted while the trainer is at version V is trained at
+  version V + k at the latest, so its tokens lag by at most k (groups finish out of order: one
+  that is still older than that when the trainer would take it is dropped and counted);
+- when nothing runs and the trainer still waits for groups (dynamic sampling filtered some, or
+  stale ones were dropped), another wave starts: dynamic sampling's next round, at most
+  `algorithm.max_sampling_rounds` per step.
+
+Groups are taken in the order they were submitted, so a step's batch does not depend on which
+group finished first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytool.types import Trajectory, generated_versions
+
+
+def trajectory_stats(t: Trajectory) -> dict:
+    """The small per-trajectory summary the driver keeps (the trajectories stay in the object store)."""
+    versions = generated_versions(t)
+    counts: dict[int, int] = {}
+    for v in versions:
+        counts[v] = counts.get(v, 0) + 1
+    return {
+        "reward": t.reward,
+        "acc": t.reward_extra.get("acc", float(t.reward > 0)),
+        "response_length": len(t.response_ids),
+        "generated_tokens": sum(t.response_mask),
+        "num_turns": t.num_turns,
+        "tool_calls": t.tool_calls,
+        "tool_errors": t.tool_errors,
+        "tool_error_kinds": t.tool_error_kinds,
+        "tool_repaired": t.tool_repaired,
+        "tool_cut_in_fence": t.tool_cut_in_fence,
+        "finish_reason": t.finish_reason,
+        "verify_timeout": t.reward_extra.get("verify_timeout", 0.0),
+        "min_version": min(counts, default=t.policy_version),
+        "max_version": max(counts, default=t.policy_version),
+        "version_counts": counts,  # generated tokens per policy version
+    }
+
+
+def rollout_metrics(stats: list[dict]) -> dict:
+    """A step's rollout metrics from its trajectories' stats."""
+    n = len(stats)
+    calls = sum(s["tool_calls"] for s in stats)
+    metrics = {
+        "reward/mean": sum(s["reward"] for s in stats) / n,
+        "acc/mean": sum(s["acc"] for s in stats) / n,
+        "response_length/mean": sum(s["response_length"] for s in stats) / n,
+        "generated_tokens/mean": sum(s["generated_tokens"] for s in stats) / n,
+        "num_turns/mean": sum(s["num_turns"] for s in stats) / n,
+        "tool/calls_per_traj": calls / n,
+        "tool/error_rate": sum(s["tool_errors"] for s in stats) / calls if calls else 0.0,
+        "rollout/trajectories": n,
+    }
+    # Counts per step, by kind (raytool.tools.base.ERROR_KINDS), as a rate per call.
+    for kind in sorted({k for s in stats for k in s.get("tool_error_kinds", {})}):
+        metrics[f"tool/errors/{kind}"] = sum(s["tool_error_kinds"].get(kind, 0) for s in stats) / max(calls, 1)
+    metrics["tool/repaired"] = sum(s.get("tool_repaired", 0) for s in stats)
+    metrics["tool/cut_in_fence"] = sum(s.get("tool_cut_in_fence", 0) for s in stats)
+    metrics["reward/timeouts"] = sum(s.get("verify_timeout", 0.0) for s in stats)  # answers whose check ran out of time (scored wrong)
+    for reason in sorted({s["finish_reason"] for s in stats}):
+        metrics[f"finish/{reason}"] = sum(s["finish_reason"] == reason for s in stats) / n
+    return metrics
+
+
+@dataclass
+class RolloutGroup:
+    """One finished GRPO group: n scored samples of one prompt."""
+
+    key: str  # the group id (its trajectories' ids and sampling seeds derive from it)
+    seq: int  # submission order
+    row: Any  # the prompt row (a PromptRow): what a resume rolls out again
+    ref: Any  # the trajectories (an object ref in the Ray layer)
+    stats: list[dict]  # trajectory_stats of each sample
+    submitted_version: int  # the trainer's version when the group started
+
+    @property
+    def min_version(self) -> int:
+        return min(s["min_version"] for s in self.stats)
+
+    @property
+    def max_version(self) -> int:
+        return max(s["max_version"] for s in self.stats)
+
+    def rewards_vary(self) -> bool:
+        """Whether its samples scored differently: under GRPO an all-equal group has zero advantage."""
+        return len({s["reward"] for s in self.stats}) > 1
+
+
+@dataclass
+class RolloutBatch:
+    """What one training step takes: groups in submission order, with the trainer's version then."""
+
+    groups: list[RolloutGroup]
+    version: int
+
+    @property
+    def refs(self) -> list:
+        return [g.ref for g in self.groups]
+
+    def stats(self) -> list[dict]:
+        """Every trajectory's stats, each with the index of its group in this batch."""
+        return [{**s, "group": i} for i, g in enumerate(self.groups) for s in g.stats]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s["reward"] for g in self.groups for s in g.stats]
+
+    @property
+    def group_index(self) -> list[int]:
+        return [i for i, g in enumerate(self.groups) for _ in g.stats]
+
+    @property
+    def offsets(self) -> list[int]:
+        """Position of each group's first trajectory in the flat batch."""
+        out, at = [], 0
+        for g in self.groups:
+            out.append(at)
+            at += len(g.stats)
+        return out
+
+    def lengths(self) -> list[list[int]]:
+        """Per group, each trajectory's trained length (prompt-free response plus one)."""
+        return [[s["response_length"] + 1 for s in g.stats] for g in self.groups]
+
+    def staleness_metrics(self) -> dict:
+        """How far behind the trainer's version the batch's tokens and trajectories are."""
+        tokens = lag_sum = lag_max = 0
+        for g in self.groups:
+            for s in g.stats:
+                for v, n in s["version_counts"].items():
+                    tokens += n
+                    lag_sum += (self.version - v) * n
+                    lag_max = max(lag_max, self.version - v)
+        trajs = [self.version - s["min_version"] for g in self.groups for s in g.stats]
+        return {
+            "staleness/token_mean": lag_sum / tokens if tokens else 0.0,
+            "staleness/token_max": lag_max,
+            "staleness/traj_mean": sum(trajs) / len(trajs) if trajs else 0.0,
+            "staleness/traj_max": max(trajs, default=0),
+        }
+
+
+@dataclass
+class _Running:
+    key: str
+    seq: int
+    row: Any
+    ref: Any
+    version: int
+
+
+@dataclass
+class _Clock:
+    """Time with no group running (rollout idle) and time the trainer waits for a batch."""
+
+    rollout_idle_s: float = 0.0
+    trainer_wait_s: float = 0.0
+    since: float = field(default_factory=time.perf_counter)
+    idle: bool = True
+
+    def mark(self, running: bool) -> None:
+        now = time.perf_counter()
+        if self.idle:
+            self.rollout_idle_s += now - self.since
+        self.since, self.idle = now, not running
+
+    def lap(self) -> tuple[float, float]:
+        """(rollout idle, trainer wait) seconds since the last lap."""
+        self.mark(not self.idle)
+        out = (self.rollout_idle_s, self.trainer_wait_s)
+        self.rollout_idle_s = self.trainer_wait_s = 0.0
+        return out
+
+
+class RolloutStream:
+    """Admission, the buffer of finished groups and the per-step batch (see the module docstring).
+
+    `submit(row, key) -> (trajectories ref, stats ref)` starts one group; `wait(stats refs, also)`
+    blocks until at least one of them or of `also` is ready and returns ({stats ref: stats} of the
+    finished groups, the ready refs of `also`). `draw()` returns the next P prompt rows."""
+
+    def __init__(self, per_step: int, max_staleness: int, draw: Callable[[], list], submit: Callable, wait: Callable,
+                 dynamic_sampling: bool = False, max_rounds: int = 1, version: int = 0):
+        self.per_step, self.k = per_step, max_staleness
+        self.draw, self.submit, self.wait = draw, submit, wait
+        self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
+        self.version = version  # the trainer's policy version (what new groups start on)
+        self.running: dict[Any, _Running] = {}  # stats ref -> group
+        self.done: list[RolloutGroup] = []  # finished and kept, not yet trained
+        self.redo: list[tuple[str, Any]] = []  # (key, row) to roll out before drawing new prompts (resume)
+        self.training = False  # a batch is being trained: it still counts as ahead of the trainer
+        self.step = 0
+        self.waves = 0  # waves started in this step
+        self.seq = 0
+        self.clock = _Clock()
+        self._reset_step_counts()
+
+    def _reset_step_counts(self) -> None:
+        self.finished: list[RolloutGroup] = []  # everything that finished during this step (metrics)
+        self.filtered: list[RolloutGroup] = []  # dropped by dynamic sampling during this step
+        self.dropped_stale = 0
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def _ahead(self) -> int:
+        return len(self.running) + len(self.done) + (self.per_step if self.training else 0)
+
+    def _start_wave(self) -> None:
+        self.waves += 1
+        rows = [self.redo.pop(0) for _ in range(min(len(self.redo), self.per_step))]
+        if not rows:
+            rows = [(f"s{self.step}r{self.waves}g{i}", row) for i, row in enumerate(self.draw())]
+        for key, row in rows:
+            traj_ref, stats_ref = self.submit(row, key)
+            self.running[stats_ref] = _Running(key, self.seq, row, traj_ref, self.version)
+            self.seq += 1
+        self.clock.mark(True)
+
+    def fill(self, waiting: bool = False) -> None:
+        """Start every wave admission allows now; `waiting`: the trainer is waiting for groups."""
+        while self._ahead() + self.per_step <= (self.k + 1) * self.per_step and self._may_start():
+            self._start_wave()
+        if waiting and not self.running and len(self.done) < self.per_step and self._may_start():
+            self._start_wave()
+
+    def _may_start(self) -> bool:
+        return not self.dynamic or self.waves < self.max_rounds
+
+    # -- collection ---------------------------------------------------------------------------
+
+    def _collect(self, also: list = ()) -> set:
+        """Take in the groups that finished (waiting for one, or for one of `also`); returns the ready refs of `also`."""
+        finished, ready = self.wait(list(self.running), list(also))
+        for ref, stats in finished.items():
+            r = self.running.pop(ref)
+            group = RolloutGroup(r.key, r.seq, r.row, r.ref, stats, r.version)
+            self.finished.append(group)
+            if self.dynamic and not group.rewards_vary():
+                self.filtered.append(group)
+            else:
+                self.done.append(group)
+        self.clock.mark(bool(self.running))
+        return set(ready)
+
+    def _drop_stale(self) -> None:
+        keep = [g for g in self.done if self.version - g.min_version <= self.k]
+        self.dropped_stale += len(self.done) - len(keep)
+        self.done = keep
+
+    def next_batch(self, step: int) -> tuple[RolloutBatch, dict]:
+        """Wait until P fresh groups are finished (starting what admission allows meanwhile) and
+        take them -> (the batch, metrics of this step's rollout side)."""
+        if step != self.step:
+            self.step, self.waves = step, 0
+        start = time.perf_counter()
+        while True:
+            self._drop_stale()
+            self.fill(waiting=True)
+            if len(self.done) >= self.per_step or not self.running:
+                break
+            self._collect()
+        self.clock.trainer_wait_s += time.perf_counter() - start
+        self.done.sort(key=lambda g: g.seq)
+        taken, self.done = self.done[: self.per_step], self.done[self.per_step :]
+        gave_up_empty = not taken and self.filtered
+        if gave_up_empty:  # nothing to learn from in any round: train on the last wave (its advantages are all zero)
+            taken = sorted(self.filtered, key=lambda g: g.seq)[-self.per_step :]
+        metrics = self._metrics(taken, kept=0 if gave_up_empty else len(taken))
+        self._reset_step_counts()
+        self.training = True
+        return RolloutBatch(taken, self.version), metrics
+
+    def _metrics(self, taken: list[RolloutGroup], kept: int) -> dict:
+        everything = self.finished if self.dynamic else taken
+        metrics = rollout_metrics([s for g in everything for s in g.stats])
+        if self.dynamic:
+            metrics.update({"rollout/sampling_rounds": self.waves, "rollout/prompts_drawn": self.waves * self.per_step, "rollout/groups_kept": kept})
+        metrics.update(RolloutBatch(taken, self.version).staleness_metrics())
+        metrics.update({"rollout/groups_dropped_stale": self.dropped_stale, "rollout/buffer_depth": len(self.done),
+                        "rollout/groups_in_flight": len(self.running)})
+        return metrics
+
+    def train_while_rolling(self, training: list) -> None:
+        """While the trainer works on `training` (refs to wait on), keep collecting finished
+        groups and starting what admission allows."""
+        pending = list(training)
+        while pending:
+            self.fill()
+            ready = self._collect(also=pending)
+            pending = [ref for ref in pending if ref not in ready]
+
+    def trained(self, version: int) -> None:
+        """The trainer finished its update and the servers hold `version`."""
+        self.training = False
+        self.version = version
+
+    # -- resume -------------------------------------------------------------------------------
+
+    def unfinished(self) -> tuple[list[tuple[str, Any]], list[RolloutGroup]]:
+        """((key, row) of every group still running or waiting to be redone, finished groups not yet trained)."""
+        running = sorted(self.running.values(), key=lambda r: r.seq)
+        return [*self.redo, *[(r.key, r.row) for r in running]], sorted(self.done, key=lambda g: g.seq)
+
+    def restore(self, redo: list[tuple[str, Any]], done: list[RolloutGroup]) -> None:
+        """After a resume: groups to roll out again (same keys, so the same seeds) before new prompts
+        are drawn, and finished groups to train first."""
+        self.redo = list(redo)
+        self.done = list(done)
+        self.seq = max((g.seq for g in done), default=-1) + 1
