@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from raytool.device import engine_dtype
 from raytool import placement
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
-from raytool.weightsync import undelivered_address
+from raytool.weightsync import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +96,8 @@ class Graph:
         failed = self._unresponsive(targets)
         targets = {name: addresses for name, addresses in targets.items() if name not in failed}
         sent, acks, broken = self._send_and_ack(targets, version, timeout_s)
-        culprits = {name for name, (reason, is_dead) in broken.items() if is_dead}
-        undelivered = {undelivered_address(reason) for reason, _ in broken.values()}
+        culprits = {name for name, (_, is_dead, _) in broken.items() if is_dead}
+        undelivered = {address for _, _, error in broken.values() if error is not None and error.kind == "undelivered" for address in error.addresses}
         culprits |= {name for name in broken if undelivered & set(targets[name])}
         collateral = {name: targets[name] for name in broken if name not in culprits}
         if culprits and collateral:
@@ -107,29 +106,31 @@ class Graph:
             sent = sent if sent["bytes"] else sent_again
             acks += more_acks
             broken = {name: broken[name] for name in culprits} | broken_again
-        failed.update({name: reason for name, (reason, _) in broken.items()})
+        failed.update({name: reason for name, (reason, _, _) in broken.items()})
         ray.get(self.manager.synced.remote(version, [a["server"] for a in acks], failed))
         return {"sent": sent, "acks": acks, "failed": failed}
 
     def _send_and_ack(self, targets: dict, version: int, timeout_s: float) -> tuple[dict, list, dict]:
         """One pass: every target listens, the trainer sends. Returns (sender stats, acks, and per
-        failed server (one-line reason, whether its actor died))."""
+        failed server (one-line reason, whether its actor died, its WeightSyncError if it had one))."""
         receiving = {name: self.servers[name].receive_weights.remote(version, timeout_s) for name in targets}
         addresses = [address for name in targets for address in targets[name]]
         acks, broken = [], {}
         try:
             sent, *_ = ray.get(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20, timeout_s))
         except ray.exceptions.RayTaskError as exc:  # a receiver did not take a bucket (or its ack never came)
-            sent, reason = {"bytes": 0, "buckets": 0, "seconds": 0.0}, one_line(exc)
-            named = [name for name in targets if any(re.search(re.escape(address) + r"(?!\d)", reason) for address in targets[name])]
+            error = exc.cause if isinstance(exc.cause, WeightSyncError) else None
+            named = [name for name in targets if error is not None and set(error.addresses) & set(targets[name])]
             if not named:
                 raise
-            broken.update({name: (reason, True) for name in named})
+            sent = {"bytes": 0, "buckets": 0, "seconds": 0.0}
+            broken.update({name: (one_line(exc), True, error) for name in named})
         for name, ref in receiving.items():
             try:
                 acks.append(ray.get(ref))
             except ray.exceptions.RayError as exc:
-                broken.setdefault(name, (one_line(exc), isinstance(exc, ray.exceptions.RayActorError)))
+                cause = getattr(exc, "cause", None)
+                broken.setdefault(name, (one_line(exc), isinstance(exc, ray.exceptions.RayActorError), cause if isinstance(cause, WeightSyncError) else None))
         return sent, acks, broken
 
     def _unresponsive(self, targets: dict, timeout_s: float = 10.0) -> dict:
@@ -283,7 +284,8 @@ def build_sandbox_pools(cfg: RunConfig, options=None) -> list:
     return [
         SandboxPool.options(**options(f"sandbox-pool-{i}", cfg.cluster.light_actor_cpus, resources=dict(s.pool_resources)),
                             max_concurrency=s.max_concurrency + s.max_queue + 16).remote(
-            f"sandbox-pool-{i}", s.backend, sandbox_backend_options(s), **limits
+            f"sandbox-pool-{i}", s.backend, sandbox_backend_options(s), added_latency=(s.added_latency_median_s, s.added_latency_p95_s),
+            seed=cfg.trainer.seed + i, **limits
         )
         for i in range(s.num_pools)
     ]

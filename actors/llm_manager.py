@@ -96,11 +96,14 @@ class LLMManager:
             await asyncio.gather(*(self._probe(name) for name in list(self.router.ejected) if name not in self.stale))
 
     async def _probe(self, name: str) -> None:
+        """Re-admit an ejected server that answers on the current weights; hand one on other weights
+        (a restarted engine's base weights, or a load that failed half-way) to the next weight sync."""
         server = self.servers[name]
         try:
             addresses = await asyncio.wait_for(server.ready.remote(), self.probe_timeout_s)
-            await asyncio.wait_for(server.generate.remote([0], _PROBE, f"probe-{name}-{time.monotonic_ns()}"), self.probe_timeout_s)
             health = await asyncio.wait_for(server.health.remote(), self.probe_timeout_s)
+            if health["policy_version"] == self.policy_version:
+                await asyncio.wait_for(server.generate.remote([0], _PROBE, f"probe-{name}-{time.monotonic_ns()}"), self.probe_timeout_s)
         except (asyncio.TimeoutError, GetTimeoutError):
             return  # still restarting or still hung: try again later
         except (RayTaskError, RayActorError) as exc:

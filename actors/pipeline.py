@@ -28,10 +28,11 @@ from raytool.data import PromptLoader, load_conversations, sft_examples
 from raytool.data.prompts import PromptRow
 from raytool.data.task import Task, load_task
 from raytool.errors import RaytoolError
+from raytool.ledger import Ledger
 from raytool.evaluation import table as eval_table
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
-from raytool.streaming import RolloutStream
+from raytool.streaming import RolloutBatch, RolloutStream
 from raytool.tools.registry import load_tool_config
 from raytool.tracking import Tracker, validate_backends
 from raytool.training import lr_at
@@ -130,8 +131,8 @@ def warmup_examples(cfg: RunConfig, task: Task, tokenizer, rng: random.Random) -
     return [ex for m in chosen for ex in renderer.sft_examples(m)]
 
 
-def run_sft_warmup(graph: Graph, cfg: RunConfig, examples: list, tracker: Tracker) -> None:
-    """The in-run cold start: SFT steps on `examples` (batches drawn by the trainer seed)."""
+def run_sft_warmup(graph: Graph, cfg: RunConfig, examples: list, tracker: Tracker | None) -> None:
+    """The in-run cold start: SFT steps on `examples` (batches drawn by the trainer seed), logged to `tracker` if given."""
     rng = random.Random(cfg.trainer.seed)
     sft = cfg.sft
     for step in range(1, cfg.trainer.sft_warmup_steps + 1):
@@ -140,7 +141,8 @@ def run_sft_warmup(graph: Graph, cfg: RunConfig, examples: list, tracker: Tracke
         lr = lr_at(step - 1, sft.lr, sft.warmup_steps, cfg.trainer.sft_warmup_steps, sft.lr_schedule)
         metrics = graph.trainer.sft_step(batch, lr)
         metrics.update(step=step, **{"timing/step_s": time.perf_counter() - start})
-        tracker.log(metrics, phase="sft")
+        if tracker is not None:
+            tracker.log(metrics, phase="sft")
 
 
 def validate(graph: Graph, cfg: RunConfig, task: Task, step: int) -> dict:
@@ -206,6 +208,48 @@ def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: 
                          dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, version=version)
 
 
+def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState) -> tuple[dict, RolloutBatch]:
+    """One GRPO step: take a batch from the stream, train on it while the stream goes on, publish
+    the new weights (state.version + 1) -> (the step's metrics, the batch)."""
+    step_start = time.perf_counter()
+    batch, batch_metrics = stream.next_batch(step)
+    rollout_s = time.perf_counter() - step_start
+
+    train_start = time.perf_counter()
+    training = graph.trainer.rl_step_refs(batch)
+    stream.train_while_rolling(training)
+    train_metrics = ray.get(training)[0]
+    train_s = time.perf_counter() - train_start
+
+    sync_start = time.perf_counter()
+    state.version += 1
+    sync = graph.sync_weights(state.version)
+    stream.trained(state.version)
+    sync_s = time.perf_counter() - sync_start
+
+    engines = ray.get(graph.manager.server_stats.remote())
+    metrics = {"step": step, **batch_metrics, **train_metrics, **serving_metrics(graph, engines), **sandbox_metrics(graph)}
+    step_s = time.perf_counter() - step_start
+    rollout_idle_s, trainer_wait_s = stream.clock.lap()
+    generated = sum(s["generated_tokens"] for s in batch.stats())
+    metrics.update({
+        "rollout/tokens_per_s": generated / max(rollout_s if stream.k == 0 else step_s, 1e-9),
+        "timing/step_s": step_s,
+        "timing/rollout_s": rollout_s,  # waiting for the batch (the trainer idle)
+        "timing/train_s": train_s,
+        "timing/weight_sync_s": sync_s,
+        "trainer/idle_ratio": trainer_wait_s / step_s,
+        "rollout/idle_ratio": min(1.0, rollout_idle_s / step_s),
+        "weight_sync/bytes": sync["sent"]["bytes"],
+        "weight_sync/failed_servers": len(sync["failed"]),
+        "policy_version": state.version,
+    })
+    # The dashboard's view of the step (Ray metrics on the head's Prometheus endpoint).
+    record_step(step, step_s=step_s, train_s=train_s, sync_s=sync_s, rollout_s=rollout_s, trainer_version=state.version,
+                server_versions={name: e["policy_version"] for name, e in engines.items() if "policy_version" in e})
+    return metrics, batch
+
+
 def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: Path | None) -> None:
     """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run`.
 
@@ -237,47 +281,14 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             tracker.log({"step": 0, **validate(graph, cfg, task, 0)})
         stream = rollout_stream(graph, cfg, loader, state.version)
         stream.restore(list(state.redo), buffered)
+        ledger = Ledger(run_dir, resume_step=state.step if checkpoint is not None else None)
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
-            step_start = time.perf_counter()
-            batch, batch_metrics = stream.next_batch(step)
-            rollout_s = time.perf_counter() - step_start
-
-            train_start = time.perf_counter()
-            training = graph.trainer.rl_step_refs(batch)
-            stream.train_while_rolling(training)
-            train_metrics = ray.get(training)[0]
-            train_s = time.perf_counter() - train_start
-
-            sync_start = time.perf_counter()
-            state.version += 1
-            sync = graph.sync_weights(state.version)
-            stream.trained(state.version)
-            sync_s = time.perf_counter() - sync_start
-
-            engines = ray.get(graph.manager.server_stats.remote())
-            metrics = {"step": step, **batch_metrics, **train_metrics, **serving_metrics(graph, engines), **sandbox_metrics(graph)}
-            step_s = time.perf_counter() - step_start
-            rollout_idle_s, trainer_wait_s = stream.clock.lap()
-            generated = sum(s["generated_tokens"] for s in batch.stats())
-            metrics.update({
-                "rollout/tokens_per_s": generated / max(rollout_s if cfg.async_.max_staleness == 0 else step_s, 1e-9),
-                "timing/step_s": step_s,
-                "timing/rollout_s": rollout_s,
-                "timing/train_s": train_s,
-                "timing/weight_sync_s": sync_s,
-                "trainer/idle_ratio": trainer_wait_s / step_s,
-                "rollout/idle_ratio": min(1.0, rollout_idle_s / step_s),
-                "weight_sync/bytes": sync["sent"]["bytes"],
-                "weight_sync/failed_servers": len(sync["failed"]),
-                "policy_version": state.version,
-            })
-            # The dashboard's view of the step (Ray metrics on the head's Prometheus endpoint).
-            record_step(step, step_s=metrics["timing/step_s"], train_s=train_s, sync_s=sync_s, rollout_s=rollout_s, trainer_version=state.version,
-                        server_versions={name: e["policy_version"] for name, e in engines.items() if "policy_version" in e})
+            metrics, batch = grpo_step(graph, stream, step, state)
             every = cfg.eval.every
             if every and task.val and (step % every == 0 or step == cfg.trainer.total_steps):
                 metrics.update(validate(graph, cfg, task, step))
             tracker.log(metrics)
+            ledger.record(step, **stream.take_outcomes())
             if cfg.logging.trace_samples:
                 tracker.trace(step, ray.get(batch.refs[0])[: cfg.logging.trace_samples], tokenizer.decode)
             redo, waiting = stream.unfinished()
@@ -285,8 +296,10 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             every = cfg.trainer.save_every
             if every and step % every == 0 and not (cfg.trainer.save_final and step == cfg.trainer.total_steps):
                 save_checkpoint(graph.trainer, run_dir, state, waiting)
+        redo, waiting = stream.unfinished()
+        ledger.finish(state.step, [key for key, _ in redo] + [g.key for g in waiting])
         if cfg.trainer.save_final:
-            directory = save_checkpoint(graph.trainer, run_dir, state, stream.unfinished()[1])
+            directory = save_checkpoint(graph.trainer, run_dir, state, waiting)
             log.info("final model (HF format): %s", graph.trainer.export_hf(str(directory / "hf")))
     finally:
         tracker.close()

@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return _eval(cfg, args)
         from actors import pipeline  # lazy: the CLI's only import of the Ray layer
+        from actors.checkpoint import latest_run_dir
 
         resume = args.resume
         if resume == "latest":

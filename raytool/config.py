@@ -132,6 +132,8 @@ class SandboxConfig(_Section):
     e2b_template: str = "code-interpreter-v1"  # e2b: sandbox template
     e2b_sandbox_timeout_s: int = 300  # e2b: a sandbox's lifetime from its creation
     e2b_request_timeout_s: float = 30.0  # e2b: each API call
+    added_latency_median_s: float = 0.0  # every cell waits a further lognormal delay with this median (benchmarks: a remote sandbox's latency on the local backend; 0: none)
+    added_latency_p95_s: float = 0.0  # ... and this 95th percentile (>= the median)
 
 
 class RewardConfig(_Section):
@@ -391,6 +393,10 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
     if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:
         raise ConfigError(f"{source}: config key 'trainer.total_steps'/'trainer.sft_warmup_steps' must be >= 0")
     validate_async(cfg, source)
+    s = cfg.sandbox
+    if s.added_latency_median_s < 0 or (s.added_latency_median_s > 0 and s.added_latency_p95_s < s.added_latency_median_s):
+        raise ConfigError(f"{source}: config key 'sandbox.added_latency_p95_s': expected a median >= 0 and a 95th percentile >= it, "
+                          f"got {s.added_latency_median_s} and {s.added_latency_p95_s}")
     r = cfg.reward
     if not r.timeout_s > 0:
         raise ConfigError(f"{source}: config key 'reward.timeout_s': expected a positive number of seconds, got {r.timeout_s}")

@@ -210,6 +210,7 @@ class RolloutStream:
         self.waves = 0  # waves started in this step
         self.seq = 0
         self.clock = _Clock()
+        self.outcomes: dict = {"drawn": [], "trained": [], "dropped": {}}  # for the ledger, since the last entry
         self._reset_step_counts()
 
     def _reset_step_counts(self) -> None:
@@ -227,6 +228,7 @@ class RolloutStream:
         rows = [self.redo.pop(0) for _ in range(min(len(self.redo), self.per_step))]
         if not rows:
             rows = [(f"s{self.step}r{self.waves}g{i}", row) for i, row in enumerate(self.draw())]
+            self.outcomes["drawn"] += [key for key, _ in rows]
         for key, row in rows:
             traj_ref, stats_ref = self.submit(row, key)
             self.running[stats_ref] = _Running(key, self.seq, row, traj_ref, self.version)
@@ -254,6 +256,7 @@ class RolloutStream:
             self.finished.append(group)
             if self.dynamic and not group.rewards_vary():
                 self.filtered.append(group)
+                self._dropped("zero_variance", [group])
             else:
                 self.done.append(group)
         self.clock.mark(bool(self.running))
@@ -262,7 +265,12 @@ class RolloutStream:
     def _drop_stale(self) -> None:
         keep = [g for g in self.done if self.version - g.min_version <= self.k]
         self.dropped_stale += len(self.done) - len(keep)
+        self._dropped("stale", [g for g in self.done if g not in keep])
         self.done = keep
+
+    def _dropped(self, reason: str, groups: list[RolloutGroup]) -> None:
+        if groups:
+            self.outcomes["dropped"].setdefault(reason, []).extend(g.key for g in groups)
 
     def next_batch(self, step: int) -> tuple[RolloutBatch, dict]:
         """Wait until P fresh groups are finished (starting what admission allows meanwhile) and
@@ -282,6 +290,8 @@ class RolloutStream:
         gave_up_empty = not taken and self.filtered
         if gave_up_empty:  # nothing to learn from in any round: train on the last wave (its advantages are all zero)
             taken = sorted(self.filtered, key=lambda g: g.seq)[-self.per_step :]
+            self.outcomes["dropped"]["zero_variance"] = [k for k in self.outcomes["dropped"]["zero_variance"] if k not in {g.key for g in taken}]
+        self.outcomes["trained"] += [g.key for g in taken]
         metrics = self._metrics(taken, kept=0 if gave_up_empty else len(taken))
         self._reset_step_counts()
         self.training = True
@@ -310,6 +320,17 @@ class RolloutStream:
         """The trainer finished its update and the servers hold `version`."""
         self.training = False
         self.version = version
+
+    def drain(self) -> list[RolloutGroup]:
+        """Wait for every running group to finish -> everything finished and not trained."""
+        while self.running:
+            self._collect()
+        return sorted(self.done, key=lambda g: g.seq)
+
+    def take_outcomes(self) -> dict:
+        """What happened since the last call: keys drawn, trained and dropped by reason (a ledger entry)."""
+        out, self.outcomes = self.outcomes, {"drawn": [], "trained": [], "dropped": {}}
+        return out
 
     # -- resume -------------------------------------------------------------------------------
 

@@ -124,3 +124,30 @@ def test_unfinished_groups_are_redone_first_with_their_keys():
     batch, _ = resumed.next_batch(2)
     assert r2.started[0] == "s1r2g1"  # rolled out again before any new prompt is drawn
     assert [g.key for g in batch.groups] == ["s1r2g0", "s1r2g1"]
+
+
+def test_the_ledger_gives_every_drawn_group_exactly_one_outcome_across_a_resume(tmp_path):
+    import pytest
+
+    from raytool.ledger import Ledger, LedgerError, audit
+
+    script = {"s1r1g0": [1.0, 1.0], "s1r1g1": [0.0, 1.0], "s1r2g0": [1.0, 0.0], "s1r2g1": [0.0, 1.0]}
+    r = _Rollouts(lambda key: script.get(key, [1.0, 0.0]))
+    stream = _stream(r, k=0, dynamic=True, rounds=3)
+    ledger = Ledger(tmp_path)
+    stream.next_batch(1)
+    stream.trained(1)
+    ledger.record(1, **stream.take_outcomes())  # one surplus group waits in the buffer
+    stream.next_batch(2)
+    stream.trained(2)
+    ledger.record(2, **stream.take_outcomes())
+    ledger.record(3, drawn=["s3r1g0"], trained=["s3r1g0"], dropped={})  # a step the driver did before it died
+    resumed = Ledger(tmp_path, resume_step=2)  # cuts step 3: it is done again
+    redo, waiting = stream.unfinished()
+    resumed.finish(2, [key for key, _ in redo] + [g.key for g in waiting])
+    counts = audit(tmp_path)
+    assert counts == {"drawn": 6, "trained": 4, "dropped:zero_variance": 1, "dropped:stale": 1}
+    lines = (tmp_path / "ledger.jsonl").read_text().splitlines()
+    (tmp_path / "ledger.jsonl").write_text("\n".join([*lines, lines[0]]) + "\n")
+    with pytest.raises(LedgerError, match="s1r1g1 is both trained and trained"):
+        audit(tmp_path)

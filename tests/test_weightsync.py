@@ -1,5 +1,6 @@
 import io
 import os
+import pickle
 import threading
 import time
 import types
@@ -8,7 +9,7 @@ import pytest
 import torch
 import zmq
 
-from raytool.weightsync import ChecksumError, WeightReceiver, WeightSender, undelivered_address
+from raytool.weightsync import ChecksumError, WeightReceiver, WeightSender, WeightSyncError
 from raytool.weightsync import same_node, sender as sender_module
 from raytool.weightsync.protocol import BucketHeader, Piece, checksum, encode
 
@@ -160,7 +161,8 @@ def test_a_dead_receiver_mid_chain_is_named_by_the_one_forwarding_to_it():
     assert time.monotonic() - start < 3
     error = got[0]["error"]
     assert isinstance(error, TimeoutError) and f"could not deliver bucket 0 to {dead} within 0.5s" in str(error)
-    assert undelivered_address(str(error)) == dead
+    assert isinstance(error, WeightSyncError) and error.kind == "undelivered" and error.addresses == (dead,) and error.bucket == 0
+    assert pickle.loads(pickle.dumps(error)).addresses == (dead,)  # the fields cross a process (Ray) with it
     assert isinstance(got[1]["error"], TimeoutError)
     assert f"v6: bucket 0 did not reach {c.address} within 0.5s" in str(got[1]["error"])
     sender.close()

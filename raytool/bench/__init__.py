@@ -25,6 +25,12 @@ def _rollout(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
+def _pipeline(cfg: RunConfig) -> tuple[str, dict]:
+    from actors.bench_pipeline import bench  # lazy: the Ray layer
+
+    return bench(cfg)
+
+
 def _sandbox(cfg: RunConfig) -> tuple[str, dict]:
     from raytool.bench.sandbox import bench
 
@@ -49,4 +55,4 @@ def _engine(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
-BENCHES: dict[str, Bench] = {"engine": _engine, "router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}
+BENCHES: dict[str, Bench] = {"engine": _engine, "pipeline": _pipeline, "router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}

@@ -8,6 +8,13 @@ from typing import Protocol
 from raytool.types import SamplingParams, TokenOutput
 
 ENGINES = ("vllm", "hf")
+INCOMPLETE = -1  # the policy version of an engine whose last weight load failed half-way
+
+
+def check_weights_complete(policy_version: int) -> None:
+    """Refuse to serve from weights a failed load left half old, half new."""
+    if policy_version == INCOMPLETE:
+        raise RuntimeError("this engine's last weight load failed half-way: it serves nothing until a weight sync completes")
 
 
 class EngineStats:

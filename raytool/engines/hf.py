@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
-from raytool.engines import EngineStats
+from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
 from raytool.types import SamplingParams, TokenOutput
 from raytool.weightsync import WeightReceiver
 
@@ -61,7 +61,7 @@ class HFEngine:
         self._pending: list[_Request] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._weights_lock = threading.Lock()  # load_weights never overlaps a forward pass
+        self._weights_lock = threading.RLock()  # a weight sync never overlaps a batch: each batch is of one version
         self._receiver: WeightReceiver | None = None
         self.stats = EngineStats()
         torch.manual_seed(seed)
@@ -73,6 +73,7 @@ class HFEngine:
             raise RuntimeError("HFEngine is asleep: call wake_up() before generate()")
         if sampling.stop:
             raise ValueError("the HF engine stops on token ids only; stop strings need rollout.engine=vllm")
+        check_weights_complete(self.policy_version)
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.create_task(self._batch_loop())
@@ -125,6 +126,8 @@ class HFEngine:
         if not greedy:
             config.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0)
         with self._weights_lock:
+            version = self.policy_version
+            check_weights_complete(version)
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=config
             )
@@ -144,7 +147,7 @@ class HFEngine:
                     ids, finish = ids[: t + 1], "stop"
                     break
             results.append(
-                TokenOutput(token_ids=ids, logprobs=logprobs[i, : len(ids)].tolist(), finish_reason=finish, policy_version=self.policy_version)
+                TokenOutput(token_ids=ids, logprobs=logprobs[i, : len(ids)].tolist(), finish_reason=finish, policy_version=version)
             )
         return results
 
@@ -165,14 +168,20 @@ class HFEngine:
         return [self._receiver.address]
 
     async def receive_weights(self, version: int, timeout_s: float) -> int:
-        """Take one sync from the trainer, bucket by bucket, between batches (under the weights lock)."""
+        """Take one sync from the trainer, bucket by bucket, between batches: the whole sync and the
+        version change under the weights lock, so every batch runs on one version's weights."""
 
         def receive() -> int:
-            return sum(self.load_weights(bucket) for bucket in self._receiver.receive(version, timeout_s))
+            with self._weights_lock:
+                try:
+                    loaded = sum(self.load_weights(bucket) for bucket in self._receiver.receive(version, timeout_s))
+                except BaseException:
+                    self.policy_version = INCOMPLETE  # half old, half new: serve nothing until a sync completes
+                    raise
+                self.policy_version = version
+            return loaded
 
-        loaded = await asyncio.to_thread(receive)
-        self.policy_version = version
-        return loaded
+        return await asyncio.to_thread(receive)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model by HF parameter name; returns how many were loaded."""

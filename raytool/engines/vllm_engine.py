@@ -18,21 +18,33 @@ CPU and Ascend workers (they all derive from the worker base that mixes extensio
 lets each worker bind its own ZMQ receiver and call `model.load_weights` bucket by bucket, which
 is all raytool needs. With tensor parallelism every worker receives the full tensors and
 `load_weights` keeps its shard.
+
+Requests in flight at a weight load (`partial_rollout`): `continue` freezes them and continues
+them on the new weights, `abort` ends them and generate() submits each again with its tokens so
+far appended to the prompt, `wait` finishes them on the old weights first. Each load labels the
+weights with its version in vLLM, which reports for every request the spans of tokens each label
+produced: that gives TokenOutput.versions exactly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import logging
 import os
 from typing import Literal
 
-from raytool.engines import EngineStats
+import msgspec
+
+from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
 from raytool.types import SamplingParams, TokenOutput
+from raytool.weightsync import WeightSyncError
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "raytool.engines.vllm_worker.WeightSyncExtension"
+_PAUSE_MODES = {"continue": "keep", "abort": "abort", "wait": "wait"}  # partial_rollout -> vLLM's pause mode
 
 
 def _stat_logger_factory(stats: EngineStats):
@@ -75,7 +87,7 @@ class VLLMEngine:
         cpu_preload: bool = True,
         enforce_eager: bool = False,
         seed: int = 0,
-        weight_sync_pause: Literal["keep", "wait"] = "keep",
+        partial_rollout: Literal["continue", "abort", "wait"] = "continue",
         start_timeout_s: int = 600,
         **_ignored,
     ):
@@ -97,9 +109,15 @@ class VLLMEngine:
             _preload_cpu_libraries()
         self.model_path = model_path
         self.policy_version = 0
-        self.weight_sync_pause = weight_sync_pause
+        self.pause_mode = _PAUSE_MODES[partial_rollout]
         self.stats = EngineStats()
         self._asleep = False
+        self._parts: dict[str, str] = {}  # request id -> the vLLM request id of its part now running
+        self._user_aborts: set[str] = set()  # requests abort() ended: never submitted again
+        self._load_aborts = 0  # weight loads that aborted the requests in flight (partial_rollout=abort)
+        self._weights_ready = asyncio.Event()  # clear while a weight load runs
+        self._weights_ready.set()
+        self._warned_no_spans = False
         args = AsyncEngineArgs(
             model=model_path,
             dtype=dtype,
@@ -150,27 +168,104 @@ class VLLMEngine:
         )
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+        """Generate; a request that a weight load aborts (partial_rollout=abort) is submitted again,
+        once the new weights are in, with its tokens so far appended to the prompt and the rest of
+        its budget, and its parts are joined."""
         if self._asleep:
             raise RuntimeError("vLLM engine is asleep: call wake_up() before generate()")
+        check_weights_complete(self.policy_version)
+        self.stats.request_started()
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        try:
+            for n in itertools.count():
+                if n:
+                    await self._weights_ready.wait()
+                    if request_id in self._user_aborts:
+                        finish = "abort"
+                        break
+                part_id = f"{request_id}@{n}" if n else request_id
+                self._parts[request_id] = part_id
+                load_aborts = self._load_aborts
+                budget = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(ids))
+                part_ids, part_logprobs, part_versions, finish = await self._generate_part(prompt_ids + ids, budget, part_id)
+                boundary = len(ids)
+                ids += part_ids
+                logprobs += part_logprobs
+                versions += part_versions
+                # vLLM checks stop strings in a part's own text: one may straddle the two parts.
+                if n and sampling.stop and (end := self._stop_across(ids, boundary, sampling.stop)) is not None:
+                    del ids[end:], logprobs[end:], versions[end:]
+                    finish = "stop"
+                    break
+                if finish != "abort" or self._load_aborts == load_aborts or request_id in self._user_aborts:
+                    break
+                if len(ids) >= sampling.max_tokens:
+                    finish = "length"
+                    break
+        finally:
+            self._parts.pop(request_id, None)
+            self._user_aborts.discard(request_id)
+        check_weights_complete(self.policy_version)
+        self.stats.generated_tokens += len(ids)
+        version = self.policy_version
+        return TokenOutput(
+            ids,
+            logprobs,
+            finish if finish in ("stop", "length") else "abort",
+            policy_version=version,
+            versions=versions if any(v != version for v in versions) else [],
+        )
+
+    async def _generate_part(self, prompt_ids: list[int], sampling: SamplingParams, part_id: str) -> tuple[list[int], list[float], list[int], str]:
+        """One vLLM request: its token ids, their log-probs, the policy version of each and vLLM's finish reason."""
         from vllm.inputs import TokensPrompt
 
-        self.stats.request_started()
+        submitted = self.policy_version
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(sampling), request_id):
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(sampling), part_id):
             final = out
         if final is None or not final.outputs:
-            return TokenOutput([], [], "abort", policy_version=self.policy_version)
+            return [], [], [], "abort"
         c = final.outputs[0]
         ids = list(c.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(ids, c.logprobs or [])]
-        if len(logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(ids)} tokens (request {request_id})")
-        self.stats.generated_tokens += len(ids)
-        finish = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-        return TokenOutput(ids, logprobs, finish, policy_version=self.policy_version)
+        versions = self._token_versions(getattr(c, "weight_versions", None), len(ids), submitted)
+        if not len(logprobs) == len(versions) == len(ids):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs and {len(versions)} weight versions "
+                               f"for {len(ids)} tokens (request {part_id})")
+        return ids, logprobs, versions, c.finish_reason
+
+    def _token_versions(self, spans, num_tokens: int, submitted: int) -> list[int]:
+        """The policy version of each token from vLLM's weight-version spans. A vLLM that reports
+        none gets every token counted as of the version at submission: too old where a load came
+        between, never too new."""
+        if spans is None:
+            if submitted != self.policy_version and not self._warned_no_spans:
+                log.warning("this vLLM reports no weight-version spans: the tokens of requests that straddle a weight "
+                            "load count as generated by the older version")
+                self._warned_no_spans = True
+            return [submitted] * num_tokens
+        return [_policy_version(span.version) for span in spans for _ in range(span.start, span.end)]
+
+    def _stop_across(self, ids: list[int], boundary: int, stops: tuple[str, ...]) -> int | None:
+        """Where a stop string that starts before `boundary` and ends after it completes (the
+        number of tokens to keep), or None. A stop string of k characters spans at most k tokens."""
+        tokenizer = self.llm.get_tokenizer()
+        reach = max(map(len, stops))
+        start = max(0, boundary - reach)
+        head = len(tokenizer.decode(ids[start:boundary]))  # characters before the boundary
+        for end in range(boundary + 1, min(len(ids), boundary + reach) + 1):
+            text = tokenizer.decode(ids[start:end])
+            if any(text.find(stop, max(0, head - len(stop) + 1)) >= 0 for stop in stops):
+                return end
+        return None
 
     async def abort(self, request_id: str) -> bool:
-        await self.llm.abort(request_id)
+        if request_id in self._parts:
+            self._user_aborts.add(request_id)
+        await self.llm.abort(self._parts.get(request_id, request_id))
         return True
 
     # -- weights and memory --------------------------------------------------------------------
@@ -181,15 +276,32 @@ class VLLMEngine:
 
     async def receive_weights(self, version: int, timeout_s: float) -> int:
         """Take one sync from the trainer into the live engine: pause, load bucket by bucket in the
-        workers, reset the prefix cache (its KV was computed by the old weights), resume."""
-        mode = self.weight_sync_pause
+        workers, reset the prefix cache (its KV was computed by the old weights), label the weights
+        with `version`, resume. vLLM tags each step's tokens with the label it held and changes it
+        only while paused, so the tokens before the load and after it are told apart exactly."""
+        mode = self.pause_mode
+        self._weights_ready.clear()
+        if mode == "abort":  # counted before the pause is sent: a part submitted after this is queued, not aborted
+            self._load_aborts += 1
         await self.llm.pause_generation(mode=mode, clear_cache=False)
         try:
             counts = await self.llm.collective_rpc("raytool_receive_weights", args=(version, timeout_s))
+            for count in counts:
+                if isinstance(count, dict):
+                    raise WeightSyncError.from_fields(count["error"])
             await self.llm.reset_prefix_cache(reset_running_requests=mode == "keep")
+            if hasattr(self.llm, "update_weight_version"):  # vLLMs without it report no spans (see _token_versions)
+                await self.llm.update_weight_version(str(version))
             self.policy_version = version
+        except BaseException:
+            # Some weights may be new and some old: serve nothing (requests frozen in flight are
+            # ended, new ones refused) until a sync completes.
+            self.policy_version = INCOMPLETE
+            await self.llm.abort(list(self._parts.values()))
+            raise
         finally:
             await self.llm.resume_generation()
+            self._weights_ready.set()
         return int(counts[0])
 
     async def sleep(self) -> None:
@@ -222,6 +334,11 @@ class VLLMEngine:
         for path in segments:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _policy_version(label: str) -> int:
+    """raytool's policy version from vLLM's weight label ('default': the weights it started with)."""
+    return 0 if label == "default" else int(label)
 
 
 def _shared_memory_segments() -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from raytool.weightsync import WeightReceiver
+from raytool.weightsync import WeightReceiver, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,10 @@ class WeightSyncExtension:
             receiver = self._raytool_receiver = WeightReceiver(host)
         return receiver.address
 
-    def raytool_receive_weights(self, version: int, timeout_s: float) -> int:
+    def raytool_receive_weights(self, version: int, timeout_s: float) -> int | dict:
         """Load one sync bucket by bucket with the model's own `load_weights` (it maps HF names to
-        vLLM's fused parameters and keeps this rank's shard); returns how many tensors came.
+        vLLM's fused parameters and keeps this rank's shard); returns how many tensors came, or a
+        failed sync's WeightSyncError as {"error": its fields} (vLLM's RPC would keep only its text).
 
         The load is bracketed by vLLM's layerwise reload: after the first load vLLM post-processes
         weights into kernel-specific layouts (the CPU backend repacks linear weights, quantized
@@ -50,12 +51,16 @@ class WeightSyncExtension:
         loaded = 0
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            for bucket in self._raytool_receiver.receive(version, timeout_s):
-                model.load_weights(bucket)
-                loaded += len(bucket)
-                if tied:
-                    _load_tied_lm_head(model, bucket)
-            finalize_layerwise_reload(model, self.model_config)
+            try:
+                for bucket in self._raytool_receiver.receive(version, timeout_s):
+                    model.load_weights(bucket)
+                    loaded += len(bucket)
+                    if tied:
+                        _load_tied_lm_head(model, bucket)
+            except WeightSyncError as exc:
+                return {"error": exc.fields()}
+            finally:
+                finalize_layerwise_reload(model, self.model_config)
         log.debug("weights v%d: %d tensors in %.2fs", version, loaded, time.perf_counter() - start)
         return loaded
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
+import random
 import time
 from collections import Counter
 
@@ -165,3 +167,16 @@ class PooledBackend:
         if backend_stats is not None:
             out["backend"] = backend_stats()
         return out
+
+
+class LognormalDelay:
+    """Seconds drawn from a lognormal with the given median and 95th percentile (seeded): the long
+    tail of a remote sandbox's latency, for benchmarks and chaos runs on the local backend."""
+
+    def __init__(self, median_s: float, p95_s: float, seed: int = 0):
+        self.mu = math.log(median_s)
+        self.sigma = math.log(p95_s / median_s) / 1.6448536269514722  # the standard normal's 95th percentile
+        self.rng = random.Random(seed)
+
+    def sample(self) -> float:
+        return self.rng.lognormvariate(self.mu, self.sigma)

@@ -19,7 +19,6 @@ buckets are small headers) sends each receiver a header whose route is itself.
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 import msgspec
@@ -117,12 +116,40 @@ def align(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
 
-class ChecksumError(RuntimeError):
+class WeightSyncError(RuntimeError):
+    """A weight sync that failed at one bucket, as a value a driver can act on: the version, the
+    bucket, the receiver addresses the failure points at, and what happened (`kind`):
+    undelivered (a bucket could not be handed to `addresses`), no_ack (`addresses` did not confirm
+    an in-place bucket), starved (the bucket never reached `addresses`: someone upstream failed),
+    sender_gone, out_of_order, checksum."""
+
+    def __init__(self, message: str, *, version: int, bucket: int, addresses: tuple[str, ...] = (), kind: str):
+        super().__init__(message)
+        self.version, self.bucket, self.addresses, self.kind = version, bucket, tuple(addresses), kind
+
+    def __reduce__(self):  # survives pickling (Ray) with its fields
+        return _rebuild, (type(self), str(self), self.version, self.bucket, self.addresses, self.kind)
+
+    def fields(self) -> dict:
+        """What another process needs to raise it again (across vLLM's worker RPC, which keeps only text)."""
+        return {"message": str(self), "version": self.version, "bucket": self.bucket, "addresses": list(self.addresses), "kind": self.kind}
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "WeightSyncError":
+        error_type = {"checksum": ChecksumError}.get(fields["kind"], WeightSyncTimeout if fields["kind"] in TIMEOUT_KINDS else WeightSyncError)
+        return error_type(fields["message"], version=fields["version"], bucket=fields["bucket"], addresses=tuple(fields["addresses"]), kind=fields["kind"])
+
+
+TIMEOUT_KINDS = ("undelivered", "no_ack", "starved", "sender_gone")
+
+
+class WeightSyncTimeout(WeightSyncError, TimeoutError):
+    """A weight sync that ran out of time waiting on `addresses`."""
+
+
+def _rebuild(cls, message, version, bucket, addresses, kind):
+    return cls(message, version=version, bucket=bucket, addresses=addresses, kind=kind)
+
+
+class ChecksumError(WeightSyncError):
     """A bucket's payload does not match its header's checksum: corrupted on the named hop."""
-
-
-def undelivered_address(message: str) -> str | None:
-    """The receiver address a weight-sync TimeoutError could not deliver to (None for another
-    error): lets a driver map a chain's failure to the server that holds that address."""
-    found = re.search(r"could not deliver bucket \d+ to (\S+) ", message)
-    return found.group(1) if found else None

@@ -17,7 +17,7 @@ import zmq
 
 from raytool.weightsync import same_node
 from raytool.weightsync.protocol import (
-    DTYPES, Ack, BucketHeader, ChecksumError, Piece, checksum, decode_cuda, decode_header, decode_shm, encode,
+    DTYPES, Ack, BucketHeader, ChecksumError, Piece, WeightSyncError, WeightSyncTimeout, checksum, decode_cuda, decode_header, decode_shm, encode,
 )
 
 
@@ -50,18 +50,18 @@ class WeightReceiver:
         seen: set[str] = set()  # shared-memory files this sync used
         while True:
             if not self._sock.poll(int(timeout_s * 1000)):
-                raise TimeoutError(
+                raise WeightSyncTimeout(
                     f"weight sync v{version}: bucket {expected} did not reach {self.address} within "
-                    f"{timeout_s:g}s; it was to come from {upstream}"
+                    f"{timeout_s:g}s; it was to come from {upstream}", version=version, bucket=expected, addresses=(self.address,), kind="starved",
                 )
             header_frame, *payload = self._sock.recv_multipart(copy=False)
             header = decode_header(header_frame.bytes)
             if header.version < version:
                 continue  # left over from a sync that failed half-way: drop it
             if header.version != version or header.index != expected:
-                raise RuntimeError(
+                raise WeightSyncError(
                     f"weight sync: expected v{version} bucket {expected}, got v{header.version} bucket {header.index} "
-                    f"from {header.upstream()}"
+                    f"from {header.upstream()}", version=version, bucket=expected, addresses=(self.address,), kind="out_of_order",
                 )
             upstream = header.upstream()
             shared = self._shared_buffer(header, payload, seen)  # None for kind "bytes"
@@ -69,7 +69,8 @@ class WeightReceiver:
             if checksum(read) != header.checksum:
                 raise ChecksumError(
                     f"weight sync v{version}: bucket {header.index} failed its checksum on the hop {upstream} -> "
-                    f"{self.address}: its bytes changed on the way; sync again, and check that link if it repeats"
+                    f"{self.address}: its bytes changed on the way; sync again, and check that link if it repeats",
+                    version=version, bucket=header.index, addresses=(self.address,), kind="checksum",
                 )
             self._forward(header, payload, timeout_s)
             if shared is None:
@@ -83,7 +84,8 @@ class WeightReceiver:
                 self._ack(header, timeout_s)
             if header.last:
                 if partial:
-                    raise RuntimeError(f"weight sync v{version}: the last bucket came before the rest of {', '.join(partial)}")
+                    raise WeightSyncError(f"weight sync v{version}: the last bucket came before the rest of {', '.join(partial)}",
+                                          version=version, bucket=header.index, addresses=(self.address,), kind="out_of_order")
                 self._segments = {path: buf for path, buf in self._segments.items() if path in seen}  # a new sender's files replace an old one's
                 return
             expected += 1
@@ -110,19 +112,20 @@ class WeightReceiver:
         try:
             sock.send_multipart([encode(msgspec.structs.replace(header, hop=header.hop + 1)), *payload], copy=False)
         except zmq.Again:
-            raise TimeoutError(
+            raise WeightSyncTimeout(
                 f"weight sync v{header.version}: could not deliver bucket {header.index} to {successor} within "
                 f"{timeout_s:g}s (forwarding from {self.address}): that receiver is down, not listening, or not "
-                "reading; check its server"
+                "reading; check its server", version=header.version, bucket=header.index, addresses=(successor,), kind="undelivered",
             ) from None
 
     def _ack(self, header: BucketHeader, timeout_s: float) -> None:
         try:
             self._peer(header.ack_to, timeout_s).send(encode(Ack(header.version, header.index, self.address)))
         except zmq.Again:
-            raise TimeoutError(
+            raise WeightSyncTimeout(
                 f"weight sync v{header.version}: the sender's ack socket {header.ack_to} did not take the ack "
-                f"of bucket {header.index} within {timeout_s:g}s (the sender is gone?)"
+                f"of bucket {header.index} within {timeout_s:g}s (the sender is gone?)",
+                version=header.version, bucket=header.index, kind="sender_gone",
             ) from None
 
     def _peer(self, address: str, timeout_s: float) -> zmq.Socket:

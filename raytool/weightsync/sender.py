@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from raytool.weightsync import same_node
-from raytool.weightsync.protocol import DTYPES, Ack, BucketHeader, Piece, ShmBuffer, align, checksum, decode_ack, encode
+from raytool.weightsync.protocol import DTYPES, Ack, BucketHeader, Piece, ShmBuffer, WeightSyncTimeout, align, checksum, decode_ack, encode
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class WeightSender:
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         """Stream every tensor to every receiver; returns bytes, buckets and seconds. Raises
-        TimeoutError naming the receiver that did not take a bucket in time."""
+        WeightSyncTimeout naming the receiver that did not take a bucket in time."""
         start = time.perf_counter()
         tensors = iter(named_tensors)
         first = next(tensors, None)
@@ -269,20 +269,21 @@ class WeightSender:
         while (waiting := set(self.addresses) - acked.get(index, set())):
             left = deadline - time.monotonic()
             if left <= 0 or not self._acks.poll(int(left * 1000)):
-                raise TimeoutError(
+                raise WeightSyncTimeout(
                     f"weight sync v{version}: no ack for bucket {index} from {', '.join(sorted(waiting))} "
-                    f"within {self.send_timeout_s:g}s (that receiver failed to load it or is stuck)"
+                    f"within {self.send_timeout_s:g}s (that receiver failed to load it or is stuck)",
+                    version=version, bucket=index, addresses=tuple(sorted(waiting)), kind="no_ack",
                 )
             ack: Ack = decode_ack(self._acks.recv())
             if ack.version == version:  # an older one is left over from a sync that failed
                 acked.setdefault(ack.index, set()).add(ack.address)
         acked.pop(index)
 
-    def _undelivered(self, version: int, index: int, address: str) -> TimeoutError:
-        return TimeoutError(
+    def _undelivered(self, version: int, index: int, address: str) -> WeightSyncTimeout:
+        return WeightSyncTimeout(
             f"weight sync v{version}: could not deliver bucket {index} to {address} within "
             f"{self.send_timeout_s:g}s (from the sender {self.origin}): that receiver is down, not "
-            "listening, or not reading; check its server"
+            "listening, or not reading; check its server", version=version, bucket=index, addresses=(address,), kind="undelivered",
         )
 
     def _socket(self, address: str) -> zmq.Socket:

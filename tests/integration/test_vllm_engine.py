@@ -2,10 +2,14 @@
 
 Log-probs agree with the trainer's at the rollout temperature, weights streamed over the real ZMQ
 path change what the live engine generates (and restoring them restores its outputs exactly), a
-paused engine holds requests and resumes them, stop ids and strings end a request.
+weight load mid-request splits its tokens between the two versions exactly (continued, or aborted
+and resubmitted: a second engine), a paused engine holds requests and resumes them, stop ids and
+strings end a request.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -20,20 +24,40 @@ PROMPTS = [[1, 4093, 198, 2020, 800], [1, 9690, 198, 2683, 30, 17, 9, 44]]
 LOGPROB_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model_path):
+def _start_server(name: str, model_path: str, **options):
+    """A RolloutServer with a vLLM engine: (actor, weight-receiver addresses)."""
     import ray
 
     from actors.common import actor_options
     from actors.rollout_server import RolloutServer
 
     actor = RolloutServer.options(**actor_options(0)).remote(
-        "rollout-test", tiny_model_path, "vllm", {"dtype": "float32", "max_batch_size": 16, "cpu_kv_cache_gb": 1}
+        name, model_path, "vllm", {"dtype": "float32", "max_batch_size": 16, "cpu_kv_cache_gb": 1, **options}
     )
-    addresses = ray.get(actor.ready.remote())
-    yield actor, addresses
+    return actor, ray.get(actor.ready.remote())
+
+
+def _stop_server(actor) -> None:
+    import ray
+
     ray.get(actor.shutdown.remote())
     ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_model_path):
+    """partial_rollout=continue (the default): requests in flight at a weight load are frozen and continued."""
+    actor, addresses = _start_server("rollout-test", tiny_model_path)
+    yield actor, addresses
+    _stop_server(actor)
+
+
+@pytest.fixture(scope="module")
+def abort_server(ray_cluster, tiny_model_path):
+    """partial_rollout=abort: requests in flight at a weight load are aborted and submitted again."""
+    actor, addresses = _start_server("rollout-test-abort", tiny_model_path, partial_rollout="abort")
+    yield actor, addresses
+    _stop_server(actor)
 
 
 def _generate(actor, prompts, sampling):
@@ -54,11 +78,39 @@ def _trainer_logprobs(model, prompt: list[int], response: list[int], temperature
     return logp
 
 
-def test_engine_logprobs_match_the_trainer_at_the_rollout_temperature(server, tiny_model_path):
+def _perturbed(weights: dict, seed: int) -> dict:
+    """Every matrix (the tied embedding / LM head included) plus noise of half its std."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim > 1 else v for k, v in weights.items()}
+
+
+def _hf_model(path: str, weights: dict | None = None):
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if weights is not None:
+        model.load_state_dict(weights, strict=False)
+    return model
+
+
+def _sync(actor, addresses, weights: dict, version: int) -> None:
+    """Stream `weights` to the server as `version` over ZMQ, as the trainer does."""
+    import ray
+
+    from raytool.weightsync import WeightSender
+
+    sender = WeightSender(addresses, bucket_bytes=4 << 20)  # several buckets
+    try:
+        ack = actor.receive_weights.remote(version, 60.0)
+        sender.send(weights.items(), version)
+        ray.get(ack)
+    finally:
+        sender.close()
+
+
+def test_engine_logprobs_match_the_trainer_at_the_rollout_temperature(server, tiny_model_path):
     actor, _ = server
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    model = _hf_model(tiny_model_path)
     for temperature in (1.0, 0.6):
         outs = _generate(actor, PROMPTS, SamplingParams(max_tokens=12, temperature=temperature, seed=7))
         for prompt, out in zip(PROMPTS, outs):
@@ -93,7 +145,6 @@ def test_weights_streamed_over_zmq_change_the_live_engine_and_restore_exactly(se
     engine's outputs exactly."""
     import ray
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from raytool.weightsync import WeightSender
 
@@ -101,10 +152,8 @@ def test_weights_streamed_over_zmq_change_the_live_engine_and_restore_exactly(se
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     before = _generate(actor, PROMPTS, greedy)
     original = load_file(f"{tiny_model_path}/model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim > 1 else v for k, v in original.items()}
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    model.load_state_dict(perturbed, strict=False)
+    perturbed = _perturbed(original, seed=0)
+    model = _hf_model(tiny_model_path, perturbed)
     sender = WeightSender(addresses, bucket_bytes=4 << 20)  # several buckets
     try:
         ack = actor.receive_weights.remote(11, 60.0)
@@ -124,6 +173,47 @@ def test_weights_streamed_over_zmq_change_the_live_engine_and_restore_exactly(se
         assert ray.get(actor.health.remote())["policy_version"] == 12
     finally:
         sender.close()
+
+
+LONG_PROMPTS = PROMPTS + [[1, 2683, 30, 17], [1, 800, 23313, 429, 216, 33]]
+
+
+@pytest.mark.parametrize("engine", ["server", "abort_server"])
+def test_a_weight_load_mid_request_splits_its_tokens_between_the_versions_exactly(engine, request, tiny_model_path):
+    """Long requests with a weight load in the middle: each token's version switches once, from the
+    old to the new, and its log-prob is the old model's before the switch and the new one's after
+    (continue: the frozen request's KV is recomputed on the new weights; abort: the request is
+    submitted again with its tokens so far, and still gets its whole token budget)."""
+    import ray
+    from safetensors.torch import load_file
+
+    actor, addresses = request.getfixturevalue(engine)
+    original = load_file(f"{tiny_model_path}/model.safetensors")
+    new_weights = _perturbed(original, seed=1)
+    old_model, new_model = _hf_model(tiny_model_path), _hf_model(tiny_model_path, new_weights)
+    old = ray.get(actor.health.remote())["policy_version"]
+    sampling = SamplingParams(max_tokens=160, temperature=1.0)
+    start = time.perf_counter()
+    _generate(actor, LONG_PROMPTS, sampling)
+    took = time.perf_counter() - start
+    refs = [actor.generate.remote(p, sampling, f"straddle-{engine}-{i}") for i, p in enumerate(LONG_PROMPTS)]
+    time.sleep(took / 3)  # about a third of each request's tokens on the old weights
+    _sync(actor, addresses, new_weights, old + 1)
+    outs = ray.get(refs, timeout=120)
+    _sync(actor, addresses, original, old + 2)  # the other tests expect the original weights
+    # This random model gives its EOS about 1/49152 per token: a request that drew it is left out.
+    finished = [(p, o) for p, o in zip(LONG_PROMPTS, outs) if o.finish_reason == "length"]
+    assert finished, [o.finish_reason for o in outs]
+    for prompt, out in finished:
+        versions = out.token_versions()
+        assert len(out.token_ids) == len(out.logprobs) == len(versions) == 160 and out.policy_version == old + 1
+        k = versions.count(old)
+        assert 0 < k < 160 and versions == [old] * k + [old + 1] * (160 - k), versions
+        with torch.no_grad():
+            expected = torch.cat([_trainer_logprobs(old_model, prompt, out.token_ids)[:k],
+                                  _trainer_logprobs(new_model, prompt, out.token_ids)[k:]])
+        diff = (expected - torch.tensor(out.logprobs)).abs()
+        assert diff.max().item() < LOGPROB_ATOL, f"switch at {k}: worst token {diff.argmax().item()}, |diff| {diff.max().item():.2e}"
 
 
 def test_a_paused_engine_holds_requests_and_resumes_them(server):
@@ -156,12 +246,12 @@ def test_a_stop_string_ends_a_request_at_the_token_that_completes_it(server, tin
     assert pieces[k].strip() in tok.decode(out.token_ids)
 
 
-def test_abort_ends_a_running_request(server):
-    import time
-
+@pytest.mark.parametrize("engine", ["server", "abort_server"])
+def test_abort_ends_a_running_request(engine, request):
+    """Also where weight loads abort requests to submit them again: abort() is the caller's and final."""
     import ray
 
-    actor, _ = server
+    actor, _ = request.getfixturevalue(engine)
     ref = actor.generate.remote(PROMPTS[0], SamplingParams(max_tokens=1500, temperature=1.0), "long-one")
     time.sleep(1.0)
     assert ray.get(actor.abort.remote("long-one"))
