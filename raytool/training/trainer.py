@@ -189,12 +189,13 @@ class Trainer:
 
     # -- the optimizer -------------------------------------------------------------------------------
 
-    def _global_sum(self, value: float) -> float:
+    def _global_sums(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks, in one all-reduce."""
         if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return t.item()
+        return t.tolist()
 
     def _optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
@@ -255,28 +256,31 @@ class Trainer:
         skip_zero_adv = getattr(loss_fn, "zero_advantage_is_noop", False) and not kl_on and a.entropy_coeff == 0
         active = {id(x) for x in seqs if x.adv != 0.0 or not skip_zero_adv}  # the rest would add exactly nothing
         sums: dict[str, torch.Tensor] = {}  # metric -> token-weighted sum, then its weight
+        orders = [torch.randperm(len(seqs)).tolist() for _ in range(a.ppo_epochs)]
+        minis = [[seqs[i] for i in order[m :: a.mini_batches]] for order in orders for m in range(a.mini_batches)]
+        # The step's collectives, besides FSDP's own and the micro-batch plans' (_plan): the KL
+        # penalty above (when on), the mini-batches' loss normalizers and the batch's counts here
+        # in one all-reduce, the metrics in one at the end (_reduce_metrics, then the token count).
+        # Normalizers count every sequence of a mini-batch on every rank, skipped ones too.
+        counts = self._global_sums([v for mini in minis for v in (sum(sum(x.mask) for x in mini), len(mini))] + [len(active), len(seqs)])
         tokens, grad_norms = 0, []
         lr = self._rl_lr()
-        for _ in range(a.ppo_epochs):
-            order = torch.randperm(len(seqs)).tolist()
-            for m in range(a.mini_batches):
-                mini = [seqs[i] for i in order[m :: a.mini_batches]]
-                # Normalizers count every sequence of the mini-batch on every rank, skipped ones too.
-                n_tokens = max(self._global_sum(sum(sum(x.mask) for x in mini)), 1.0)
-                n_seqs = max(self._global_sum(len(mini)), 1.0)
-                lr = self._rl_lr()
-                for group in self._plan([x for x in mini if id(x) in active] if skip_zero_adv else mini):
-                    tokens += sum(len(x.ids) for x in group)
-                    self._rl_micro_step(group, on_policy, n_tokens, n_seqs, sums)
-                grad_norms.append(self._optimizer_step(lr))
-                self.rl_updates += 1
+        for k, mini in enumerate(minis):
+            n_tokens, n_seqs = max(counts[2 * k], 1.0), max(counts[2 * k + 1], 1.0)
+            lr = self._rl_lr()
+            for group in self._plan([x for x in mini if id(x) in active] if skip_zero_adv else mini):
+                tokens += sum(len(x.ids) for x in group)
+                self._rl_micro_step(group, on_policy, n_tokens, n_seqs, sums)
+            grad_norms.append(self._optimizer_step(lr))
+            self.rl_updates += 1
         out = self._reduce_metrics(sums)
         out.update(metrics)
+        (tokens,) = self._global_sums([tokens])
         elapsed = time.perf_counter() - start
         out.update({
             "actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": lr, "adv/abs_mean": adv.abs().mean().item(),
-            "actor/skipped_seq_frac": 1.0 - self._global_sum(len(active)) / max(self._global_sum(len(seqs)), 1.0),
-            "perf/train_tokens_per_s": self._global_sum(tokens) / max(elapsed, 1e-9),
+            "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
+            "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9),
         })
         return out
 
@@ -343,7 +347,7 @@ class Trainer:
         """Token-mean cross-entropy where loss_mask is 1 over `examples` (this rank's slice); with
         train=True the gradients are accumulated. Returns (global loss, global token count)."""
         seqs = [_Seq(ids=e.input_ids, mask=e.loss_mask[1:]) for e in examples]
-        n_tokens = max(self._global_sum(sum(sum(s.mask) for s in seqs)), 1.0)
+        n_tokens = max(self._global_sums([sum(sum(s.mask) for s in seqs)])[0], 1.0)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.set_grad_enabled(train):
             for group in self._plan(seqs):
@@ -353,7 +357,7 @@ class Trainer:
                 if train:
                     (loss * self.world_size).backward()
                 total += loss.detach().double()
-        return self._global_sum(float(total)), n_tokens
+        return self._global_sums([float(total)])[0], n_tokens
 
     def sft_step(self, examples: list[SFTExample], lr: float) -> dict:
         """One supervised step on this rank's slice of a batch."""
