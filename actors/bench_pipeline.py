@@ -100,6 +100,7 @@ def _report(cfg: RunConfig, rows: dict[int, list[dict]], steps: int, repeats: in
             "staleness_token_mean": _mean(timed, "staleness/token_mean"),
             "staleness_token_max": max(r["staleness/token_max"] for r in timed),
             "dropped_stale": sum(r["rollout/groups_dropped_stale"] for r in timed),
+            "trained_seq_frac": 1.0 - _mean(timed, "actor/skipped_seq_frac"),  # training time follows it: all-equal groups are skipped
         }
     sync = per_mode[0]
     ideal_s = max(sync["wait_s"], sync["train_s"] + sync["sync_s"])  # in the synchronous loop the wait is the generation time

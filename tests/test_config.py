@@ -1,8 +1,9 @@
+import re
 from pathlib import Path
 
 import pytest
 
-from raytool.config import ConfigError, RunConfig, load_config
+from raytool.config import ConfigError, RunConfig, load_config, to_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,3 +61,24 @@ def test_rollout_engine_keys_are_checked():
         load_config(None, ["rollout.max_model_len=0"])
     with pytest.raises(ConfigError, match=r"rollout.engine.*\['vllm', 'hf'\]"):
         load_config(None, ["rollout.engine=sglang"])
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["async.max_staleness=-1"], "async.max_staleness"),
+    (["async.max_staleness=1", "rollout.engine=hf"], "async.partial_rollout"),
+    (["async.max_staleness=2", "rollout.top_p=0.9"], "rollout.top_p"),
+    (["async.max_staleness=2", "rollout.top_k=20"], "rollout.top_k"),
+    (["algorithm.rollout_correction.rollout_is_threshold=1.0"], "algorithm.rollout_correction.rollout_is_threshold"),
+    (["algorithm.rollout_correction.rollout_rs_threshold_lower=2.5"], "algorithm.rollout_correction.rollout_rs_threshold"),
+    (["async.partial_rollout=later"], "async.partial_rollout"),
+])
+def test_asynchronous_settings_that_cannot_hold_name_their_key(overrides, key):
+    with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
+        load_config(None, overrides)
+
+
+def test_asynchronous_settings_load_under_their_yaml_names():
+    cfg = load_config(None, ["async.max_staleness=2", "async.partial_rollout=abort", "algorithm.rollout_correction.rollout_rs=token"])
+    assert cfg.async_.max_staleness == 2 and cfg.async_.partial_rollout == "abort" and cfg.algorithm.rollout_correction.rollout_rs == "token"
+    assert "async:\n  max_staleness: 2" in to_yaml(cfg)
+    assert load_config(None, ["async.max_staleness=1", "rollout.engine=hf", "async.partial_rollout=wait"]).async_.max_staleness == 1
