@@ -263,10 +263,11 @@ class RolloutStream:
         return set(ready)
 
     def _drop_stale(self) -> None:
-        keep = [g for g in self.done if self.version - g.min_version <= self.k]
-        self.dropped_stale += len(self.done) - len(keep)
-        self._dropped("stale", [g for g in self.done if g not in keep])
-        self.done = keep
+        stale = [g for g in self.done if self.version - g.min_version > self.k]
+        if stale:
+            self.dropped_stale += len(stale)
+            self._dropped("stale", stale)
+            self.done = [g for g in self.done if self.version - g.min_version <= self.k]
 
     def _dropped(self, reason: str, groups: list[RolloutGroup]) -> None:
         if groups:
@@ -287,10 +288,13 @@ class RolloutStream:
         self.clock.trainer_wait_s += time.perf_counter() - start
         self.done.sort(key=lambda g: g.seq)
         taken, self.done = self.done[: self.per_step], self.done[self.per_step :]
-        gave_up_empty = not taken and self.filtered
+        gave_up_empty = not taken
         if gave_up_empty:  # nothing to learn from in any round: train on the last wave (its advantages are all zero)
-            taken = sorted(self.filtered, key=lambda g: g.seq)[-self.per_step :]
-            self.outcomes["dropped"]["zero_variance"] = [k for k in self.outcomes["dropped"]["zero_variance"] if k not in {g.key for g in taken}]
+            unrecorded = self.outcomes["dropped"].get("zero_variance", [])  # not yet in a ledger entry
+            taken = [g for g in sorted(self.filtered, key=lambda g: g.seq) if g.key in unrecorded][-self.per_step :]
+            if not taken:
+                raise RuntimeError(f"step {step}: no group to train on (algorithm.max_sampling_rounds={self.max_rounds} waves, every group dropped)")
+            self.outcomes["dropped"]["zero_variance"] = [k for k in unrecorded if k not in {g.key for g in taken}]
         self.outcomes["trained"] += [g.key for g in taken]
         metrics = self._metrics(taken, kept=0 if gave_up_empty else len(taken))
         self._reset_step_counts()
