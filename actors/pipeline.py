@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import ray
+from tqdm import tqdm
 
 from actors.checkpoint import find_checkpoint, load_buffer, save_checkpoint
 from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
@@ -28,8 +29,8 @@ from raytool.data import PromptLoader, load_conversations, sft_examples
 from raytool.data.prompts import PromptRow
 from raytool.data.task import Task, load_task
 from raytool.errors import RaytoolError
-from raytool.ledger import Ledger
 from raytool.evaluation import table as eval_table
+from raytool.ledger import Ledger
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
@@ -208,11 +209,15 @@ def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: 
                          dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, version=version)
 
 
-def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState) -> tuple[dict, RolloutBatch]:
+def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState, progress: bool = False) -> tuple[dict, RolloutBatch]:
     """One GRPO step: take a batch from the stream, train on it while the stream goes on, publish
-    the new weights (state.version + 1) -> (the step's metrics, the batch)."""
+    the new weights (state.version + 1) -> (the step's metrics, the batch). `progress`: a bar on
+    stderr while the trainer waits for its batch."""
     step_start = time.perf_counter()
-    batch, batch_metrics = stream.next_batch(step)
+    with tqdm(total=stream.per_step * graph.cfg.rollout.n, desc=f"rollout step {step}", unit="traj", disable=not progress, leave=False) as bar:
+        stream.on_finished = bar.update
+        batch, batch_metrics = stream.next_batch(step)
+        stream.on_finished = None
     rollout_s = time.perf_counter() - step_start
 
     train_start = time.perf_counter()
@@ -283,7 +288,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
         stream.restore(list(state.redo), buffered)
         ledger = Ledger(run_dir, resume_step=state.step if checkpoint is not None else None)
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
-            metrics, batch = grpo_step(graph, stream, step, state)
+            metrics, batch = grpo_step(graph, stream, step, state, progress=cfg.logging.progress)
             every = cfg.eval.every
             if every and task.val and (step % every == 0 or step == cfg.trainer.total_steps):
                 metrics.update(validate(graph, cfg, task, step))

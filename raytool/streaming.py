@@ -210,6 +210,7 @@ class RolloutStream:
         self.waves = 0  # waves started in this step
         self.seq = 0
         self.clock = _Clock()
+        self.on_finished: Callable[[int], Any] | None = None  # told the trajectories of each group that finishes (a progress bar)
         self.outcomes: dict = {"drawn": [], "trained": [], "dropped": {}}  # for the ledger, since the last entry
         self._reset_step_counts()
 
@@ -254,6 +255,8 @@ class RolloutStream:
             r = self.running.pop(ref)
             group = RolloutGroup(r.key, r.seq, r.row, r.ref, stats, r.version)
             self.finished.append(group)
+            if self.on_finished is not None:
+                self.on_finished(len(stats))
             if self.dynamic and not group.rewards_vary():
                 self.filtered.append(group)
                 self._dropped("zero_variance", [group])
