@@ -175,3 +175,32 @@ def test_hf_engine_takes_a_weight_sync_over_zmq(engine):
         for n, p in engine.model.named_parameters():
             if n in before:
                 p.copy_(before[n])
+
+
+def test_an_engine_whose_weight_load_failed_serves_nothing_until_a_sync_completes(tiny_model_path):
+    """No bucket comes (the sender died): the load times out, the engine may hold half old, half
+    new weights, so it refuses requests; the next complete sync makes it serve again."""
+    from raytool.weightsync import WeightSender, WeightSyncTimeout
+
+    engine = HFEngine(tiny_model_path, seed=0)
+    sampling = SamplingParams(max_tokens=2, temperature=0.0)
+
+    async def scenario():
+        (address,) = await engine.bind_weight_receivers("127.0.0.1")
+        with pytest.raises(WeightSyncTimeout) as failed:
+            await engine.receive_weights(3, 0.3)
+        assert failed.value.kind == "starved" and failed.value.addresses == (address,)
+        with pytest.raises(RuntimeError, match="last weight load failed half-way"):
+            await engine.generate([1, 2, 3], sampling, "refused")
+        sender = WeightSender([address], bucket_bytes=1 << 20)
+        try:
+            named = [(n, p.detach().clone()) for n, p in engine.model.named_parameters()]
+            receiving = asyncio.create_task(engine.receive_weights(4, 30.0))
+            await asyncio.to_thread(sender.send, named, 4)
+            await receiving
+        finally:
+            sender.close()
+        return await engine.generate([1, 2, 3], sampling, "served")
+
+    out = asyncio.run(scenario())
+    assert len(out.token_ids) == 2 and out.policy_version == 4
