@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 import msgspec
 
@@ -110,6 +111,27 @@ def _eval(cfg, args) -> int:
     return 0
 
 
+def _resume_path(args) -> str | Path | None:
+    """What --resume points at: a checkpoint or run directory; `latest`: --run-dir, else the newest run."""
+    if getattr(args, "resume", None) != "latest":
+        return getattr(args, "resume", None)
+    from actors.checkpoint import latest_run_dir  # lazy: the Ray layer
+
+    return args.run_dir or latest_run_dir()
+
+
+def _config_path(args) -> str | Path | None:
+    """-c, or for a resume without it the run's own config.yaml (not the embedded default)."""
+    if args.config is not None or _resume_path(args) is None:
+        return args.config
+    resume = Path(_resume_path(args))
+    for run_dir in (resume, resume.parent.parent):  # a run directory, or a checkpoint in its checkpoints/
+        if (run_dir / "config.yaml").is_file():
+            logging.getLogger(__name__).info("resuming with the run's config: %s", run_dir / "config.yaml")
+            return run_dir / "config.yaml"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come after flags too (`raytool bench rollout --json rollout.n=2`), which
@@ -136,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        cfg = load_config(args.config, args.overrides)
-    except (ConfigError, OSError) as exc:
+        cfg = load_config(_config_path(args), args.overrides)
+    except (ConfigError, OSError, RaytoolError) as exc:
         print(f"raytool: {exc}", file=sys.stderr)
         return 2
     if args.command == "config":
@@ -162,12 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return _eval(cfg, args)
-        from actors import pipeline  # lazy: the CLI's only import of the Ray layer
-        from actors.checkpoint import latest_run_dir
+        from actors import pipeline  # lazy: the CLI's imports of the Ray layer
 
-        resume = args.resume
-        if resume == "latest":
-            resume = args.run_dir or latest_run_dir()
+        resume = _resume_path(args)
         if args.command == "sft":
             from actors.sft import run_sft
 

@@ -83,3 +83,22 @@ def test_preprocess_reports_bad_rows_and_unknown_names(capsys, tmp_path):
     assert "4 converted, 1 skipped" in out and "gsm8k.jsonl line 5" in out and (tmp_path / "g.parquet").is_file()
     assert main(["preprocess", "mmlu", "--input", str(sources / "gsm8k.jsonl"), "--output", str(tmp_path / "m.parquet")]) == 2
     assert "dapo_math_17k" in capsys.readouterr().err
+
+
+def test_a_resume_without_a_config_takes_the_runs_own(tmp_path):
+    """`raytool train --resume RUN` without -c continues with RUN/config.yaml, not the embedded
+    default; -c still wins, and dotted overrides still apply on top."""
+    import argparse
+
+    from raytool.cli import _config_path
+    from raytool.config import load_config, to_yaml
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(load_config(None, ["trainer.total_steps=7", "async.max_staleness=2"])))
+    for resume in (run_dir, run_dir / "checkpoints" / "step_2"):
+        path = _config_path(argparse.Namespace(config=None, resume=str(resume), run_dir=None))
+        assert path == run_dir / "config.yaml"
+        assert load_config(path, ["trainer.lr=1e-5"]).trainer.total_steps == 7
+    assert _config_path(argparse.Namespace(config="other.yaml", resume=str(run_dir), run_dir=None)) == "other.yaml"
+    assert _config_path(argparse.Namespace(config=None, resume=None, run_dir=None)) is None
