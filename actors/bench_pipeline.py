@@ -37,8 +37,7 @@ def _with_bench_settings(cfg: RunConfig) -> RunConfig:
     s = cfg.sandbox
     if not s.added_latency_median_s:
         s = msgspec.structs.replace(s, added_latency_median_s=0.3, added_latency_p95_s=2.0)
-    return msgspec.structs.replace(cfg, sandbox=s, async_=msgspec.structs.replace(cfg.async_, max_staleness=max(MODES)),
-                                   logging=msgspec.structs.replace(cfg.logging, progress=False))
+    return msgspec.structs.replace(cfg, sandbox=s, async_=msgspec.structs.replace(cfg.async_, max_staleness=max(MODES)))
 
 
 def _segment(graph, cfg: RunConfig, loader: PromptLoader, k: int, version: int, steps: int) -> tuple[list[dict], int]:

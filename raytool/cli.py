@@ -120,11 +120,11 @@ def _resume_path(args) -> str | Path | None:
     return args.run_dir or latest_run_dir()
 
 
-def _config_path(args) -> str | Path | None:
-    """-c, or for a resume without it the run's own config.yaml (not the embedded default)."""
-    if args.config is not None or _resume_path(args) is None:
+def _config_path(args, resume: str | Path | None) -> str | Path | None:
+    """-c, or for a resume (`resume`: _resume_path's) without it the run's own config.yaml (not the embedded default)."""
+    if args.config is not None or resume is None:
         return args.config
-    resume = Path(_resume_path(args))
+    resume = Path(resume)
     for run_dir in (resume, resume.parent.parent):  # a run directory, or a checkpoint in its checkpoints/
         if (run_dir / "config.yaml").is_file():
             logging.getLogger(__name__).info("resuming with the run's config: %s", run_dir / "config.yaml")
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        cfg = load_config(_config_path(args), args.overrides)
+        resume = _resume_path(args)
+        cfg = load_config(_config_path(args, resume), args.overrides)
     except (ConfigError, OSError, RaytoolError) as exc:
         print(f"raytool: {exc}", file=sys.stderr)
         return 2
@@ -186,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(cfg, args)
         from actors import pipeline  # lazy: the CLI's imports of the Ray layer
 
-        resume = _resume_path(args)
         if args.command == "sft":
             from actors.sft import run_sft
 

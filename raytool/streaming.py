@@ -22,6 +22,7 @@ group finished first.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +32,7 @@ from raytool.types import Trajectory, generated_versions
 
 def trajectory_stats(t: Trajectory) -> dict:
     """The small per-trajectory summary the driver keeps (the trajectories stay in the object store)."""
-    versions = generated_versions(t)
-    counts: dict[int, int] = {}
-    for v in versions:
-        counts[v] = counts.get(v, 0) + 1
+    counts = dict(Counter(generated_versions(t)))
     return {
         "reward": t.reward,
         "acc": t.reward_extra.get("acc", float(t.reward > 0)),

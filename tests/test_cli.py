@@ -97,8 +97,8 @@ def test_a_resume_without_a_config_takes_the_runs_own(tmp_path):
     (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
     (run_dir / "config.yaml").write_text(to_yaml(load_config(None, ["trainer.total_steps=7", "async.max_staleness=2"])))
     for resume in (run_dir, run_dir / "checkpoints" / "step_2"):
-        path = _config_path(argparse.Namespace(config=None, resume=str(resume), run_dir=None))
+        path = _config_path(argparse.Namespace(config=None), str(resume))
         assert path == run_dir / "config.yaml"
         assert load_config(path, ["trainer.lr=1e-5"]).trainer.total_steps == 7
-    assert _config_path(argparse.Namespace(config="other.yaml", resume=str(run_dir), run_dir=None)) == "other.yaml"
-    assert _config_path(argparse.Namespace(config=None, resume=None, run_dir=None)) is None
+    assert _config_path(argparse.Namespace(config="other.yaml"), str(run_dir)) == "other.yaml"
+    assert _config_path(argparse.Namespace(config=None), None) is None

@@ -3,6 +3,7 @@ KL, LoRA, checkpoints. On the tiny random model, in fp32 on the CPU unless a tes
 
 import math
 
+import msgspec
 import pytest
 import torch
 import torch.distributed as dist
@@ -233,8 +234,8 @@ def test_asynchronous_mode_weights_each_token_by_the_truncated_trainer_engine_ra
         with torch.no_grad():
             logp, _ = probe.policy(lay.input_ids, lay.select, lay.labels, temperature=1.0)
         exact.append(logp.flatten().tolist())
-    same = [msgspec_replace(t, rollout_logprobs=lp) for t, lp in zip(BATCH, exact)]
-    stale = [msgspec_replace(t, rollout_logprobs=[x - 5.0 for x in lp]) for t, lp in zip(BATCH, exact)]
+    same = [msgspec.structs.replace(t, rollout_logprobs=lp) for t, lp in zip(BATCH, exact)]
+    stale = [msgspec.structs.replace(t, rollout_logprobs=[x - 5.0 for x in lp]) for t, lp in zip(BATCH, exact)]
     asynchronous = ["async.max_staleness=1", "async.partial_rollout=wait", "trainer.grad_clip=1e9"]  # gradients as computed, not clipped
     sync_metrics, sync_grads = _grads(_trainer(tiny_model_path, "trainer.grad_clip=1e9"), same)
     metrics, grads = _grads(_trainer(tiny_model_path, *asynchronous), same)
@@ -247,9 +248,3 @@ def test_asynchronous_mode_weights_each_token_by_the_truncated_trainer_engine_ra
     assert metrics["rollout_corr/mismatch_k1"] == pytest.approx(-5.0, abs=1e-3)
     for i in sync_grads:
         torch.testing.assert_close(grads[i], 2.0 * sync_grads[i], rtol=1e-3, atol=1e-7)
-
-
-def msgspec_replace(struct, **changes):
-    import msgspec
-
-    return msgspec.structs.replace(struct, **changes)
