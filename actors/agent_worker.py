@@ -1,23 +1,36 @@
-"""AgentLoopWorker: runs many trajectories concurrently (one asyncio task each) and scores them."""
+"""AgentLoopWorker: runs many trajectories concurrently (one asyncio task each) and scores them.
+
+Failures around a trajectory are recorded on it, not raised: a sandbox pool that died (the call
+raises; Ray restarts the pool) or lost the trajectory's session is a `sandbox_error` the loop turns
+into `infra_failed`; a scoring call that raises or outlives `reward.call_timeout_s` is tried on
+the next reward worker, `reward.retries` times, and then marks the trajectory infra-failed with
+the cause. The driver rolls such a group out again (`rollout.max_group_retries`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
 import itertools
+import logging
+import uuid
 import zlib
 
 import msgspec
 import ray
 
+from actors.common import until_alive
 from raytool.agent.loop import reward_view
 from raytool.agent.registry import get_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig, RunConfig
+from raytool.errors import one_line
 from raytool.streaming import trajectory_stats
 from raytool.tools.code_interpreter import CodeInterpreterTool
 from raytool.tools.registry import ToolSet, load_tool_config
 from raytool.types import Message, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 def build_toolset(agent: AgentConfig, tokenizer, executor) -> ToolSet:
@@ -38,6 +51,12 @@ class AgentLoopWorker:
         self.manager = manager
         self.sandbox_pools = sandbox_pools
         self.reward_workers = itertools.cycle(reward_workers)
+        self.num_reward_workers = len(reward_workers)
+        # Sandbox sessions are named per attempt of a trajectory and per worker process, so a group
+        # rolled out again (here, or after this worker was restarted) never meets its earlier state.
+        self.nonce = uuid.uuid4().hex[:8]
+        self.sessions: dict[str, str] = {}  # trajectory id -> its sandbox session
+        self.started: set[str] = set()  # sessions that have run a cell
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.toolset = build_toolset(cfg.agent, tokenizer, self._execute)
         self.renderer = ChatRenderer(tokenizer, tools=self.toolset.schemas if cfg.agent.format == "hermes" else None,
@@ -49,35 +68,72 @@ class AgentLoopWorker:
         # A stable hash: every cell of a trajectory reaches the pool that holds its session.
         return self.sandbox_pools[zlib.crc32(session.encode()) % len(self.sandbox_pools)]
 
-    async def _execute(self, code: str, session: str):
-        return await self._pool(session).execute.remote(code, session)
+    async def _execute(self, code: str, uid: str):
+        session = self.sessions.get(uid, uid)
+        continuing = session in self.started
+        self.started.add(session)
+        pool = self._pool(session)
+        try:
+            return await pool.execute.remote(code, session, continuing)
+        except ray.exceptions.RayActorError:
+            # The pool died: Ray restarts it. A session's first cell runs again there; a later cell's
+            # interpreter state is gone, which the tool answers as a sandbox error (infra-failed).
+            if continuing or not await until_alive(pool):
+                raise
+            return await pool.execute.remote(code, session, False)
+
+    async def _score(self, traj: Trajectory, ground_truth: str, extra: dict) -> None:
+        """Score `traj` on the next reward worker; a call that raises or outlives reward.call_timeout_s
+        is tried again on the next one, up to reward.retries times, then the trajectory is infra-failed."""
+        r = self.cfg.reward
+        view = reward_view(traj, self.cfg.agent.max_response_tokens)
+        for attempt in range(r.retries + 1):
+            worker = next(self.reward_workers)
+            call = worker.score.remote(view, ground_truth, extra)
+            try:
+                traj.reward, traj.reward_extra = await asyncio.wait_for(call, r.call_timeout_s)
+                return
+            except asyncio.TimeoutError:
+                ray.cancel(call)
+                cause = f"no reward within reward.call_timeout_s={r.call_timeout_s:g}s"
+            except ray.exceptions.RayActorError as exc:  # the worker died: Ray restarts it
+                cause = one_line(exc)
+                await until_alive(worker)
+            except Exception as exc:  # the fn raised (a RewardError naming it)
+                cause = one_line(exc)
+            log.warning("scoring %s failed (attempt %d of %d): %s", traj.uid, attempt + 1, r.retries + 1, cause)
+        traj.infra_failure, traj.finish_reason = f"reward: {cause}", "infra_failed"
 
     async def _one(self, messages: list[Message], ground_truth: str, uid: str, group_id: str, agent_name: str,
-                   extra: dict, rollout: RolloutConfig) -> Trajectory:
+                   extra: dict, rollout: RolloutConfig, attempt: int) -> Trajectory:
         async def generate(prompt_ids, sampling, request_id, session):
             return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, group_id)
 
         loop = get_agent_loop(agent_name)(self.renderer, self.toolset.tools, generate, self.cfg.agent, rollout)
+        session = self.sessions[uid] = f"{uid}@{self.nonce}.{attempt}"
         async with self.slots:
             try:
                 traj = await loop.run(messages, ground_truth, uid, group_id)
             finally:  # whatever happened, the trajectory's interpreter and routing state are released
                 self.manager.end_session.remote(uid)
-                self._pool(uid).close_session.remote(uid)
+                del self.sessions[uid]
+                if session in self.started:
+                    self.started.discard(session)
+                    self._pool(session).close_session.remote(session)
         traj.agent_name = agent_name
-        # Score now, while sibling trajectories are still rolling out.
-        traj.reward, traj.reward_extra = await next(self.reward_workers).score.remote(
-            reward_view(traj, self.cfg.agent.max_response_tokens), ground_truth, extra)
+        if not traj.infra_failure:  # score now, while sibling trajectories are still rolling out
+            await self._score(traj, ground_truth, extra)
         return traj
 
     @ray.method(num_returns=2)
     async def run_group(self, messages: list[Message], ground_truth: str, group_id: str, n: int, agent_name: str | None = None,
-                        extra: dict | None = None, sampling: dict | None = None):
+                        extra: dict | None = None, sampling: dict | None = None, attempt: int = 0):
         """n samples of one prompt (a GRPO group) -> (trajectories, their small stats).
         `extra` goes to the reward fn (data_source, extra_info); `sampling` overrides rollout keys
-        (validation samples with its own temperature)."""
+        (validation samples with its own temperature); `attempt`: how many times the group was
+        rolled out before (same ids, so the same sampling seeds)."""
         name = agent_name or self.cfg.agent.default_agent
         extra = extra or {}
         rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
-        trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id, name, extra, rollout) for i in range(n)))
+        trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id, name, extra, rollout, attempt) for i in range(n)))
         return list(trajs), [trajectory_stats(t) for t in trajs]

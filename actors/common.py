@@ -1,8 +1,13 @@
-"""What every actor is started with: quiet library logging, offline hub, and sized resources."""
+"""What every actor is started with: quiet library logging, offline hub, and sized resources; and
+how a caller waits for an actor Ray is restarting."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+
+import ray
 
 ACTOR_ENV = {
     "HF_HUB_OFFLINE": "1",  # weights never come from a hub at run time
@@ -36,3 +41,41 @@ def actor_options(num_cpus: float = 0.0, num_gpus: float = 0.0, accelerator: str
     if resources:
         options["resources"] = resources
     return options
+
+
+# How long a caller waits for an actor Ray restarts after its process died (a light actor's
+# constructor: a tokenizer load, a sandbox pool's warm sessions).
+RESTART_WAIT_S = 120.0
+_RESTARTING = (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError)
+
+
+def wait_until_alive(actor, timeout_s: float = RESTART_WAIT_S) -> bool:
+    """Block until `actor` answers again -> True; False once it is dead for good (its restarts used
+    up) or `timeout_s` ran out. While Ray restarts an actor, calls to it fail at once
+    (ActorUnavailableError) instead of waiting, so a retry sent without this would be spent at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            return True
+        except ray.exceptions.ActorDiedError:
+            return False
+        except _RESTARTING:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
+async def until_alive(actor, timeout_s: float = RESTART_WAIT_S) -> bool:
+    """`wait_until_alive` for callers inside an asyncio actor (the event loop keeps running)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await asyncio.wait_for(actor.__ray_ready__.remote(), max(0.1, deadline - time.monotonic()))
+            return True
+        except ray.exceptions.ActorDiedError:
+            return False
+        except (ray.exceptions.ActorUnavailableError, asyncio.TimeoutError):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.2)

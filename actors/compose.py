@@ -24,7 +24,7 @@ import ray
 from tqdm import tqdm
 
 from actors.agent_worker import AgentLoopWorker
-from actors.common import actor_options
+from actors.common import actor_options, wait_until_alive
 from actors.llm_manager import LLMManager
 from actors.reward_worker import RewardWorker
 from actors.rollout_server import RolloutServer
@@ -36,6 +36,7 @@ from raytool.device import engine_dtype
 from raytool import placement
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
+from raytool.streaming import GroupFailed
 from raytool.weightsync import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,34 @@ class Graph:
     namespace: str = ""  # the Ray namespace its named actors live in
     _next_worker: itertools.cycle = field(init=False, repr=False)
 
+    _group_worker: dict = field(init=False, repr=False, default_factory=dict)  # stats ref of a running group -> its agent worker
+
     def __post_init__(self):
         self._next_worker = itertools.cycle(self.agent_workers)
 
-    def submit_group(self, row: PromptRow, group_id: str, n: int | None = None, sampling: dict | None = None):
+    def submit_group(self, row: PromptRow, group_id: str, n: int | None = None, sampling: dict | None = None, attempt: int = 0):
         """Start one GRPO group (n samples of the row, rollout.n by default) on the next agent worker
-        -> (trajectories ref, stats ref). `sampling`: rollout keys to override, e.g. {"temperature": 1.0}."""
+        -> (trajectories ref, stats ref). `sampling`: rollout keys to override, e.g. {"temperature": 1.0};
+        `attempt`: the group's earlier rollouts (a retry after an infrastructure failure goes to
+        another worker where there is one)."""
         worker = next(self._next_worker)
         messages = with_system_prompt(row.prompt, self.cfg.agent.system_prompt)
         extra = {"data_source": row.data_source, "extra_info": row.extra_info}
-        return worker.run_group.remote(messages, row.ground_truth, group_id, n or self.cfg.rollout.n, row.agent_name, extra, sampling)
+        refs = worker.run_group.remote(messages, row.ground_truth, group_id, n or self.cfg.rollout.n, row.agent_name, extra, sampling, attempt)
+        self._group_worker[refs[1]] = worker
+        return refs
+
+    def group_result(self, stats_ref) -> list[dict] | GroupFailed:
+        """A finished group's stats, or GroupFailed with the cause when its agent worker died (or
+        raised) instead of returning them. A worker that died is waited for while Ray restarts it,
+        so the group's retry is not spent on a worker that refuses calls until it is back."""
+        worker = self._group_worker.pop(stats_ref, None)
+        try:
+            return ray.get(stats_ref)
+        except ray.exceptions.RayError as exc:
+            if isinstance(exc, ray.exceptions.RayActorError) and worker is not None:
+                wait_until_alive(worker)
+            return GroupFailed(one_line(exc))
 
     def rollout(self, rows: list[PromptRow], prefix: str = "g", progress: str | None = None,
                 n: int | None = None, sampling: dict | None = None) -> tuple[list[dict], list]:
@@ -79,6 +98,8 @@ class Graph:
                 ready, pending = ray.wait(pending, num_returns=1)
                 bar.update(n * len(ready))
         stats = ray.get(stats_refs)
+        for ref in stats_refs:
+            self._group_worker.pop(ref, None)
         for g, group in enumerate(stats):
             for x in group:
                 x["group"] = g
@@ -183,9 +204,13 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         servers, affinity_slack=r.affinity_slack, request_timeout_s=r.request_timeout_s, probe_interval_s=r.health_probe_interval_s
     )
     sandbox_pools = build_sandbox_pools(cfg, options)
-    reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light)).remote(cfg.reward) for i in range(cfg.reward.num_workers)]
+    # A dead agent worker, reward worker or sandbox pool is restarted by Ray; the calls it had in
+    # flight fail, and their callers retry (the stream rolls the group out again, the agent worker
+    # scores on the next reward worker, a cell's trajectory is infra-failed and its group retried).
+    restarts = {"max_restarts": cfg.cluster.max_actor_restarts, "max_task_retries": 0}
+    reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward) for i in range(cfg.reward.num_workers)]
     agent_workers = [
-        AgentLoopWorker.options(**options(f"agent-worker-{i}", light)).remote(model_path, manager, sandbox_pools, reward_workers, cfg)
+        AgentLoopWorker.options(**options(f"agent-worker-{i}", light), **restarts).remote(model_path, manager, sandbox_pools, reward_workers, cfg)
         for i in range(cfg.agent.num_workers)
     ]
     actors = {**servers, "llm-manager": manager, **{f"sandbox-pool-{i}": p for i, p in enumerate(sandbox_pools)},
@@ -283,7 +308,7 @@ def build_sandbox_pools(cfg: RunConfig, options=None) -> list:
               "memory_mb": s.memory_mb, "breaker_failures": s.breaker_failures, "breaker_reset_s": s.breaker_reset_s}
     return [
         SandboxPool.options(**options(f"sandbox-pool-{i}", cfg.cluster.light_actor_cpus, resources=dict(s.pool_resources)),
-                            max_concurrency=s.max_concurrency + s.max_queue + 16).remote(
+                            max_concurrency=s.max_concurrency + s.max_queue + 16, max_restarts=cfg.cluster.max_actor_restarts, max_task_retries=0).remote(
             f"sandbox-pool-{i}", s.backend, sandbox_backend_options(s), added_latency=(s.added_latency_median_s, s.added_latency_p95_s),
             seed=cfg.trainer.seed + i, **limits
         )

@@ -7,6 +7,7 @@ which case RAY_ADDRESS points at the cluster and the driver attaches to it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -19,6 +20,7 @@ import msgspec
 import ray
 from tqdm import tqdm
 
+from actors.agent_worker import build_toolset
 from actors.checkpoint import find_checkpoint, load_buffer, save_checkpoint
 from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
 from actors.evaluate import evaluate
@@ -26,11 +28,11 @@ from actors.metrics import record_step
 from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import ConfigError, RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
-from raytool.data.prompts import PromptRow
+from raytool.data.prompts import PromptRow, drop_too_long, with_system_prompt
 from raytool.data.task import Task, load_task
 from raytool.errors import RaytoolError
 from raytool.evaluation import table as eval_table
-from raytool.ledger import Ledger
+from raytool.ledger import Ledger, outcome_metrics
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
@@ -102,9 +104,18 @@ def serving_metrics(graph: Graph, server_stats: dict) -> dict:
 
 
 def sandbox_metrics(graph: Graph) -> dict:
-    """The sandbox pools' side of a step: queue depth, latency and outcomes (cumulative counts)."""
-    pools = ray.get([p.stats.remote() for p in graph.sandbox_pools])
-    metrics = {
+    """The sandbox pools' side of a step: queue depth, latency and outcomes (cumulative counts since
+    each pool started); a pool that is being restarted is counted in `sandbox/pools_down`."""
+    pools, down = [], 0
+    for pool in graph.sandbox_pools:
+        try:
+            pools.append(ray.get(pool.stats.remote(), timeout=30))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # Ray is restarting it
+            down += 1
+    metrics = {"sandbox/pools_down": down}
+    if not pools:
+        return metrics
+    metrics |= {
         "sandbox/queue_depth": sum(p["queue_depth"] for p in pools),
         "sandbox/latency_p50_s": max(p["latency_p50_s"] for p in pools),
         "sandbox/latency_p99_s": max(p["latency_p99_s"] for p in pools),
@@ -184,29 +195,63 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with run_log(run_dir):
+        task = fitting_prompts(cfg, task, model_path, tokenizer)
         connect(address or cfg.cluster.address)
         log.info("run directory: %s", run_dir.resolve())
         train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint)
     return run_dir
 
 
+def context_length(cfg: RunConfig, model_path: str) -> int | None:
+    """The longest prompt + response a rollout engine takes: rollout.max_model_len, else the model's own limit."""
+    if cfg.rollout.max_model_len is not None:
+        return cfg.rollout.max_model_len
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+
+
+def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer) -> Task:
+    """`task` without the prompts that cannot fit the engine's context with the response budget,
+    each split's left-out rows named in one warning line (counted in `data/prompts_too_long`)."""
+    context = context_length(cfg, model_path)
+    if context is None:
+        return task
+    tools = build_toolset(cfg.agent, tokenizer, None).schemas if cfg.agent.format == "hermes" else None
+    renderer = ChatRenderer(tokenizer, tools=tools, template_kwargs=cfg.agent.chat_template_kwargs)
+
+    def prompt_tokens(row: PromptRow) -> int:
+        return len(renderer.prompt_ids(with_system_prompt(row.prompt, cfg.agent.system_prompt)))
+
+    budget = cfg.agent.max_response_tokens
+    train, warned = drop_too_long(task.train, prompt_tokens, context, budget, "training data")
+    if warned:
+        log.warning(warned)
+    val, warned_val = drop_too_long(task.val, prompt_tokens, context, budget, "validation data")
+    if warned_val:
+        log.warning(warned_val)
+    if not train:
+        raise RaytoolError(f"raytool: no training prompt fits: {warned}")
+    return dataclasses.replace(task, train=train, val=val, too_long=len(task.train) - len(train))
+
+
 def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: int) -> RolloutStream:
     """The streaming rollout core on this run's actors (see raytool.streaming)."""
 
-    def submit(row: PromptRow, key: str):
-        return graph.submit_group(row, key)
+    def submit(row: PromptRow, key: str, attempt: int):
+        return graph.submit_group(row, key, attempt=attempt)
 
     def wait(stats_refs: list, also: list) -> tuple[dict, list]:
         everything = stats_refs + also
         ray.wait(everything, num_returns=1)
         ready, _ = ray.wait(everything, num_returns=len(everything), timeout=0)
         ready = set(ready)
-        finished = [ref for ref in stats_refs if ref in ready]
-        return dict(zip(finished, ray.get(finished))), [ref for ref in also if ref in ready]
+        return {ref: graph.group_result(ref) for ref in stats_refs if ref in ready}, [ref for ref in also if ref in ready]
 
     a = cfg.algorithm
     return RolloutStream(cfg.data.prompts_per_step, cfg.async_.max_staleness, loader.next_batch, submit, wait,
-                         dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, version=version)
+                         dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, version=version,
+                         max_retries=cfg.rollout.max_group_retries)
 
 
 def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState, progress: bool = False) -> tuple[dict, RolloutBatch]:
@@ -292,8 +337,10 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             every = cfg.eval.every
             if every and task.val and (step % every == 0 or step == cfg.trainer.total_steps):
                 metrics.update(validate(graph, cfg, task, step))
+            outcomes = stream.take_outcomes()
+            metrics.update(outcome_metrics(outcomes), **{"data/prompts_too_long": task.too_long})
             tracker.log(metrics)
-            ledger.record(step, **stream.take_outcomes())
+            ledger.record(step, **outcomes)
             if cfg.logging.trace_samples:
                 tracker.trace(step, ray.get(batch.refs[0])[: cfg.logging.trace_samples], tokenizer.decode)
             redo, waiting = stream.unfinished()

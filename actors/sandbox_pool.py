@@ -32,11 +32,11 @@ class SandboxPool:
             raise RaytoolError(f"raytool: sandbox pool {self.name} ({self.backend_name}) failed to start: {exc}") from None
         return self.pool.stats()
 
-    async def execute(self, code: str, session: str | None = None) -> ExecResult:
+    async def execute(self, code: str, session: str | None = None, continuing: bool = False) -> ExecResult:
         start = time.perf_counter()
         if self.added_latency is not None:
             await asyncio.sleep(self.added_latency.sample())
-        result = await self.pool.execute(code, session)
+        result = await self.pool.execute(code, session, continuing)
         self.metrics.cell_done(result.status, time.perf_counter() - start)
         return result
 

@@ -87,6 +87,7 @@ class RolloutConfig(_Section):
     request_timeout_s: float = 600.0  # a generate call slower than this ejects its server; retried elsewhere
     affinity_slack: int = 8  # GRPO siblings share a server unless it has more than this many requests in flight beyond the least busy
     max_restarts: int = 3  # Ray restarts of a server whose process died (then re-synced and re-admitted)
+    max_group_retries: int = 2  # a GRPO group hit by an infrastructure failure (sandbox, engine, reward fn or a worker that died) is rolled out again this many times, same seeds; then it is left out of the loss and recorded as failed
     health_probe_interval_s: float = 5.0  # how often the manager probes ejected servers for re-admission
 
 
@@ -140,6 +141,8 @@ class RewardConfig(_Section):
     fn: str = "math"  # registered reward (boxed_match: exact; math: 1/0 by math-verify; retool: +1/-1 shaped) or `path/to/file.py:function`
     num_workers: int = 1  # RewardWorker actors
     timeout_s: float = 5.0  # per-answer math-verify limit; a timed-out answer scores as wrong (metric verify_timeout)
+    call_timeout_s: float = 60.0  # one scoring call to a reward worker; a call that raises or outlives this is retried on the next worker
+    retries: int = 1  # scoring calls tried again after one failed (then the trajectory is infra-failed, never scored as wrong)
     tool_call_bonus: float = 0.1  # retool: added to a wrong answer's -1 per tool call (verl's ReTool recipe: 0.1)
     wrong_score_cap: float = -0.6  # retool: a wrong answer never scores above this, however many tool calls (< 1)
     format_penalty: float = 0.0  # subtracted when the fn reports has_answer=0: no final answer in a known format (0: off)
@@ -244,6 +247,7 @@ class ClusterConfig(_Section):
     namespace: str | None = None  # Ray namespace of the run's actors (None: raytool-<run directory name>-<6 random hex digits>)
     wait_for_resources_s: float = 0.0  # an autoscaling cluster: wait this long for nodes before a missing resource is an error (0: fail at once)
     placement_timeout_s: float = 600.0  # the trainer's placement group not placed by then is an error naming what it waits for
+    max_actor_restarts: int = 10  # Ray restarts of an agent worker, reward worker or sandbox pool whose process died (-1: no limit); their work is retried
 
 
 class RunConfig(_Section):
@@ -398,8 +402,14 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'sandbox.added_latency_p95_s': expected a median >= 0 and a 95th percentile >= it, "
                           f"got {s.added_latency_median_s} and {s.added_latency_p95_s}")
     r = cfg.reward
-    if not r.timeout_s > 0:
-        raise ConfigError(f"{source}: config key 'reward.timeout_s': expected a positive number of seconds, got {r.timeout_s}")
+    for key in ("timeout_s", "call_timeout_s"):
+        if not getattr(r, key) > 0:
+            raise ConfigError(f"{source}: config key 'reward.{key}': expected a positive number of seconds, got {getattr(r, key)}")
+    for key, value in {"reward.retries": r.retries, "rollout.max_group_retries": cfg.rollout.max_group_retries}.items():
+        if value < 0:
+            raise ConfigError(f"{source}: config key '{key}': expected a count >= 0, got {value}")
+    if cfg.cluster.max_actor_restarts < -1:
+        raise ConfigError(f"{source}: config key 'cluster.max_actor_restarts': expected a count >= 0, or -1 for no limit, got {cfg.cluster.max_actor_restarts}")
     if r.wrong_score_cap >= 1.0:
         raise ConfigError(f"{source}: config key 'reward.wrong_score_cap': must be < 1 (a correct answer's score) so a wrong answer never scores as high, got {r.wrong_score_cap}")
     for key in ("tool_call_bonus", "format_penalty", "overlong_buffer_tokens", "overlong_penalty_factor"):

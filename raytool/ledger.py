@@ -1,7 +1,8 @@
 """RUN_DIR/ledger.jsonl: what became of every prompt group a run drew. One line per step: the
-groups drawn, trained and dropped (with the reason); a last line names those still unfinished
-when the run ended. A resumed run first cuts the lines after its checkpoint's step (those steps
-are done again), so at the end every drawn group is trained, dropped or unfinished exactly once."""
+groups drawn, trained, dropped (with the reason) and failed (with the cause: an infrastructure
+failure that outlasted rollout.max_group_retries); a last line names those still unfinished when
+the run ended. A resumed run first cuts the lines after its checkpoint's step (those steps are
+done again), so at the end every drawn group is trained, dropped, failed or unfinished exactly once."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ class Ledger:
         with self.path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
 
-    def record(self, step: int, drawn: list[str], trained: list[str], dropped: dict[str, list[str]]) -> None:
-        self._append({"step": step, "drawn": drawn, "trained": trained, "dropped": dropped})
+    def record(self, step: int, drawn: list[str], trained: list[str], dropped: dict[str, list[str]], failed: dict[str, str] | None = None) -> None:
+        self._append({"step": step, "drawn": drawn, "trained": trained, "dropped": dropped, "failed": failed or {}})
 
     def finish(self, step: int, unfinished: list[str]) -> None:
         self._append({"step": step, "unfinished": unfinished})
@@ -42,6 +43,7 @@ def audit(run_dir: Path) -> dict:
         drawn += entry.get("drawn", [])
         outcomes += [(key, "trained") for key in entry.get("trained", [])]
         outcomes += [(key, f"dropped:{reason}") for reason, keys in entry.get("dropped", {}).items() for key in keys]
+        outcomes += [(key, "failed") for key in entry.get("failed", {})]
         outcomes += [(key, "unfinished") for key in entry.get("unfinished", [])]
     seen: dict[str, str] = {}
     for key, outcome in outcomes:
@@ -56,3 +58,13 @@ def audit(run_dir: Path) -> dict:
     for outcome in seen.values():
         counts[outcome] = counts.get(outcome, 0) + 1
     return counts
+
+
+def outcome_metrics(outcomes: dict) -> dict:
+    """A step's ledger entry as metrics: groups drawn, trained, dropped and failed during the step."""
+    return {
+        "ledger/drawn": len(outcomes["drawn"]),
+        "ledger/trained": len(outcomes["trained"]),
+        "ledger/dropped": sum(len(keys) for keys in outcomes["dropped"].values()),
+        "ledger/failed": len(outcomes.get("failed", {})),
+    }

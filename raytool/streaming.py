@@ -17,17 +17,28 @@ Admission, with P = data.prompts_per_step and k = async.max_staleness:
 
 Groups are taken in the order they were submitted, so a step's batch does not depend on which
 group finished first.
+
+Infrastructure failures are never trained as the policy's mistakes. A group that comes back with
+an infra-failed trajectory (`Trajectory.infra_failure`), or not at all (its agent worker died:
+`GroupFailed`), is rolled out again under the same key, so with the same sampling seeds, up to
+`max_retries` times; after that it is recorded as failed with its cause and the step trains on the
+groups it has (no replacement wave is drawn for it). Groups failing again and again without one
+succeeding stop the run with the cause, instead of rolling out forever.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytool.errors import RaytoolError
 from raytool.types import Trajectory, generated_versions
+
+log = logging.getLogger(__name__)
 
 
 def trajectory_stats(t: Trajectory) -> dict:
@@ -46,6 +57,7 @@ def trajectory_stats(t: Trajectory) -> dict:
         "tool_cut_in_fence": t.tool_cut_in_fence,
         "finish_reason": t.finish_reason,
         "verify_timeout": t.reward_extra.get("verify_timeout", 0.0),
+        "infra_failure": t.infra_failure,
         "min_version": min(counts, default=t.policy_version),
         "max_version": max(counts, default=t.policy_version),
         "version_counts": counts,  # generated tokens per policy version
@@ -156,12 +168,31 @@ class RolloutBatch:
 
 
 @dataclass
+class GroupFailed:
+    """What `wait` reports for a group that produced no result (its agent worker died): the cause."""
+
+    cause: str
+
+
+def group_failure(stats: list[dict] | GroupFailed) -> str:
+    """Why a finished group cannot be trained as it is ("": it can)."""
+    if isinstance(stats, GroupFailed):
+        return f"agent worker: {stats.cause}"
+    return next((s["infra_failure"] for s in stats if s.get("infra_failure")), "")
+
+
+@dataclass
 class _Running:
     key: str
     seq: int
     row: Any
     ref: Any
     version: int
+    attempt: int = 0  # rollouts of this group before this one (infrastructure failures)
+
+
+def _no_outcomes() -> dict:
+    return {"drawn": [], "trained": [], "dropped": {}, "failed": {}}
 
 
 @dataclass
@@ -190,15 +221,19 @@ class _Clock:
 class RolloutStream:
     """Admission, the buffer of finished groups and the per-step batch (see the module docstring).
 
-    `submit(row, key) -> (trajectories ref, stats ref)` starts one group; `wait(stats refs, also)`
-    blocks until at least one of them or of `also` is ready and returns ({stats ref: stats} of the
-    finished groups, the ready refs of `also`). `draw()` returns the next P prompt rows."""
+    `submit(row, key, attempt) -> (trajectories ref, stats ref)` starts one group (`attempt`: its
+    earlier rollouts); `wait(stats refs, also)` blocks until at least one of them or of `also` is
+    ready and returns ({stats ref: stats, or GroupFailed} of the finished groups, the ready refs of
+    `also`). `draw()` returns the next P prompt rows."""
 
     def __init__(self, per_step: int, max_staleness: int, draw: Callable[[], list], submit: Callable, wait: Callable,
-                 dynamic_sampling: bool = False, max_rounds: int = 1, version: int = 0):
+                 dynamic_sampling: bool = False, max_rounds: int = 1, version: int = 0, max_retries: int = 2):
         self.per_step, self.k = per_step, max_staleness
         self.draw, self.submit, self.wait = draw, submit, wait
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
+        self.max_retries = max_retries
+        self.failed_in_a_row = 0  # groups failed for good since one succeeded
+        self.failed_unreplaced = 0  # groups failed for good since the last batch was taken: the batch goes without them
         self.version = version  # the trainer's policy version (what new groups start on)
         self.running: dict[Any, _Running] = {}  # stats ref -> group
         self.done: list[RolloutGroup] = []  # finished and kept, not yet trained
@@ -209,13 +244,16 @@ class RolloutStream:
         self.seq = 0
         self.clock = _Clock()
         self.on_finished: Callable[[int], Any] | None = None  # told the trajectories of each group that finishes (a progress bar)
-        self.outcomes: dict = {"drawn": [], "trained": [], "dropped": {}}  # for the ledger, since the last entry
+        self.outcomes: dict = _no_outcomes()  # for the ledger, since the last entry
         self._reset_step_counts()
 
     def _reset_step_counts(self) -> None:
         self.finished: list[RolloutGroup] = []  # everything that finished during this step (metrics)
         self.filtered: list[RolloutGroup] = []  # dropped by dynamic sampling during this step
         self.dropped_stale = 0
+        self.retried = 0  # rollouts started again after an infrastructure failure
+        self.failed = 0  # groups failed for good
+        self.trajs_infra_failed = 0  # infra-failed trajectories among the groups that came back
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -229,16 +267,23 @@ class RolloutStream:
             rows = [(f"s{self.step}r{self.waves}g{i}", row) for i, row in enumerate(self.draw())]
             self.outcomes["drawn"] += [key for key, _ in rows]
         for key, row in rows:
-            traj_ref, stats_ref = self.submit(row, key)
-            self.running[stats_ref] = _Running(key, self.seq, row, traj_ref, self.version)
+            self._submit(_Running(key, self.seq, row, None, self.version))
             self.seq += 1
         self.clock.mark(True)
+
+    def _submit(self, group: _Running) -> None:
+        group.ref, stats_ref = self.submit(group.row, group.key, group.attempt)
+        self.running[stats_ref] = group
+
+    def _needed(self) -> int:
+        """Groups the next batch waits for: P, less those that failed for good since the last batch."""
+        return max(1, self.per_step - self.failed_unreplaced)
 
     def fill(self, waiting: bool = False) -> None:
         """Start every wave admission allows now; `waiting`: the trainer is waiting for groups."""
         while self._ahead() + self.per_step <= (self.k + 1) * self.per_step and self._may_start():
             self._start_wave()
-        if waiting and not self.running and len(self.done) < self.per_step and self._may_start():
+        if waiting and not self.running and len(self.done) < self._needed() and self._may_start():
             self._start_wave()
 
     def _may_start(self) -> bool:
@@ -251,6 +296,11 @@ class RolloutStream:
         finished, ready = self.wait(list(self.running), list(also))
         for ref, stats in finished.items():
             r = self.running.pop(ref)
+            cause = group_failure(stats)
+            if cause:
+                self._failed(r, cause, stats)
+                continue
+            self.failed_in_a_row = 0
             group = RolloutGroup(r.key, r.seq, r.row, r.ref, stats, r.version)
             self.finished.append(group)
             if self.on_finished is not None:
@@ -262,6 +312,25 @@ class RolloutStream:
                 self.done.append(group)
         self.clock.mark(bool(self.running))
         return set(ready)
+
+    def _failed(self, r: _Running, cause: str, stats: list[dict] | GroupFailed) -> None:
+        """A group an infrastructure failure hit: roll it out again (same key, so the same seeds, on the
+        current weights), or after max_retries record it as failed and leave it out of the loss."""
+        if not isinstance(stats, GroupFailed):
+            self.trajs_infra_failed += sum(bool(s.get("infra_failure")) for s in stats)
+        if r.attempt < self.max_retries:
+            self.retried += 1
+            log.warning("group %s: %s; rolling it out again (retry %d of %d)", r.key, cause, r.attempt + 1, self.max_retries)
+            self._submit(_Running(r.key, r.seq, r.row, None, self.version, r.attempt + 1))
+            return
+        log.warning("group %s failed after %d rollouts, left out of the loss: %s", r.key, r.attempt + 1, cause)
+        self.failed += 1
+        self.failed_unreplaced += 1
+        self.failed_in_a_row += 1
+        self.outcomes["failed"][r.key] = cause
+        if self.failed_in_a_row >= 2 * self.per_step:
+            raise RaytoolError(f"raytool: {self.failed_in_a_row} prompt groups in a row failed for infrastructure reasons, each rolled out "
+                               f"{self.max_retries + 1} times (rollout.max_group_retries={self.max_retries}); the last: {cause}")
 
     def _drop_stale(self) -> None:
         stale = [g for g in self.done if self.version - g.min_version > self.k]
@@ -283,13 +352,17 @@ class RolloutStream:
         while True:
             self._drop_stale()
             self.fill(waiting=True)
-            if len(self.done) >= self.per_step or not self.running:
+            if len(self.done) >= self._needed() or not self.running:
                 break
             self._collect()
         self.clock.trainer_wait_s += time.perf_counter() - start
         self.done.sort(key=lambda g: g.seq)
         taken, self.done = self.done[: self.per_step], self.done[self.per_step :]
+        self.failed_unreplaced = 0
         gave_up_empty = not taken
+        if gave_up_empty and not self.filtered:
+            raise RaytoolError(f"raytool: step {step}: no group to train on: every group of the step failed "
+                               f"(rollout.max_group_retries={self.max_retries}); see the warnings above for the causes")
         if gave_up_empty:  # nothing to learn from in any round: train on the last wave (its advantages are all zero)
             unrecorded = self.outcomes["dropped"].get("zero_variance", [])  # not yet in a ledger entry
             taken = [g for g in sorted(self.filtered, key=lambda g: g.seq) if g.key in unrecorded][-self.per_step :]
@@ -309,7 +382,8 @@ class RolloutStream:
             metrics.update({"rollout/sampling_rounds": self.waves, "rollout/prompts_drawn": self.waves * self.per_step, "rollout/groups_kept": kept})
         metrics.update(RolloutBatch(taken, self.version).staleness_metrics())
         metrics.update({"rollout/groups_dropped_stale": self.dropped_stale, "rollout/buffer_depth": len(self.done),
-                        "rollout/groups_in_flight": len(self.running)})
+                        "rollout/groups_in_flight": len(self.running), "rollout/groups_retried": self.retried,
+                        "rollout/groups_failed": self.failed, "rollout/trajs_infra_failed": self.trajs_infra_failed})
         return metrics
 
     def train_while_rolling(self, training: list) -> None:
@@ -333,8 +407,9 @@ class RolloutStream:
         return sorted(self.done, key=lambda g: g.seq)
 
     def take_outcomes(self) -> dict:
-        """What happened since the last call: keys drawn, trained and dropped by reason (a ledger entry)."""
-        out, self.outcomes = self.outcomes, {"drawn": [], "trained": [], "dropped": {}}
+        """What happened since the last call: keys drawn, trained, dropped by reason and failed with
+        their cause (a ledger entry)."""
+        out, self.outcomes = self.outcomes, _no_outcomes()
         return out
 
     # -- resume -------------------------------------------------------------------------------

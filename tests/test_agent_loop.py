@@ -170,14 +170,43 @@ def hermes_loop(renderer, turns, **agent):
     ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', "missing_argument", "b"),
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": "two"}}</tool_call>', "wrong_argument_type", "b"),
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', "unterminated_tag", "never closed"),
-    ('<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(1)"}}</tool_call>', "sandbox_error", "sandbox"),
 ])
 def test_each_hermes_error_kind_is_answered_and_counted(renderer, call, kind, phrase):
     (run, _), _ = hermes_loop(renderer, [call, "\\boxed{3}"])
     traj = run()
     (obs,) = observations(traj)
     assert obs.startswith(f"Error ({kind})") and phrase in obs, obs
-    assert traj.tool_error_kinds == {kind: 1} and traj.finish_reason == "answer"
+    assert traj.tool_error_kinds == {kind: 1} and traj.finish_reason == "answer" and traj.infra_failure == ""
+
+
+def test_a_sandbox_failure_ends_the_trajectory_as_infra_failed_not_as_the_policys_mistake(renderer):
+    """The sandbox answered infra_error after the pool's retries: the trajectory stops there (no
+    observation of the sandbox's failure is trained on), with the cause, and is counted."""
+    call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(1)"}}</tool_call>'
+    (run, calls), _ = hermes_loop(renderer, [call, "\\boxed{3}"])
+    traj = run()
+    assert traj.finish_reason == "infra_failed" and traj.infra_failure == "sandbox: sandbox down"
+    assert observations(traj) == [] and len(calls) == 1  # no second turn was generated
+    assert traj.tool_error_kinds == {"sandbox_error": 1} and sum(traj.response_mask) == len(traj.response_ids)
+
+
+@pytest.mark.parametrize("style", ["tool_message", "in_turn"])
+def test_a_generate_call_that_raises_ends_the_trajectory_as_infra_failed_with_the_tokens_so_far(renderer, style):
+    """The engine rejected the second turn (a prompt past its context): the first turn and its
+    observation are kept, the cause is recorded, nothing is raised."""
+    run, calls = make_loop(renderer, [CALL], observation_style=style)
+    inner = run.loop.generate
+
+    async def generate(prompt_ids, sampling, request_id, session):
+        if calls:
+            raise ValueError("This model's maximum context length is 2048 tokens")
+        return await inner(prompt_ids, sampling, request_id, session)
+
+    run.loop.generate = generate
+    traj = run()
+    assert traj.finish_reason == "infra_failed" and traj.num_turns == 1
+    assert traj.infra_failure == "generate: ValueError: This model's maximum context length is 2048 tokens"
+    assert 0 in traj.response_mask and traj.response_mask[0] == 1  # the call's tokens, then the observation's
 
 
 def test_a_call_python_cannot_decode_is_answered_not_raised(renderer):

@@ -63,3 +63,15 @@ def test_prompt_loader_resumes_where_it_stopped():
     assert [b.next_batch() for _ in range(3)] == rest
     seen = [x for batch in first for x in batch] + rest[0][:2]
     assert sorted(seen) == items  # an epoch visits every item once
+
+
+def test_prompts_that_cannot_fit_the_context_with_the_response_budget_are_left_out_and_named():
+    from raytool.data.prompts import PromptRow, drop_too_long
+    from raytool.types import Message
+
+    rows = [PromptRow(prompt=[Message("user", "x " * n)], ground_truth="1", data_source="d") for n in (10, 500, 20, 900)]
+    kept, line = drop_too_long(rows, lambda row: len(row.prompt[0].content) // 2, context=512, response_budget=256, what="training data")
+    assert kept == [rows[0], rows[2]]
+    assert line == ("training data: 2 of 4 prompts left out: a prompt with agent.max_response_tokens=256 after it does not fit the engine's "
+                    "context of 512 tokens (rollout.max_model_len); rows 1 (500 tokens), 3 (900 tokens)")
+    assert drop_too_long(rows[:1], lambda row: 10, 1024, 256, "x") == (rows[:1], "")

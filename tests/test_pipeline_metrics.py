@@ -1,7 +1,7 @@
 """The streaming rollout core (raytool.streaming) on scripted rollouts: no Ray, milliseconds."""
 
 from raytool.data import PromptLoader
-from raytool.streaming import RolloutStream, rollout_metrics
+from raytool.streaming import GroupFailed, RolloutStream, rollout_metrics
 
 _STAT = {"response_length": 10, "generated_tokens": 10, "num_turns": 1, "tool_calls": 0, "tool_errors": 0, "finish_reason": "answer"}
 
@@ -24,16 +24,19 @@ class _Rollouts:
     groups `per_wait` at a time in submission order (None: all), and reports the trainer's refs done
     once nothing runs or `train_done` is True (None: together with the next groups that finish)."""
 
-    def __init__(self, rewards=lambda key: [1.0, 0.0], per_wait=None):
+    def __init__(self, rewards=lambda key: [1.0, 0.0], per_wait=None, failures=None):
         self.rewards, self.per_wait = rewards, per_wait
+        self.failures = failures or {}  # key -> per attempt: "" (fine), "worker" (its agent worker died) or an infra cause
         self.started: list[str] = []
+        self.attempts: list[tuple[str, int]] = []
         self.version = 0
         self.train_done = False
         self.stream: RolloutStream | None = None
 
-    def submit(self, row, key):
+    def submit(self, row, key, attempt=0):
         self.started.append(key)
-        return f"traj-{key}", (f"stats-{key}", key, self.stream.version)
+        self.attempts.append((key, attempt))
+        return f"traj-{key}", (f"stats-{key}", key, self.stream.version, attempt)
 
     def wait(self, stats_refs, also):
         if also and (self.train_done or not stats_refs):
@@ -42,13 +45,22 @@ class _Rollouts:
         return self._finish(chosen), list(also) if self.train_done is None else []
 
     def _finish(self, chosen):
-        return {ref: [{**_STAT, "reward": r, "acc": r, "min_version": ref[2], "max_version": ref[2], "version_counts": {ref[2]: 10}}
-                      for r in self.rewards(ref[1])] for ref in chosen}
+        out = {}
+        for ref in chosen:
+            script = self.failures.get(ref[1], [])
+            cause = script[ref[3]] if ref[3] < len(script) else ""
+            if cause == "worker":
+                out[ref] = GroupFailed("RayActorError: the actor died unexpectedly")
+                continue
+            out[ref] = [{**_STAT, "reward": r, "acc": r, "min_version": ref[2], "max_version": ref[2], "version_counts": {ref[2]: 10},
+                         "infra_failure": cause if i == 0 else ""} for i, r in enumerate(self.rewards(ref[1]))]
+        return out
 
 
-def _stream(rollouts: _Rollouts, k: int, dynamic: bool = False, rounds: int = 1, per_step: int = 2) -> RolloutStream:
+def _stream(rollouts: _Rollouts, k: int, dynamic: bool = False, rounds: int = 1, per_step: int = 2, retries: int = 2) -> RolloutStream:
     loader = PromptLoader([f"p{i}" for i in range(100)], per_step, seed=0)
-    rollouts.stream = RolloutStream(per_step, k, loader.next_batch, rollouts.submit, rollouts.wait, dynamic_sampling=dynamic, max_rounds=rounds)
+    rollouts.stream = RolloutStream(per_step, k, loader.next_batch, rollouts.submit, rollouts.wait, dynamic_sampling=dynamic, max_rounds=rounds,
+                                    max_retries=retries)
     return rollouts.stream
 
 
@@ -151,3 +163,47 @@ def test_the_ledger_gives_every_drawn_group_exactly_one_outcome_across_a_resume(
     (tmp_path / "ledger.jsonl").write_text("\n".join([*lines, lines[0]]) + "\n")
     with pytest.raises(LedgerError, match="s1r1g1 is both trained and trained"):
         audit(tmp_path)
+
+
+def test_a_group_an_infrastructure_failure_hit_is_rolled_out_again_with_its_key():
+    """A sandbox failure in one sample, then a dead agent worker: the group is submitted again under
+    its key (so the same seeds) and trained from its third rollout; nothing else is drawn."""
+    r = _Rollouts(failures={"s1r1g1": ["sandbox: pool is full", "worker", ""]})
+    stream = _stream(r, k=0)
+    batch, metrics = stream.next_batch(1)
+    assert [g.key for g in batch.groups] == ["s1r1g0", "s1r1g1"]
+    assert r.attempts == [("s1r1g0", 0), ("s1r1g1", 0), ("s1r1g1", 1), ("s1r1g1", 2)]
+    assert metrics["rollout/groups_retried"] == 2 and metrics["rollout/groups_failed"] == 0 and metrics["rollout/trajs_infra_failed"] == 1
+    assert metrics["reward/mean"] == 0.5  # the failed rollouts are in no metric of the policy
+    assert stream.take_outcomes() == {"drawn": ["s1r1g0", "s1r1g1"], "trained": ["s1r1g0", "s1r1g1"], "dropped": {}, "failed": {}}
+
+
+def test_a_group_that_keeps_failing_is_left_out_of_the_loss_and_recorded_with_its_cause(tmp_path):
+    from raytool.ledger import Ledger, audit, outcome_metrics
+
+    r = _Rollouts(failures={"s1r1g0": ["reward: RewardError: boom"] * 3})
+    stream = _stream(r, k=0, retries=2)
+    batch, metrics = stream.next_batch(1)
+    assert [g.key for g in batch.groups] == ["s1r1g1"]  # the step trains on what it has: no replacement wave
+    assert r.started == ["s1r1g0", "s1r1g1", "s1r1g0", "s1r1g0"]
+    assert metrics["rollout/groups_failed"] == 1 and metrics["rollout/groups_retried"] == 2
+    outcomes = stream.take_outcomes()
+    assert outcomes["failed"] == {"s1r1g0": "reward: RewardError: boom"}
+    assert outcome_metrics(outcomes) == {"ledger/drawn": 2, "ledger/trained": 1, "ledger/dropped": 0, "ledger/failed": 1}
+    Ledger(tmp_path).record(1, **outcomes)
+    assert audit(tmp_path) == {"drawn": 2, "trained": 1, "failed": 1}
+    stream.trained(1)
+    batch, _ = stream.next_batch(2)  # the next step is full again
+    assert [g.key for g in batch.groups] == ["s2r1g0", "s2r1g1"]
+
+
+def test_groups_that_all_fail_stop_the_run_with_the_cause_instead_of_rolling_out_forever():
+    import pytest
+
+    from raytool.errors import RaytoolError
+
+    r = _Rollouts(failures={f"s1r{w}g{g}": ["worker", "worker"] for w in range(1, 5) for g in range(2)})
+    stream = _stream(r, k=0, retries=1)
+    with pytest.raises(RaytoolError, match=r"4 prompt groups in a row failed .*rollout.max_group_retries=1.*agent worker: RayActorError"):
+        stream.next_batch(1)
+    assert len(r.started) == 8  # two waves, each group tried twice

@@ -103,3 +103,31 @@ def test_latency_percentiles():
     assert percentile([], 0.5) == 0.0
     assert percentile([3, 1, 2], 0.5) == 2
     assert percentile(range(100), 0.99) == 98
+
+
+def test_a_session_continued_on_a_restarted_pool_fails_as_lost_not_on_a_fresh_interpreter():
+    """The pool process that held a trajectory's interpreter died and Ray started a new one: the
+    trajectory's next cell is refused as an infrastructure failure (so its group is rolled out
+    again), not run in an empty interpreter as if its variables had never existed."""
+    from raytool.sandbox.local import LocalBackend
+
+    async def go():
+        first = PooledBackend(LocalBackend(warm_sessions=0), name="sandbox-pool-0")
+        try:
+            assert (await first.execute("x = 6 * 7", "t0@a.0")).status == "ok"
+            assert (await first.execute("print(x)", "t0@a.0", continuing=True)).stdout == "42\n"
+        finally:
+            await first.aclose()
+        restarted = PooledBackend(LocalBackend(warm_sessions=0), name="sandbox-pool-0")
+        try:
+            lost = await restarted.execute("print(x)", "t0@a.0", continuing=True)
+            assert lost.status == "infra_error" and "session t0@a.0 is lost" in lost.stderr
+            assert restarted.stats()["sessions_lost"] == 1
+            fresh = await restarted.execute("print(1)", "t0@a.1")  # the group's next attempt: a new session
+            assert fresh.status == "ok" and fresh.stdout == "1\n"
+            await restarted.close_session("t0@a.1")
+            assert "t0@a.1" not in restarted.sessions
+        finally:
+            await restarted.aclose()
+
+    asyncio.run(go())

@@ -15,6 +15,12 @@ call), the turn limit, the response token budget (an observation that does not f
 trajectory rather than being cut), or the wall-clock limit; an observation the chat template cannot
 render exactly ends it with finish reason `render_error` (see `raytool.agent.render`). Tools are
 released in `finally`.
+
+A failure that is not the policy's ends the trajectory at once with finish reason `infra_failed`
+and the cause in `Trajectory.infra_failure`: a generate call that raised (the engine rejected the
+request, no server left, the manager died) or a sandbox that failed a cell after its pool's
+retries (`sandbox_error`). Such a trajectory is never scored as the policy's mistake: the driver
+rolls its group out again or leaves it out of the loss (`raytool.streaming`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from raytool.agent.parsers import ParseResult, ToolError, check_arguments, get_p
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer, RenderError
 from raytool.config import AgentConfig, RolloutConfig
+from raytool.errors import one_line
 from raytool.tools.base import Tool, ToolContext, ToolResult
 from raytool.types import Message, SamplingParams, TokenOutput, ToolCall, Trajectory
 
@@ -69,6 +76,10 @@ class _State:
     cut_in_fence: int = 0
     finish: str = "max_turns"
     version: int = 0
+    infra: str = ""  # the cause of an infrastructure failure that ended it ("": none)
+
+    def infra_failed(self, cause: str) -> None:
+        self.infra, self.finish = cause, "infra_failed"
 
     def generated(self, out: TokenOutput) -> None:
         self.response_ids += out.token_ids
@@ -123,6 +134,7 @@ class ToolAgentLoop:
             tool_errors=sum(state.errors.values()), tool_error_kinds=dict(state.errors), tool_repaired=state.repaired,
             tool_cut_in_fence=state.cut_in_fence,
             finish_reason=state.finish, policy_version=state.version, response_versions=state.versions, turns=state.turns,
+            infra_failure=state.infra,
             timings={"total_s": time.monotonic() - start, "generate_s": sum(t["generate_s"] for t in state.turns),
                      "tools_s": sum(t.get("tools_s", 0.0) for t in state.turns)},
         )
@@ -143,7 +155,12 @@ class ToolAgentLoop:
             state.finish = "length"
             return None
         t = time.monotonic()
-        out = await self.generate(state.prompt_ids + state.response_ids, self._sampling(budget, uid, turn), f"{uid}-{turn}", uid)
+        try:
+            out = await self.generate(state.prompt_ids + state.response_ids, self._sampling(budget, uid, turn), f"{uid}-{turn}", uid)
+        except Exception as exc:  # the engine's side failed, not the policy: end here, the driver retries the group
+            state.infra_failed(f"generate: {one_line(exc)}")
+            log.warning("agent loop: trajectory %s ends: %s", uid, state.infra)
+            return None
         state.generated(out)
         info = {"text": self.renderer.tokenizer.decode(out.token_ids, skip_special_tokens=True), "tokens": len(out.token_ids),
                 "finish": out.finish_reason, "generate_s": time.monotonic() - t}
@@ -170,6 +187,8 @@ class ToolAgentLoop:
                 state.finish = "max_turns"  # no turn left to read the output in
                 return
             outputs = await self._observe(parsed, uid, state, info)
+            if state.infra:
+                return
             observations = [Message("tool", text) for text in outputs]
             try:
                 obs_ids = self.renderer.observation_ids(observations, state.messages)
@@ -209,6 +228,8 @@ class ToolAgentLoop:
                     parsed.add(ToolError("unterminated_tag", f"Error (unterminated_tag): {CODE_END} closes no <code> block; "
                                                              "write <code>\n```python\n...\n```\n</code>."))
                 outputs = await self._observe(parsed, uid, state, info)
+                if state.infra:
+                    return
                 block = "".join(interpreter_block(text) for text in outputs)
                 obs_ids = self.renderer.encode(block)
                 if len(state.response_ids) + len(obs_ids) >= self.agent.max_response_tokens:
@@ -248,6 +269,10 @@ class ToolAgentLoop:
             if not record["ok"]:
                 state.error(record["kind"] or "tool_exception")
             info["calls"].append({**record, "output": text})
+        failed = [r for _, r in answers if r.get("kind") == "sandbox_error"]
+        if failed:  # the sandbox failed after its pool's retries: the observation would be the infrastructure's, not the policy's
+            state.infra_failed(f"sandbox: {failed[0].get('detail') or 'sandbox_error'}")
+            log.warning("agent loop: trajectory %s ends: %s", uid, state.infra)
         return [text for text, _ in answers]
 
     async def _call(self, call: ToolCall, uid: str) -> ToolResult:

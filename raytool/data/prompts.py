@@ -17,6 +17,7 @@ writes this schema; `data.train_files` / `data.val_files` and `raytool eval --da
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -103,3 +104,21 @@ def with_system_prompt(messages: list[Message], system_prompt: str | None) -> li
         return messages
     rest = messages[1:] if messages and messages[0].role == "system" else messages
     return [Message("system", system_prompt), *rest]
+
+
+def drop_too_long(rows: list[PromptRow], prompt_tokens: Callable[[PromptRow], int], context: int, response_budget: int,
+                  what: str) -> tuple[list[PromptRow], str]:
+    """The rows whose prompt (`prompt_tokens(row)`: its length as the agent renders it) leaves room
+    for `response_budget` tokens within the engine's `context` -> (those rows, one warning line
+    naming the others, or "" when none was dropped). A prompt that cannot fit would be rejected by
+    the engine on every try; left in, it would cost a group's rollouts each time it is drawn."""
+    kept, dropped = [], []
+    for i, row in enumerate(rows):
+        n = prompt_tokens(row)
+        (dropped if n + response_budget > context else kept).append((i, n, row))
+    if not dropped:
+        return rows, ""
+    named = ", ".join(f"{i} ({n} tokens)" for i, n, _ in dropped[:10]) + (f" and {len(dropped) - 10} more" if len(dropped) > 10 else "")
+    line = (f"{what}: {len(dropped)} of {len(rows)} prompts left out: a prompt with agent.max_response_tokens={response_budget} after it "
+            f"does not fit the engine's context of {context} tokens (rollout.max_model_len); rows {named}")
+    return [row for _, _, row in kept], line

@@ -21,6 +21,7 @@ class Task:
     train: list[PromptRow]
     val: list[PromptRow]
     sft_traces: list[list[Message]] = field(default_factory=list)  # generated cold-start traces (tool_arith)
+    too_long: int = 0  # training prompts left out because they cannot fit the engine's context with the response budget
 
 
 def load_task(cfg: RunConfig) -> Task:

@@ -8,6 +8,10 @@ is tested without Ray:
   never re-run;
 - `breaker_failures` infrastructure failures in a row open the breaker: cells fail fast with a
   clear message for `breaker_reset_s`, then one probe cell decides whether the backend is back;
+- a cell that continues a session this pool never ran (`continuing=True`: the caller ran earlier
+  cells of it, on a pool process that has since died and been restarted) is not run on a fresh
+  interpreter as if nothing happened: it fails as `infra_error` ("session lost"), counted, so the
+  trajectory's group is rolled out again instead of training on a silently reset interpreter;
 - metrics: queue depth, running cells, latency p50/p99 over a recent window, counts per status.
 """
 
@@ -83,13 +87,21 @@ class PooledBackend:
         self.status_counts: Counter = Counter()
         self.counts: Counter = Counter()  # rejected, retried, fast_failed, probes
         self.latencies: collections.deque = collections.deque(maxlen=LATENCY_WINDOW)
+        self.sessions: set[str] = set()  # sessions this pool has run a cell of (and not closed)
 
     async def start(self) -> None:
         """Start the backend (the local one forks its warm sessions here)."""
         await self.backend.start()
 
-    async def execute(self, code: str, session: str | None = None) -> ExecResult:
+    async def execute(self, code: str, session: str | None = None, continuing: bool = False) -> ExecResult:
+        """Run one cell; `continuing`: the caller ran earlier cells of `session` (on this pool, it believes)."""
         start = time.monotonic()
+        if session is not None and continuing and session not in self.sessions:
+            self.counts["sessions_lost"] += 1
+            return self._finish(start, ExecResult(status="infra_error", stderr=(
+                f"{self.name}: session {session} is lost (the sandbox pool restarted since its last cell): its interpreter state is gone")))
+        if session is not None:
+            self.sessions.add(session)
         if not await self._breaker_allows():
             self.counts["fast_failed"] += 1
             return self._finish(start, ExecResult(status="infra_error", stderr=(
@@ -146,6 +158,7 @@ class PooledBackend:
         return result
 
     async def close_session(self, session: str) -> None:
+        self.sessions.discard(session)
         await self.backend.close_session(session)
 
     async def aclose(self) -> None:
@@ -161,7 +174,7 @@ class PooledBackend:
             "breaker": self.breaker.state,
             "breaker_opened": self.breaker.opened,
             "status": dict(self.status_counts),
-            **{k: self.counts[k] for k in ("rejected", "retried", "fast_failed", "probes")},
+            **{k: self.counts[k] for k in ("rejected", "retried", "fast_failed", "probes", "sessions_lost")},
         }
         backend_stats = getattr(self.backend, "stats", None)
         if backend_stats is not None:

@@ -1,0 +1,65 @@
+"""Faults during a real run (vLLM on the tiny model, the shared Ray cluster): a reward worker that
+dies, a reward fn that raises, agent workers and a sandbox pool killed while groups are in flight.
+The run goes on, the groups that were hit are rolled out again, and the ledger gives every drawn
+group exactly one outcome."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from raytool.config import load_config
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_killed_agent_reward_and_sandbox_actors_are_restarted_and_their_groups_rolled_out_again(ray_cluster, tmp_path):
+    from ray.util.state import list_actors
+
+    from actors.pipeline import run
+    from raytool.ledger import audit
+
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    cfg = load_config(None, [
+        "model.path=tiny-random", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_final=false",
+        "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=48", "rollout.seed=7",
+        "agent.num_workers=2", "reward.retries=1", f"reward.fn={REPO / 'tests' / 'helpers' / 'faulty_reward.py'}:score",
+        f"cluster.env_vars={{RAYTOOL_FAULT_DIR: {faults}}}", "logging.logger=[]", "logging.progress=false",
+    ])
+    killed: dict = {}
+
+    def kill_while_a_group_is_scored():
+        deadline = time.time() + 300
+        while time.time() < deadline and not (faults / "holding").exists():
+            time.sleep(0.05)
+        for cls in ("AgentLoopWorker", "SandboxPool"):
+            for actor in list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")]):
+                os.kill(actor.pid, signal.SIGKILL)
+                killed.setdefault(cls, []).append(actor.pid)
+
+    killer = threading.Thread(target=kill_while_a_group_is_scored, daemon=True)
+    killer.start()
+    run_dir = run(cfg, tmp_path / "run")
+    killer.join(timeout=5)
+    assert len(killed.get("AgentLoopWorker", [])) == 2 and len(killed.get("SandboxPool", [])) == 1
+
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["rollout/trajectories"] == 4 for m in steps)  # every group of every step came through
+    # The reward fn's raise made one trajectory infra-failed (its retry hit the restarted worker's
+    # scripted raise), and the killed agent workers lost the groups they were running.
+    assert sum(m["rollout/groups_retried"] for m in steps) >= 2
+    assert sum(m["rollout/trajs_infra_failed"] for m in steps) >= 1
+    assert sum(m["ledger/failed"] for m in steps) == 0
+    counts = audit(run_dir)
+    assert counts["drawn"] == counts["trained"] == 6 and set(counts) == {"drawn", "trained"}
+    log = (run_dir / "run.log").read_text()
+    assert "rolling it out again" in log and "scripted failure of the reward fn" in log
