@@ -107,7 +107,11 @@ class AgentLoopWorker:
     async def _one(self, messages: list[Message], ground_truth: str, uid: str, group_id: str, agent_name: str,
                    extra: dict, rollout: RolloutConfig, attempt: int) -> Trajectory:
         async def generate(prompt_ids, sampling, request_id, session):
-            return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, group_id)
+            try:
+                return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, group_id)
+            except ray.exceptions.RayActorError:  # the manager died: the trajectory is infra-failed, its retry finds the manager back
+                await until_alive(self.manager)
+                raise
 
         loop = get_agent_loop(agent_name)(self.renderer, self.toolset.tools, generate, self.cfg.agent, rollout)
         session = self.sessions[uid] = f"{uid}@{self.nonce}.{attempt}"

@@ -105,6 +105,16 @@ class Graph:
                 x["group"] = g
         return [x for group in stats for x in group], [t for t, _ in refs]
 
+    def ask_manager(self, method: str, *args):
+        """Call the LLM manager and wait for the answer; a manager that died is waited for while Ray
+        restarts it (it rebuilds its state from the servers) and asked once more."""
+        try:
+            return ray.get(getattr(self.manager, method).remote(*args))
+        except ray.exceptions.RayActorError:
+            if not wait_until_alive(self.manager):
+                raise
+            return ray.get(getattr(self.manager, method).remote(*args))
+
     def sync_weights(self, version: int, timeout_s: float = 300.0) -> dict:
         """Stream the trainer's weights to every healthy rollout server (and to recovered ones that
         wait for current weights); returns bytes, seconds, acks and the servers that failed.
@@ -113,7 +123,7 @@ class Graph:
         The buckets travel down a relay chain of the servers' receivers, so one dead server also
         starves the servers after it. Those are synced again at once, in a chain without the
         servers that broke it (a dead actor, or an address a forwarder could not deliver to)."""
-        targets = ray.get(self.manager.weight_targets.remote())
+        targets = self.ask_manager("weight_targets")
         failed = self._unresponsive(targets)
         targets = {name: addresses for name, addresses in targets.items() if name not in failed}
         sent, acks, broken = self._send_and_ack(targets, version, timeout_s)
@@ -128,7 +138,7 @@ class Graph:
             acks += more_acks
             broken = {name: broken[name] for name in culprits} | broken_again
         failed.update({name: reason for name, (reason, _, _) in broken.items()})
-        ray.get(self.manager.synced.remote(version, [a["server"] for a in acks], failed))
+        self.ask_manager("synced", version, [a["server"] for a in acks], failed)
         return {"sent": sent, "acks": acks, "failed": failed}
 
     def _send_and_ack(self, targets: dict, version: int, timeout_s: float) -> tuple[dict, list, dict]:
@@ -194,20 +204,21 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     def options(name: str, num_cpus: float, num_gpus: float = 0.0, **extra) -> dict:
         return actor_options(num_cpus, num_gpus, cfg.cluster.accelerator, cfg.cluster.env_vars, name=name, namespace=ns, **extra)
 
+    # A dead LLM manager, agent worker, reward worker or sandbox pool is restarted by Ray; the calls
+    # it had in flight fail, and their callers retry once it is back (the stream rolls the group
+    # out again, the agent worker scores on the next reward worker, a trajectory whose sandbox or
+    # generate call failed is infra-failed and its group rolled out again).
+    restarts = {"max_restarts": cfg.cluster.max_actor_restarts, "max_task_retries": 0}
     servers = {
         f"rollout-server-{i}": RolloutServer.options(
             **options(f"rollout-server-{i}", r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
         ).remote(f"rollout-server-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i), cfg.cluster.torch_threads)
         for i in range(r.num_servers)
     }
-    manager = LLMManager.options(**options("llm-manager", light)).remote(
+    manager = LLMManager.options(**options("llm-manager", light), **restarts).remote(
         servers, affinity_slack=r.affinity_slack, request_timeout_s=r.request_timeout_s, probe_interval_s=r.health_probe_interval_s
     )
     sandbox_pools = build_sandbox_pools(cfg, options)
-    # A dead agent worker, reward worker or sandbox pool is restarted by Ray; the calls it had in
-    # flight fail, and their callers retry (the stream rolls the group out again, the agent worker
-    # scores on the next reward worker, a cell's trajectory is infra-failed and its group retried).
-    restarts = {"max_restarts": cfg.cluster.max_actor_restarts, "max_task_retries": 0}
     reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward) for i in range(cfg.reward.num_workers)]
     agent_workers = [
         AgentLoopWorker.options(**options(f"agent-worker-{i}", light), **restarts).remote(model_path, manager, sandbox_pools, reward_workers, cfg)

@@ -9,6 +9,11 @@ Failure handling, in order of what a user sees:
   timeout). One that answers on the current policy version is re-admitted; one that answers on an
   older version (Ray restarted its process: fresh engine, base weights) is handed to the next
   weight sync by `weight_targets()` and re-admitted by `synced()` once its weights are current.
+- the manager itself is restarted by Ray when its process dies (`cluster.max_actor_restarts`); the
+  new one rebuilds its state from the servers on the first call that needs it (`_rebuild`): their
+  weight receivers' addresses from `ready()`, the policy version from `health()` (the newest any
+  server holds; servers behind it go to the next sync, servers that do not answer are ejected).
+  Routing state (in-flight counts, sticky sessions) starts afresh; callers retry once it is back.
 """
 
 from __future__ import annotations
@@ -43,11 +48,39 @@ class LLMManager:
         self.stale: dict[str, list[str]] = {}  # alive again but behind on weights -> its receiver addresses
         self.addresses: dict[str, list[str]] = {}  # server -> weight receiver addresses (set by the driver)
         self.retries = 0
+        self.rebuilt = False  # False in a manager Ray restarted, until _rebuild ran (a fresh one gets set_addresses)
         self._probe_task: asyncio.Task | None = None
         self.metrics = ManagerMetrics(lambda: len(self.router.healthy))
 
     def set_addresses(self, addresses: dict) -> None:
         self.addresses.update(addresses)
+        self.rebuilt = True
+
+    async def _rebuild(self) -> None:
+        """After a restart: the servers' addresses and the policy version, from the servers themselves."""
+        if self.rebuilt:
+            return
+        self.rebuilt = True
+        names = list(self.servers)
+
+        async def ask(name: str):
+            server = self.servers[name]
+            addresses = await asyncio.wait_for(server.ready.remote(), self.probe_timeout_s)
+            return addresses, (await asyncio.wait_for(server.health.remote(), self.probe_timeout_s))["policy_version"]
+
+        answers = await asyncio.gather(*(ask(name) for name in names), return_exceptions=True)
+        versions = {name: a[1] for name, a in zip(names, answers) if not isinstance(a, BaseException)}
+        self.policy_version = max(versions.values(), default=0)
+        for name, answer in zip(names, answers):
+            if isinstance(answer, BaseException):
+                self._eject(name, f"no answer after the manager restarted: {one_line(answer)}")
+                continue
+            self.addresses[name] = list(answer[0])
+            if versions[name] != self.policy_version:
+                self.router.eject(name, f"on policy version {versions[name]}, behind {self.policy_version}")
+                self.stale[name] = list(answer[0])
+        log.warning("llm manager restarted: state rebuilt from %d servers (policy version %d, %d behind, %d not answering)",
+                    len(versions), self.policy_version, len(self.stale), len(names) - len(versions))
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str, session: str | None = None, group: str | None = None
@@ -117,9 +150,10 @@ class LLMManager:
             log.info("rollout server %s is back on policy version %d; re-admitted after the next weight sync", name, health["policy_version"])
             self.stale[name] = list(addresses)
 
-    def weight_targets(self) -> dict:
+    async def weight_targets(self) -> dict:
         """The servers the next weight sync goes to -> their receiver addresses: every healthy one,
         plus the recovered ones waiting for current weights."""
+        await self._rebuild()
         targets = {name: self.addresses[name] for name in self.router.healthy}
         targets.update(self.stale)
         return targets
@@ -150,5 +184,6 @@ class LLMManager:
     def end_session(self, session: str) -> None:
         self.router.end_session(session)
 
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
+        await self._rebuild()
         return {**self.router.stats(), "policy_version": self.policy_version, "stale": sorted(self.stale), "retries": self.retries}

@@ -91,7 +91,7 @@ def connect(address: str | None) -> None:
 def serving_metrics(graph: Graph, server_stats: dict) -> dict:
     """The rollout servers' side of a step: health, retries and the engines' own counters
     (`server_stats`: the manager's server_stats())."""
-    manager = ray.get(graph.manager.stats.remote())
+    manager = graph.ask_manager("stats")
     engines = [e for e in server_stats.values() if "error" not in e]
     hits = [e["prefix_cache_hit_rate"] for e in engines if e.get("prefix_cache_hit_rate") is not None]
     metrics = {
@@ -277,7 +277,7 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState
     stream.trained(state.version)
     sync_s = time.perf_counter() - sync_start
 
-    engines = ray.get(graph.manager.server_stats.remote())
+    engines = graph.ask_manager("server_stats")
     metrics = {"step": step, **batch_metrics, **train_metrics, **serving_metrics(graph, engines), **sandbox_metrics(graph)}
     step_s = time.perf_counter() - step_start
     rollout_idle_s, trainer_wait_s = stream.clock.lap()

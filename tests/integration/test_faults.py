@@ -1,7 +1,7 @@
 """Faults during a real run (vLLM on the tiny model, the shared Ray cluster): a reward worker that
-dies, a reward fn that raises, agent workers and a sandbox pool killed while groups are in flight.
-The run goes on, the groups that were hit are rolled out again, and the ledger gives every drawn
-group exactly one outcome."""
+dies, a reward fn that raises, agent workers and a sandbox pool killed while groups are in flight,
+the LLM manager killed as a step starts. The run goes on, the groups that were hit are rolled out
+again, and the ledger gives every drawn group exactly one outcome."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_killed_agent_reward_and_sandbox_actors_are_restarted_and_their_groups_rolled_out_again(ray_cluster, tmp_path):
+def test_killed_agent_reward_sandbox_and_manager_actors_are_restarted_and_their_groups_rolled_out_again(ray_cluster, tmp_path):
     from ray.util.state import list_actors
 
     from actors.pipeline import run
@@ -40,7 +40,14 @@ def test_killed_agent_reward_and_sandbox_actors_are_restarted_and_their_groups_r
         deadline = time.time() + 300
         while time.time() < deadline and not (faults / "holding").exists():
             time.sleep(0.05)
-        for cls in ("AgentLoopWorker", "SandboxPool"):
+        kill("AgentLoopWorker", "SandboxPool")
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.05)
+        kill("LLMManager")  # as step 3 starts rolling out
+
+    def kill(*classes):
+        for cls in classes:
             for actor in list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")]):
                 os.kill(actor.pid, signal.SIGKILL)
                 killed.setdefault(cls, []).append(actor.pid)
@@ -49,7 +56,7 @@ def test_killed_agent_reward_and_sandbox_actors_are_restarted_and_their_groups_r
     killer.start()
     run_dir = run(cfg, tmp_path / "run")
     killer.join(timeout=5)
-    assert len(killed.get("AgentLoopWorker", [])) == 2 and len(killed.get("SandboxPool", [])) == 1
+    assert {cls: len(pids) for cls, pids in killed.items()} == {"AgentLoopWorker": 2, "SandboxPool": 1, "LLMManager": 1}
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3]

@@ -177,3 +177,35 @@ def test_an_invalid_request_goes_back_to_its_caller_without_ejecting_anyone(ray_
     finally:
         for actor in [m, *rejecting.values()]:
             ray.kill(actor)
+
+
+def test_a_killed_manager_is_restarted_and_rebuilds_its_state_from_the_servers(ray_cluster):
+    """SIGKILL of the manager's process: Ray starts it again; its first call that needs state asks
+    the servers: their addresses, the newest policy version any of them holds (a server behind it
+    waits for the next sync), and requests route again."""
+    import os
+    import signal
+
+    from actors.common import wait_until_alive
+    from actors.llm_manager import LLMManager
+
+    servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(3)}
+    manager = LLMManager.options(num_cpus=0, max_restarts=1, max_task_retries=0).remote(servers, request_timeout_s=2.0, probe_timeout_s=5.0)
+    try:
+        ray.get(manager.set_addresses.remote({n: [f"tcp://fake/{n}"] for n in servers}))
+        for name, s in servers.items():
+            ray.get(s.set_version.remote(4 if name == "s2" else 7))
+        ray.get(manager.synced.remote(7, ["s0", "s1"], {"s2": "weight sync v7 failed"}))
+        pid = ray.get(manager.__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(manager.stats.remote())
+        assert wait_until_alive(manager, timeout_s=60)
+        stats = ray.get(manager.stats.remote())
+        assert stats["policy_version"] == 7 and stats["stale"] == ["s2"] and set(stats["ejected"]) == {"s2"}
+        assert ray.get(manager.weight_targets.remote()) == {n: [f"tcp://fake/{n}"] for n in servers}
+        outs = _burst(manager, "after-restart")
+        assert len(outs) == 24 and {o.server for o in outs.values()} <= {"s0", "s1"}
+    finally:
+        for actor in [manager, *servers.values()]:
+            ray.kill(actor)
