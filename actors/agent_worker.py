@@ -107,8 +107,12 @@ class AgentLoopWorker:
     async def _one(self, messages: list[Message], ground_truth: str, uid: str, group_id: str, agent_name: str,
                    extra: dict, rollout: RolloutConfig, attempt: int) -> Trajectory:
         async def generate(prompt_ids, sampling, request_id, session):
+            call = self.manager.generate.remote(prompt_ids, sampling, request_id, session, group_id)
             try:
-                return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, group_id)
+                return await call
+            except asyncio.CancelledError:  # past agent.max_trajectory_s: free the request's engine slot, not only this wait
+                ray.cancel(call)
+                raise
             except ray.exceptions.RayActorError:  # the manager died: the trajectory is infra-failed, its retry finds the manager back
                 await until_alive(self.manager)
                 raise

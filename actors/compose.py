@@ -216,7 +216,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         for i in range(r.num_servers)
     }
     manager = LLMManager.options(**options("llm-manager", light), **restarts).remote(
-        servers, affinity_slack=r.affinity_slack, request_timeout_s=r.request_timeout_s, probe_interval_s=r.health_probe_interval_s
+        servers, affinity_slack=r.affinity_slack, stall_timeout_s=r.stall_timeout_s, probe_interval_s=r.health_probe_interval_s
     )
     sandbox_pools = build_sandbox_pools(cfg, options)
     reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward) for i in range(cfg.reward.num_workers)]

@@ -1,10 +1,16 @@
 """LLMManager: the router every generate call goes through (policy in raytool.routing.Router).
 
 Failure handling, in order of what a user sees:
-- a server that dies, is unreachable, raises, or takes longer than `request_timeout_s` on one
-  request is ejected, and the request is retried on another server (the hung call is cancelled,
-  so no request is answered twice); a request the engine rejects as invalid (ValueError) goes back
-  to its caller instead: every server would reject it.
+- a server that dies, is unreachable, raises, or stalls is ejected, and the request is retried on
+  another server (the hung call is cancelled, so no request is answered twice); a request the
+  engine rejects as invalid (ValueError) goes back to its caller instead: every server would
+  reject it. Stalled means no progress, not a long request: after `stall_timeout_s` without an
+  answer the manager asks the server how long its engine has gone without producing a token while
+  requests wait on it (`progress()`); a server whose answer is over `stall_timeout_s`, or that
+  does not answer within it (a hung or stopped process), is stalled. A long turn on a busy,
+  working server is never cut.
+- a caller that gives up on a request (an agent loop past `agent.max_trajectory_s`) cancels it,
+  and the cancel reaches the server, whose engine frees the request's slot.
 - ejected servers are probed in the background (`ready()` then a one-token generate, each under a
   timeout). One that answers on the current policy version is re-admitted; one that answers on an
   older version (Ray restarted its process: fresh engine, base weights) is handed to the next
@@ -35,13 +41,17 @@ log = logging.getLogger(__name__)
 _PROBE = SamplingParams(max_tokens=1, temperature=0.0)
 
 
+class _Stalled(Exception):
+    """A server made no progress on the requests waiting on it for stall_timeout_s."""
+
+
 @ray.remote
 class LLMManager:
-    def __init__(self, servers: dict, affinity_slack: int = 8, request_timeout_s: float = 600.0,
+    def __init__(self, servers: dict, affinity_slack: int = 8, stall_timeout_s: float = 60.0,
                  probe_interval_s: float = 5.0, probe_timeout_s: float = 60.0):
         self.servers = servers  # name -> RolloutServer handle
         self.router = Router(list(servers), affinity_slack=affinity_slack)
-        self.request_timeout_s = request_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.policy_version = 0
@@ -94,12 +104,16 @@ class LLMManager:
             ref = self.servers[name].generate.remote(prompt_ids, sampling, request_id)
             ok = False
             try:
-                out = await asyncio.wait_for(ref, self.request_timeout_s)
+                out = await self._answer(name, ref)
                 ok = True
                 return out
-            except asyncio.TimeoutError:
+            except asyncio.CancelledError:  # the caller gave up: free the engine's slot too
                 ray.cancel(ref)
-                self._eject(name, f"request {request_id} took longer than {self.request_timeout_s:g}s")
+                ok = True  # not the server's failure
+                raise
+            except _Stalled as exc:
+                ray.cancel(ref)
+                self._eject(name, f"request {request_id}: {exc}")
             except RayTaskError as exc:
                 if isinstance(exc.cause, ValueError):  # the request itself is invalid: no server would take it
                     raise exc.cause from None
@@ -111,6 +125,22 @@ class LLMManager:
             tried.add(name)
             self.retries += 1
             self.metrics.retried(name)
+
+    async def _answer(self, name: str, ref) -> TokenOutput:
+        """The server's answer to `ref`; _Stalled when its engine makes no progress for stall_timeout_s."""
+        answer = asyncio.ensure_future(ref)
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(answer), self.stall_timeout_s)
+            except asyncio.TimeoutError:
+                pass  # a long request: is the engine still producing tokens?
+            try:
+                progress = await asyncio.wait_for(self.servers[name].progress.remote(), self.stall_timeout_s)
+            except asyncio.TimeoutError:
+                raise _Stalled(f"no answer to a progress probe within {self.stall_timeout_s:g}s (a hung process)") from None
+            if progress["idle_s"] > self.stall_timeout_s:
+                raise _Stalled(f"its engine produced no token for {progress['idle_s']:.0f}s with {progress['in_flight']} requests "
+                               f"waiting (rollout.stall_timeout_s={self.stall_timeout_s:g})")
 
     def _eject(self, name: str, reason: str) -> None:
         if name not in self.router.ejected:

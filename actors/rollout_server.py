@@ -32,6 +32,8 @@ class RolloutServer:
         self.engine = None
         self.addresses: list[str] = []
         self.in_flight = 0
+        self.loading = False  # a weight load is running: requests are frozen on purpose
+        self.progress_at = time.monotonic()  # the engine's last token, or when work arrived at an idle engine
         self.started = time.time()
         try:
             self.engine = make_engine(engine, model_path, **engine_options)
@@ -53,10 +55,15 @@ class RolloutServer:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
         self._check()
+        if self.in_flight == 0:
+            self.progress_at = time.monotonic()
         self.in_flight += 1
         start = time.perf_counter()
         try:
             out = await self.engine.generate(prompt_ids, sampling, request_id)
+        except Exception as exc:
+            self._exit_if_engine_died(exc)
+            raise
         finally:
             self.in_flight -= 1
         self.metrics.request_done(len(out.token_ids), time.perf_counter() - start)
@@ -67,7 +74,15 @@ class RolloutServer:
         """Take one weight sync from the trainer into the live engine; ack after the weights are in."""
         self._check()
         start = time.perf_counter()
-        loaded = await self.engine.receive_weights(version, timeout_s)
+        self.loading = True
+        try:
+            loaded = await self.engine.receive_weights(version, timeout_s)
+        except Exception as exc:
+            self._exit_if_engine_died(exc)
+            raise
+        finally:
+            self.loading = False
+            self.progress_at = time.monotonic()
         return {"server": self.name, "tensors": loaded, "version": version, "seconds": time.perf_counter() - start}
 
     async def abort(self, request_id: str) -> bool:
@@ -91,9 +106,28 @@ class RolloutServer:
         self._check()
         await self.engine.resume()
 
+    def progress(self) -> dict:
+        """How long the engine has gone without a token while requests wait on it (0 while idle or
+        loading weights): the manager tells a stalled server from a busy one by it."""
+        self._exit_if_engine_died()
+        latest = max(self.progress_at, self.engine.stats.progress_at)
+        idle = 0.0 if self.in_flight == 0 or self.loading else time.monotonic() - latest
+        return {"server": self.name, "in_flight": self.in_flight, "idle_s": idle}
+
+    def _exit_if_engine_died(self, exc: BaseException | None = None) -> None:
+        """An engine that died inside this live actor (vLLM's engine core process is gone) would
+        fail every call while Ray sees a healthy actor: exit the process instead, so Ray restarts
+        the server (`rollout.max_restarts`) with a fresh engine, which the next sync re-loads."""
+        if self.engine is None or not self.engine.dead(exc):
+            return
+        log.error("rollout server %s: its engine died (%s); exiting so Ray restarts the server", self.name, exc or "engine core gone")
+        logging.shutdown()
+        os._exit(1)
+
     def health(self) -> dict:
         """Cheap liveness and state probe (the manager re-admits on it); raises if the engine failed."""
         self._check()
+        self._exit_if_engine_died()
         return {
             "server": self.name,
             "policy_version": self.engine.policy_version,

@@ -8,6 +8,7 @@ Unknown keys and wrong types fail with one line naming the key and the expected 
 
 from __future__ import annotations
 
+import logging
 import re
 import typing
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any, Literal
 
 import msgspec
 import yaml
+
+log = logging.getLogger(__name__)
 
 
 class _Loader(yaml.SafeLoader):
@@ -84,7 +87,8 @@ class RolloutConfig(_Section):
     cpu_preload: bool = True  # vLLM on CPU: LD_PRELOAD tcmalloc (Debian libtcmalloc-minimal4) and Intel OpenMP (PyPI intel-openmp) where installed; +32% decode measured on 2 cores (`raytool bench engine`)
     enforce_eager: bool = True  # vLLM: no CUDA graphs / torch.compile: SmolLM2 on 2 CPU cores starts in 28 s instead of 106 s, decodes ~10% slower; set false on GPUs
     engine_start_timeout_s: int = 600  # a server whose engine is not up by then fails to start
-    request_timeout_s: float = 600.0  # a generate call slower than this ejects its server; retried elsewhere
+    stall_timeout_s: float = 60.0  # a server whose engine produces no token for this long while requests wait on it (or that does not answer a probe within it: a hung process) is ejected and its requests retried elsewhere; long requests on a working server are never cut
+    request_timeout_s: float | None = None  # deprecated: the total-time limit stall_timeout_s replaced (it ejected slow but healthy servers); ignored, with a warning
     affinity_slack: int = 8  # GRPO siblings share a server unless it has more than this many requests in flight beyond the least busy
     max_restarts: int = 3  # Ray restarts of a server whose process died (then re-synced and re-admitted)
     max_group_retries: int = 2  # a GRPO group hit by an infrastructure failure (sandbox, engine, reward fn or a worker that died) is rolled out again this many times, same seeds; then it is left out of the loss and recorded as failed
@@ -351,6 +355,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
 
 def validate(cfg: RunConfig, source: str = "config") -> None:
     """Checks across keys that types alone cannot express."""
+    if cfg.rollout.request_timeout_s is not None:
+        log.warning("%s: config key 'rollout.request_timeout_s' is deprecated and ignored: a server is ejected when it stops "
+                    "making progress (rollout.stall_timeout_s=%g), not when a request is long", source, cfg.rollout.stall_timeout_s)
+    if not cfg.rollout.stall_timeout_s > 0:
+        raise ConfigError(f"{source}: config key 'rollout.stall_timeout_s': expected a positive number of seconds, got {cfg.rollout.stall_timeout_s}")
     positive = {
         "rollout.n": cfg.rollout.n,
         "rollout.num_servers": cfg.rollout.num_servers,

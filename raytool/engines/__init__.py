@@ -29,10 +29,14 @@ class EngineStats:
         self.generated_tokens = 0
         self.requests = 0
         self.first_request: float | None = None  # throughput counts from the first request on
+        self.progress_at = time.monotonic()  # when the engine last produced tokens (a step, or a batch)
 
     def request_started(self) -> None:
         self.requests += 1
         self.first_request = self.first_request or time.monotonic()
+
+    def progressed(self) -> None:
+        self.progress_at = time.monotonic()
 
     def as_dict(self) -> dict:
         elapsed = time.monotonic() - self.first_request if self.first_request else 0.0
@@ -48,6 +52,7 @@ class EngineStats:
 
 class RolloutEngine(Protocol):
     policy_version: int
+    stats: EngineStats  # its counters, and when it last produced tokens (the manager's stall check)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput: ...
 
@@ -64,6 +69,9 @@ class RolloutEngine(Protocol):
     async def abort(self, request_id: str) -> bool: ...
 
     def engine_stats(self) -> dict: ...
+
+    def dead(self, exc: BaseException | None = None) -> bool:
+        """Whether the engine can never serve again in this process (`exc`: what a call raised)."""
 
     def shutdown(self) -> None: ...
 

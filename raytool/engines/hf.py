@@ -99,6 +99,7 @@ class HFEngine:
                         if not r.future.done():
                             r.future.set_exception(exc)
                     continue
+                self.stats.progressed()
                 for r, out in zip(batch, outputs):
                     self.stats.generated_tokens += len(out.token_ids)
                     if not r.future.done():
@@ -210,6 +211,10 @@ class HFEngine:
     def engine_stats(self) -> dict:
         self.stats.waiting = len(self._pending)
         return {**self.stats.as_dict(), "policy_version": self.policy_version}
+
+    def dead(self, exc: BaseException | None = None) -> bool:
+        """The model runs in this process: it cannot die while the actor lives."""
+        return False
 
     def shutdown(self) -> None:
         if self._receiver is not None:

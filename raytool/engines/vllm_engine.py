@@ -56,6 +56,7 @@ def _stat_logger_factory(stats: EngineStats):
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            stats.progressed()  # called once per batch of engine-core outputs: the engine steps
             if scheduler_stats is None:
                 return
             stats.running = scheduler_stats.num_running_reqs
@@ -226,6 +227,7 @@ class VLLMEngine:
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(sampling), part_id):
             final = out
+            self.stats.progressed()
         if final is None or not final.outputs:
             return [], [], [], "abort"
         c = final.outputs[0]
@@ -324,6 +326,12 @@ class VLLMEngine:
 
     def engine_stats(self) -> dict:
         return {**self.stats.as_dict(), "policy_version": self.policy_version}
+
+    def dead(self, exc: BaseException | None = None) -> bool:
+        """Whether the engine core is gone (`exc`: an error a call raised): nothing but a new engine serves again."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return isinstance(exc, EngineDeadError) or self.llm.errored
 
     def shutdown(self) -> None:
         segments = _shared_memory_segments()

@@ -24,7 +24,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fakes tra
 class _Fake:
     def __init__(self, name: str):
         self.name = name
-        self.mode = "ok"  # ok | raise | hang
+        self.mode = "ok"  # ok | raise | hang (generates nothing) | frozen (answers nothing: a stopped process)
         self.version = 0
         self.answered: list[str] = []
 
@@ -38,7 +38,7 @@ class _Fake:
         await asyncio.sleep(0.05)
         if self.mode == "raise":
             raise RuntimeError(f"{self.name}: engine step failed")
-        if self.mode == "hang":
+        if self.mode in ("hang", "frozen"):
             await asyncio.sleep(3600)
         if request_id.startswith("probe-"):
             return TokenOutput([0], [0.0], "length", server=self.name, policy_version=self.version)
@@ -47,6 +47,11 @@ class _Fake:
 
     def health(self) -> dict:
         return {"server": self.name, "policy_version": self.version}
+
+    async def progress(self) -> dict:  # a hung engine has produced nothing for ages; a frozen process answers nothing
+        if self.mode == "frozen":
+            await asyncio.sleep(3600)
+        return {"server": self.name, "in_flight": 1, "idle_s": 1e9 if self.mode == "hang" else 0.0}
 
     def set_version(self, version: int) -> None:
         self.version = version
@@ -72,7 +77,7 @@ def fleet(ray_cluster):
     from actors.llm_manager import LLMManager
 
     servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(3)}
-    manager = LLMManager.options(num_cpus=0).remote(servers, request_timeout_s=2.0, probe_interval_s=0.3, probe_timeout_s=5.0)
+    manager = LLMManager.options(num_cpus=0).remote(servers, stall_timeout_s=2.0, probe_interval_s=0.3, probe_timeout_s=5.0)
     ray.get(manager.set_addresses.remote({n: [f"tcp://fake/{n}"] for n in servers}))
     yield servers, manager
     for actor in [manager, *servers.values()]:
@@ -108,7 +113,7 @@ def _check_exactly_once(outs: dict, servers) -> None:
         assert rid in answered[out.server]
 
 
-@pytest.mark.parametrize("mode", ["raise", "hang"])
+@pytest.mark.parametrize("mode", ["raise", "hang", "frozen"])
 def test_a_failing_server_is_ejected_its_requests_complete_elsewhere_and_it_comes_back(fleet, mode):
     servers, manager = fleet
     ray.get(servers["s1"].set_mode.remote(mode))
@@ -120,7 +125,9 @@ def test_a_failing_server_is_ejected_its_requests_complete_elsewhere_and_it_come
     assert "s1" in stats["ejected"] and stats["retries"] >= 1
     assert all(n == 0 for n in stats["in_flight"].values()), stats["in_flight"]
     if mode == "hang":
-        assert "took longer than 2s" in stats["ejected"]["s1"] and time.time() - start < 30
+        assert "produced no token for" in stats["ejected"]["s1"] and time.time() - start < 30
+    elif mode == "frozen":  # found within twice the stall timeout: one wait for the answer, one for the probe
+        assert "no answer to a progress probe within 2s" in stats["ejected"]["s1"] and time.time() - start < 30
     else:
         assert "engine step failed" in stats["ejected"]["s1"]
     # It recovers: the background probe re-admits it (same process, current weights).
@@ -169,7 +176,7 @@ def test_an_invalid_request_goes_back_to_its_caller_without_ejecting_anyone(ray_
     from actors.llm_manager import LLMManager
 
     rejecting = {"r0": Rejecting.remote("r0"), "r1": Rejecting.remote("r1")}
-    m = LLMManager.options(num_cpus=0).remote(rejecting, request_timeout_s=2.0)
+    m = LLMManager.options(num_cpus=0).remote(rejecting, stall_timeout_s=2.0)
     try:
         with pytest.raises(ValueError, match="max_model_len"):
             ray.get(m.generate.remote([1] * 10, SamplingParams(), "too-long"))
@@ -190,7 +197,7 @@ def test_a_killed_manager_is_restarted_and_rebuilds_its_state_from_the_servers(r
     from actors.llm_manager import LLMManager
 
     servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(3)}
-    manager = LLMManager.options(num_cpus=0, max_restarts=1, max_task_retries=0).remote(servers, request_timeout_s=2.0, probe_timeout_s=5.0)
+    manager = LLMManager.options(num_cpus=0, max_restarts=1, max_task_retries=0).remote(servers, stall_timeout_s=2.0, probe_timeout_s=5.0)
     try:
         ray.get(manager.set_addresses.remote({n: [f"tcp://fake/{n}"] for n in servers}))
         for name, s in servers.items():
@@ -206,6 +213,41 @@ def test_a_killed_manager_is_restarted_and_rebuilds_its_state_from_the_servers(r
         assert ray.get(manager.weight_targets.remote()) == {n: [f"tcp://fake/{n}"] for n in servers}
         outs = _burst(manager, "after-restart")
         assert len(outs) == 24 and {o.server for o in outs.values()} <= {"s0", "s1"}
+    finally:
+        for actor in [manager, *servers.values()]:
+            ray.kill(actor)
+
+
+def test_a_cancelled_request_is_cancelled_on_its_server_and_a_long_one_on_a_working_server_is_not_cut(ray_cluster):
+    """The caller gave up (a trajectory past agent.max_trajectory_s): the cancel reaches the server,
+    whose generate call ends (its engine slot freed). A request longer than stall_timeout_s on a
+    server that keeps producing tokens completes without an ejection."""
+    from actors.llm_manager import LLMManager
+
+    @ray.remote(num_cpus=0)
+    class Slow(_Fake):
+        async def generate(self, prompt_ids, sampling, request_id):
+            try:
+                await asyncio.sleep(float(sampling.max_tokens))
+            except asyncio.CancelledError:
+                self.answered.append(f"cancelled:{request_id}")
+                raise
+            self.answered.append(request_id)
+            return TokenOutput([1], [0.0], "stop", server=self.name)
+
+    servers = {"s0": Slow.remote("s0")}
+    manager = LLMManager.options(num_cpus=0).remote(servers, stall_timeout_s=1.0)
+    try:
+        ray.get(manager.set_addresses.remote({"s0": ["tcp://fake/s0"]}))
+        out = ray.get(manager.generate.remote([1], SamplingParams(max_tokens=3), "long"), timeout=30)  # 3 s > stall_timeout_s
+        assert out.server == "s0" and ray.get(manager.stats.remote())["ejected"] == {}
+        ref = manager.generate.remote([1], SamplingParams(max_tokens=60), "given-up")
+        time.sleep(0.5)
+        ray.cancel(ref)
+        with pytest.raises((ray.exceptions.TaskCancelledError, asyncio.CancelledError)):
+            ray.get(ref, timeout=30)
+        _wait_for(lambda: "cancelled:given-up" in ray.get(servers["s0"].answered_ids.remote()), timeout_s=10)
+        assert ray.get(manager.stats.remote())["ejected"] == {}
     finally:
         for actor in [manager, *servers.values()]:
             ray.kill(actor)
