@@ -76,11 +76,15 @@ def test_readme_composition_example_runs(ray_cluster):
     assert len(stats) == 2 * 2 and all(s["response_length"] > 0 for s in stats)
 
 
-def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitted(ray_cluster):
+@pytest.mark.parametrize("victim", ["server", "engine core"])
+def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitted(ray_cluster, victim):
+    """`victim`: the server actor's process, or only the vLLM engine core inside it (the actor then
+    lives on with a dead engine: it exits at its next call so that Ray restarts it)."""
     import os
     import signal
     import time
 
+    import psutil
     import ray
 
     from actors.compose import build
@@ -102,7 +106,12 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
         assert {h["policy_version"] for h in health} == {9}
         # `kill -9` of a server's process right after a step: the next sync leaves it out at once
         # (no wait for Ray's restart), the manager ejects it, and every request still gets an answer.
-        os.kill(health[0]["pid"], signal.SIGKILL)
+        if victim == "server":
+            os.kill(health[0]["pid"], signal.SIGKILL)
+        else:
+            for child in psutil.Process(health[0]["pid"]).children(recursive=True):
+                child.kill()
+            psutil.wait_procs(psutil.Process(health[0]["pid"]).children(recursive=True), timeout=10)
         start = time.time()
         result = graph.sync_weights(version=10)
         assert [a["server"] for a in result["acks"]] == ["rollout-server-1"] and set(result["failed"]) == {"rollout-server-0"}
