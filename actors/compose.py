@@ -115,15 +115,26 @@ class Graph:
                 raise
             return ray.get(getattr(self.manager, method).remote(*args))
 
-    def sync_weights(self, version: int, timeout_s: float = 300.0) -> dict:
+    def resync_stale(self, version: int) -> None:
+        """Load `version` (the trainer's current weights) into the servers Ray restarted (fresh engines
+        on the base weights) now, so they serve again within this step: with one server, requests
+        wait for it instead of failing. Only while the trainer is not updating."""
+        stale = self.ask_manager("expect_version", version)
+        if stale:
+            log.warning("rollout servers %s were restarted (base weights): weight sync v%d to them", stale, version)
+            self.sync_weights(version, only=stale)
+
+    def sync_weights(self, version: int, timeout_s: float = 300.0, only: list[str] | None = None) -> dict:
         """Stream the trainer's weights to every healthy rollout server (and to recovered ones that
-        wait for current weights); returns bytes, seconds, acks and the servers that failed.
-        A server that fails its sync is ejected by the manager; the run goes on without it.
+        wait for current weights), or to the servers in `only`; returns bytes, seconds, acks and the
+        servers that failed. A server that fails its sync is ejected by the manager; the run goes on without it.
 
         The buckets travel down a relay chain of the servers' receivers, so one dead server also
         starves the servers after it. Those are synced again at once, in a chain without the
         servers that broke it (a dead actor, or an address a forwarder could not deliver to)."""
         targets = self.ask_manager("weight_targets")
+        if only is not None:
+            targets = {name: addresses for name, addresses in targets.items() if name in only}
         failed = self._unresponsive(targets)
         targets = {name: addresses for name, addresses in targets.items() if name not in failed}
         sent, acks, broken = self._send_and_ack(targets, version, timeout_s)
@@ -144,6 +155,8 @@ class Graph:
     def _send_and_ack(self, targets: dict, version: int, timeout_s: float) -> tuple[dict, list, dict]:
         """One pass: every target listens, the trainer sends. Returns (sender stats, acks, and per
         failed server (one-line reason, whether its actor died, its WeightSyncError if it had one))."""
+        if not targets:  # every server is down or restarting: nothing to send to (they are synced once back)
+            return {"bytes": 0, "buckets": 0, "seconds": 0.0}, [], {}
         receiving = {name: self.servers[name].receive_weights.remote(version, timeout_s) for name in targets}
         addresses = [address for name in targets for address in targets[name]]
         acks, broken = [], {}
@@ -177,6 +190,12 @@ class Graph:
             except ray.exceptions.RayError as exc:
                 failed[calls[ref]] = one_line(exc)
         return failed
+
+    def light_actors(self) -> dict:
+        """Role name -> handle of every actor but the trainer's: those the watchdog pings."""
+        return {**self.servers, "llm-manager": self.manager, **{f"sandbox-pool-{i}": p for i, p in enumerate(self.sandbox_pools)},
+                **{f"reward-worker-{i}": w for i, w in enumerate(self.reward_workers)},
+                **{f"agent-worker-{i}": w for i, w in enumerate(self.agent_workers)}}
 
     def shutdown(self) -> None:
         if self.trainer is not None:
@@ -216,7 +235,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         for i in range(r.num_servers)
     }
     manager = LLMManager.options(**options("llm-manager", light), **restarts).remote(
-        servers, affinity_slack=r.affinity_slack, stall_timeout_s=r.stall_timeout_s, probe_interval_s=r.health_probe_interval_s
+        servers, affinity_slack=r.affinity_slack, stall_timeout_s=r.stall_timeout_s, probe_interval_s=r.health_probe_interval_s,
+        no_server_wait_s=r.engine_start_timeout_s
     )
     sandbox_pools = build_sandbox_pools(cfg, options)
     reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward) for i in range(cfg.reward.num_workers)]
@@ -224,8 +244,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         AgentLoopWorker.options(**options(f"agent-worker-{i}", light), **restarts).remote(model_path, manager, sandbox_pools, reward_workers, cfg)
         for i in range(cfg.agent.num_workers)
     ]
-    actors = {**servers, "llm-manager": manager, **{f"sandbox-pool-{i}": p for i, p in enumerate(sandbox_pools)},
-              **{f"reward-worker-{i}": w for i, w in enumerate(reward_workers)}, **{f"agent-worker-{i}": w for i, w in enumerate(agent_workers)}}
+    graph = Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, None, ns)
+    actors = graph.light_actors()
     # Engines load, sandboxes fork their warm sessions, constructors run: wait for all of them, and
     # name the first that fails (a bad model path, an engine that cannot start, a bad reward fn ...).
     ready = {name: srv.ready.remote() for name, srv in servers.items()}
@@ -239,12 +259,12 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         raise
     ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
     try:
-        trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
+        graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
     except RaytoolError:
         for actor in actors.values():
             ray.kill(actor)
         raise
-    return Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, trainer, ns)
+    return graph
 
 
 def run_namespace(name: str) -> str:

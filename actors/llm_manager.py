@@ -33,7 +33,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.metrics import ManagerMetrics
 from raytool.errors import one_line
-from raytool.routing import Router
+from raytool.routing import NoHealthyServer, Router
 from raytool.types import SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,11 @@ class _Stalled(Exception):
 @ray.remote
 class LLMManager:
     def __init__(self, servers: dict, affinity_slack: int = 8, stall_timeout_s: float = 60.0,
-                 probe_interval_s: float = 5.0, probe_timeout_s: float = 60.0):
+                 probe_interval_s: float = 5.0, probe_timeout_s: float = 60.0, no_server_wait_s: float = 600.0):
         self.servers = servers  # name -> RolloutServer handle
         self.router = Router(list(servers), affinity_slack=affinity_slack)
         self.stall_timeout_s = stall_timeout_s
+        self.no_server_wait_s = no_server_wait_s
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.policy_version = 0
@@ -95,11 +96,20 @@ class LLMManager:
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str, session: str | None = None, group: str | None = None
     ) -> TokenOutput:
-        """Route one request; on a server failure eject it and retry on another (NoHealthyServer
-        when none is left)."""
+        """Route one request; on a server failure eject it and retry on another. With no healthy
+        server left (the only one was restarted, say) it waits up to no_server_wait_s for one to be
+        re-admitted, then raises NoHealthyServer."""
         tried: set[str] = set()
+        deadline = time.monotonic() + self.no_server_wait_s
         while True:
-            name = self.router.pick(session, group, exclude=tried)
+            try:
+                name = self.router.pick(session, group, exclude=tried)
+            except NoHealthyServer:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(1.0)
+                tried.clear()  # the servers this request failed on were ejected: they can only come back re-admitted
+                continue
             start = time.monotonic()
             ref = self.servers[name].generate.remote(prompt_ids, sampling, request_id)
             ok = False
@@ -114,6 +124,9 @@ class LLMManager:
             except _Stalled as exc:
                 ray.cancel(ref)
                 self._eject(name, f"request {request_id}: {exc}")
+                # A stalled engine does not come back by itself: kill the server's process, Ray
+                # restarts it with a fresh engine, and the next sync re-loads it (handled like a kill).
+                ray.kill(self.servers[name], no_restart=False)
             except RayTaskError as exc:
                 if isinstance(exc.cause, ValueError):  # the request itself is invalid: no server would take it
                     raise exc.cause from None
@@ -188,10 +201,29 @@ class LLMManager:
         targets.update(self.stale)
         return targets
 
+    async def expect_version(self, version: int) -> list[str]:
+        """The driver's word on the version every server should hold (the trainer's): a manager that
+        Ray restarted together with its servers cannot learn it from them. Healthy servers found
+        behind it are taken out and handed to the next sync -> the servers waiting for one."""
+        await self._rebuild()
+        if version > self.policy_version:
+            log.warning("llm manager: the trainer is on policy version %d, not %d: checking every server's version", version, self.policy_version)
+            self.policy_version = version
+            names = self.router.healthy
+            healths = await asyncio.gather(*(asyncio.wait_for(self.servers[n].health.remote(), self.probe_timeout_s) for n in names),
+                                           return_exceptions=True)
+            for name, health in zip(names, healths):
+                if isinstance(health, BaseException):
+                    self._eject(name, f"no health answer: {one_line(health)}")
+                elif health["policy_version"] != version:
+                    self.router.eject(name, f"on policy version {health['policy_version']}, behind {version}")
+                    self.stale[name] = self.addresses[name]
+        return sorted(self.stale)
+
     def synced(self, version: int, acked: list[str], failed: dict) -> None:
-        """After a weight sync: the new policy version; re-admit recovered servers that took it,
-        eject servers that did not."""
-        self.policy_version = version
+        """After a weight sync: the new policy version (versions only go up); re-admit recovered
+        servers that took it, eject servers that did not."""
+        self.policy_version = max(self.policy_version, version)
         for name in acked:
             if self.stale.pop(name, None) is not None:
                 log.info("re-admitting rollout server %s after its weight re-sync (v%d)", name, version)

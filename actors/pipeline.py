@@ -25,6 +25,7 @@ from actors.checkpoint import find_checkpoint, load_buffer, save_checkpoint
 from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
 from actors.evaluate import evaluate
 from actors.metrics import record_step
+from actors.watchdog import Watchdog
 from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import ConfigError, RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
@@ -235,6 +236,9 @@ def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer) -> T
     return dataclasses.replace(task, train=train, val=val, too_long=len(task.train) - len(train))
 
 
+RESYNC_CHECK_S = 5.0  # while waiting for groups, how often the driver looks for restarted servers to re-sync
+
+
 def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: int) -> RolloutStream:
     """The streaming rollout core on this run's actors (see raytool.streaming)."""
 
@@ -243,15 +247,18 @@ def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: 
 
     def wait(stats_refs: list, also: list) -> tuple[dict, list]:
         everything = stats_refs + also
-        ray.wait(everything, num_returns=1)
+        while not ray.wait(everything, num_returns=1, timeout=RESYNC_CHECK_S)[0]:
+            if not stream.training:  # a restarted server serves again once it holds the current weights
+                graph.resync_stale(stream.version)
         ready, _ = ray.wait(everything, num_returns=len(everything), timeout=0)
         ready = set(ready)
         return {ref: graph.group_result(ref) for ref in stats_refs if ref in ready}, [ref for ref in also if ref in ready]
 
     a = cfg.algorithm
-    return RolloutStream(cfg.data.prompts_per_step, cfg.async_.max_staleness, loader.next_batch, submit, wait,
-                         dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, version=version,
-                         max_retries=cfg.rollout.max_group_retries)
+    stream = RolloutStream(cfg.data.prompts_per_step, cfg.async_.max_staleness, loader.next_batch, submit, wait,
+                           dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, version=version,
+                           max_retries=cfg.rollout.max_group_retries)
+    return stream
 
 
 def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState, progress: bool = False) -> tuple[dict, RolloutBatch]:
@@ -307,6 +314,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
     then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"))
+    watchdog = Watchdog(graph.light_actors(), cfg.cluster.heartbeat_s).start()
     tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
@@ -354,5 +362,6 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             directory = save_checkpoint(graph.trainer, run_dir, state, waiting)
             log.info("final model (HF format): %s", graph.trainer.export_hf(str(directory / "hf")))
     finally:
+        watchdog.stop()
         tracker.close()
         graph.shutdown()

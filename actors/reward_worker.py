@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import ray
@@ -13,13 +14,18 @@ from raytool.rewards import make_reward_fn
 
 @ray.remote
 class RewardWorker:
+    """Scores one trajectory at a time, on a thread: the actor's event loop stays free to answer
+    heartbeats (actors.watchdog) while a slow reward fn runs."""
+
     def __init__(self, cfg: RewardConfig):
         self.reward = make_reward_fn(cfg)
         self.metrics = RewardMetrics(cfg.fn)
+        self.one_at_a_time = asyncio.Semaphore(1)  # a user's reward fn need not be thread-safe
 
-    def score(self, view: dict, ground_truth: str, extra: dict) -> tuple[float, dict]:
+    async def score(self, view: dict, ground_truth: str, extra: dict) -> tuple[float, dict]:
         """-> (score, metrics); a failing fn raises a one-line RewardError naming it and the data source."""
-        start = time.perf_counter()
-        out = self.reward(view, ground_truth, extra)
+        async with self.one_at_a_time:
+            start = time.perf_counter()
+            out = await asyncio.to_thread(self.reward, view, ground_truth, extra)
         self.metrics.scored(time.perf_counter() - start)
         return out

@@ -251,7 +251,8 @@ class ClusterConfig(_Section):
     namespace: str | None = None  # Ray namespace of the run's actors (None: raytool-<run directory name>-<6 random hex digits>)
     wait_for_resources_s: float = 0.0  # an autoscaling cluster: wait this long for nodes before a missing resource is an error (0: fail at once)
     placement_timeout_s: float = 600.0  # the trainer's placement group not placed by then is an error naming what it waits for
-    max_actor_restarts: int = 10  # Ray restarts of an agent worker, reward worker or sandbox pool whose process died (-1: no limit); their work is retried
+    max_actor_restarts: int = 10  # Ray restarts of the LLM manager, an agent worker, reward worker or sandbox pool whose process died (-1: no limit); their work is retried
+    heartbeat_s: float = 30.0  # the driver pings every light actor and rollout server this often; one alive but silent for a whole interval (hung, stopped) is killed and restarted: found within twice this (0: off)
 
 
 class RunConfig(_Section):
@@ -417,6 +418,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
     for key, value in {"reward.retries": r.retries, "rollout.max_group_retries": cfg.rollout.max_group_retries}.items():
         if value < 0:
             raise ConfigError(f"{source}: config key '{key}': expected a count >= 0, got {value}")
+    if cfg.cluster.heartbeat_s < 0:
+        raise ConfigError(f"{source}: config key 'cluster.heartbeat_s': expected seconds >= 0 (0: no heartbeats), got {cfg.cluster.heartbeat_s}")
     if cfg.cluster.max_actor_restarts < -1:
         raise ConfigError(f"{source}: config key 'cluster.max_actor_restarts': expected a count >= 0, or -1 for no limit, got {cfg.cluster.max_actor_restarts}")
     if r.wrong_score_cap >= 1.0:

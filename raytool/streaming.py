@@ -167,6 +167,9 @@ class RolloutBatch:
         }
 
 
+STALE_DROPS_PER_STEP = 4  # batches' worth of groups dropped as stale in one step before the run stops: servers not being synced
+
+
 @dataclass
 class GroupFailed:
     """What `wait` reports for a group that produced no result (its agent worker died): the cause."""
@@ -338,6 +341,10 @@ class RolloutStream:
             self.dropped_stale += len(stale)
             self._dropped("stale", stale)
             self.done = [g for g in self.done if self.version - g.min_version <= self.k]
+            if self.dropped_stale >= STALE_DROPS_PER_STEP * self.per_step:
+                raise RaytoolError(f"raytool: step {self.step}: {self.dropped_stale} groups came back stale, generated on weights more than "
+                                   f"async.max_staleness={self.k} versions behind the trainer's v{self.version} (the newest: v{stale[-1].min_version}): "
+                                   "the rollout servers are not getting the weight syncs")
 
     def _dropped(self, reason: str, groups: list[RolloutGroup]) -> None:
         if groups:

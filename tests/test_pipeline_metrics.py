@@ -207,3 +207,19 @@ def test_groups_that_all_fail_stop_the_run_with_the_cause_instead_of_rolling_out
     with pytest.raises(RaytoolError, match=r"4 prompt groups in a row failed .*rollout.max_group_retries=1.*agent worker: RayActorError"):
         stream.next_batch(1)
     assert len(r.started) == 8  # two waves, each group tried twice
+
+
+def test_groups_that_keep_coming_back_stale_stop_the_run_instead_of_drawing_waves_forever():
+    """Servers that never got the weight syncs (every group generated on v0 while the trainer is on v3):
+    each wave is dropped as stale, and after a few batches' worth the run stops saying why."""
+    import pytest
+
+    from raytool.errors import RaytoolError
+
+    r = _Rollouts()
+    stream = _stream(r, k=0)
+    stream.trained(3)
+    stream.submit = lambda row, key, attempt=0: (r.started.append(key), (f"traj-{key}", (f"stats-{key}", key, 0, attempt)))[1]
+    with pytest.raises(RaytoolError, match=r"step 1: 8 groups came back stale, .*max_staleness=0 .*v3 \(the newest: v0\)"):
+        stream.next_batch(1)
+    assert len(r.started) == 8

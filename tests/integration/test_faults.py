@@ -1,11 +1,13 @@
 """Faults during a real run (vLLM on the tiny model, the shared Ray cluster): a reward worker that
 dies, a reward fn that raises, agent workers and a sandbox pool killed while groups are in flight,
-the LLM manager killed as a step starts. The run goes on, the groups that were hit are rolled out
+the reward worker stopped (SIGSTOP: hung, found by the heartbeat), the LLM manager and the only
+rollout server killed together as a step starts. The run goes on, the groups that were hit are rolled out
 again, and the ledger gives every drawn group exactly one outcome."""
 
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import threading
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_killed_agent_reward_sandbox_and_manager_actors_are_restarted_and_their_groups_rolled_out_again(ray_cluster, tmp_path):
+def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_groups_rolled_out_again(ray_cluster, tmp_path):
     from ray.util.state import list_actors
 
     from actors.pipeline import run
@@ -31,7 +33,7 @@ def test_killed_agent_reward_sandbox_and_manager_actors_are_restarted_and_their_
     cfg = load_config(None, [
         "model.path=tiny-random", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_final=false",
         "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=48", "rollout.seed=7",
-        "agent.num_workers=2", "reward.retries=1", f"reward.fn={REPO / 'tests' / 'helpers' / 'faulty_reward.py'}:score",
+        "agent.num_workers=2", "reward.retries=1", "cluster.heartbeat_s=2", "rollout.max_group_retries=4", f"reward.fn={REPO / 'tests' / 'helpers' / 'faulty_reward.py'}:score",
         f"cluster.env_vars={{RAYTOOL_FAULT_DIR: {faults}}}", "logging.logger=[]", "logging.progress=false",
     ])
     killed: dict = {}
@@ -41,22 +43,24 @@ def test_killed_agent_reward_sandbox_and_manager_actors_are_restarted_and_their_
         while time.time() < deadline and not (faults / "holding").exists():
             time.sleep(0.05)
         kill("AgentLoopWorker", "SandboxPool")
+        kill("RewardWorker", sig=signal.SIGSTOP)  # hung, not dead: the watchdog must find it
         metrics = tmp_path / "run" / "metrics.jsonl"
         while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             time.sleep(0.05)
-        kill("LLMManager")  # as step 3 starts rolling out
+        kill("LLMManager", "RolloutServer")  # as step 3 starts rolling out; the only server, on weights v2
 
-    def kill(*classes):
+    def kill(*classes, sig=signal.SIGKILL):
         for cls in classes:
             for actor in list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")]):
-                os.kill(actor.pid, signal.SIGKILL)
+                os.kill(actor.pid, sig)
                 killed.setdefault(cls, []).append(actor.pid)
 
     killer = threading.Thread(target=kill_while_a_group_is_scored, daemon=True)
     killer.start()
     run_dir = run(cfg, tmp_path / "run")
     killer.join(timeout=5)
-    assert {cls: len(pids) for cls, pids in killed.items()} == {"AgentLoopWorker": 2, "SandboxPool": 1, "LLMManager": 1}
+    assert {cls: len(pids) for cls, pids in killed.items()} == {"AgentLoopWorker": 2, "SandboxPool": 1, "RolloutServer": 1, "RewardWorker": 1,
+                                                                "LLMManager": 1}
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3]
@@ -70,3 +74,6 @@ def test_killed_agent_reward_sandbox_and_manager_actors_are_restarted_and_their_
     assert counts["drawn"] == counts["trained"] == 6 and set(counts) == {"drawn", "trained"}
     log = (run_dir / "run.log").read_text()
     assert "rolling it out again" in log and "scripted failure of the reward fn" in log
+    assert re.search(r"watchdog: reward-worker-0 \(pid \d+\) did not answer a heartbeat within cluster.heartbeat_s=2s", log)
+    # The only server came back on its base weights; it was synced to v2 within step 3 (its requests waited for it).
+    assert "rollout servers ['rollout-server-0'] were restarted (base weights): weight sync v2 to them" in log

@@ -213,6 +213,14 @@ def test_a_killed_manager_is_restarted_and_rebuilds_its_state_from_the_servers(r
         assert ray.get(manager.weight_targets.remote()) == {n: [f"tcp://fake/{n}"] for n in servers}
         outs = _burst(manager, "after-restart")
         assert len(outs) == 24 and {o.server for o in outs.values()} <= {"s0", "s1"}
+        # Killed together with s0 and s1 too, it would rebuild on their base weights: the driver
+        # says which version the trainer holds, and every server behind it waits for a sync.
+        for s in servers.values():
+            ray.get(s.set_version.remote(0))
+        ray.get(manager.synced.remote(3, [], {}))  # versions only go up: still 7
+        assert ray.get(manager.stats.remote())["policy_version"] == 7
+        assert ray.get(manager.expect_version.remote(9)) == ["s0", "s1", "s2"]
+        assert ray.get(manager.stats.remote())["policy_version"] == 9
     finally:
         for actor in [manager, *servers.values()]:
             ray.kill(actor)

@@ -1,0 +1,73 @@
+"""Heartbeats: a hung actor process (stopped, deadlocked, its node gone quiet) is found and handled
+like a kill, so that no call waits on it forever.
+
+The driver pings every light actor and rollout server (`__ray_ready__`, answered by the actor's
+event loop even while it works) every `cluster.heartbeat_s`; an actor that Ray reports alive but
+that has not answered by the next beat is killed with a restart, and its callers' failure handling
+takes over (groups rolled out again, scoring retried, a server re-synced). A hang is therefore
+found within twice the interval. Trainer workers are not pinged: their update runs on the actor's
+thread, so a long step would look like a hang (a trainer that dies ends the run; issue notes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+from ray.util.state import get_actor
+
+log = logging.getLogger(__name__)
+
+
+class Watchdog:
+    def __init__(self, actors: dict, interval_s: float):
+        self.actors = actors  # role name -> actor handle
+        self.interval_s = interval_s
+        self.killed: list[str] = []  # role names, in the order they were found hung
+        self._killed_pids: set[int] = set()  # a stopped process can take Ray a few seconds to kill: once is enough
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raytool-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        if self.interval_s > 0:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.beat()
+            except Exception as exc:  # the watchdog must not end the run; it says what went wrong
+                log.warning("watchdog: a heartbeat round failed: %s", exc)
+
+    def beat(self) -> list[str]:
+        """One round: ping every actor, wait one interval, kill those alive but silent -> their names."""
+        pings = {actor.__ray_ready__.remote(): name for name, actor in self.actors.items()}
+        _, late = ray.wait(list(pings), num_returns=len(pings), timeout=self.interval_s)
+        hung = []
+        for ref in late:
+            name = pings[ref]
+            pid = self._alive_pid(self.actors[name])
+            if pid is None or pid in self._killed_pids:
+                continue
+            log.warning("watchdog: %s (pid %d) did not answer a heartbeat within cluster.heartbeat_s=%gs (a hung process, or one "
+                        "that just died); killing it so that Ray restarts it", name, pid, self.interval_s)
+            ray.kill(self.actors[name], no_restart=False)
+            self._killed_pids.add(pid)
+            self.killed.append(name)
+            hung.append(name)
+        self._stop.wait(max(0.0, self.interval_s - 0.01) if not late else 0.0)
+        return hung
+
+    @staticmethod
+    def _alive_pid(actor) -> int | None:
+        """Its process id while Ray holds it as running; None while it is being created or restarted
+        (a constructor such as an engine start may legitimately keep it silent) or is dead."""
+        state = get_actor(actor._actor_id.hex(), timeout=10)
+        return state.pid if state is not None and state.state == "ALIVE" else None
