@@ -1,6 +1,7 @@
 """Which dtypes a CPU gets: native bf16 detection, the trainer's and the engine's `auto`, and the
 one-line warnings and refusals for dtypes a CPU would emulate or cannot run."""
 
+import time
 import logging
 
 import pytest
@@ -129,3 +130,23 @@ def test_the_graph_gets_one_resolved_engine_dtype(cpu, caplog, monkeypatch):
     fp16 = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype="float16"))
     with pytest.raises(ConfigError, match=r"^config key 'model.dtype': vLLM cannot run float16 on this CPU"):
         with_engine_dtype(fp16)
+
+
+def test_shared_memory_segments_of_killed_engines_are_removed_and_live_ones_kept(tmp_path):
+    """A psm_* segment nobody maps or holds open and older than the grace period goes; one this
+    process maps, one just created (an engine core mid-start) and other files stay."""
+    import mmap
+    import os
+
+    from raytool.engines.vllm_engine import unlink_orphaned_segments
+
+    old = time.time() - 600
+    for name in ("psm_dead", "psm_mapped", "psm_new", "other_file"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+        if name != "psm_new":
+            os.utime(tmp_path / name, (old, old))
+    with open(tmp_path / "psm_mapped", "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        # /proc/<pid>/maps names the file by its path: this test's mapping keeps it
+        removed = unlink_orphaned_segments(min_age_s=120, shm=str(tmp_path))
+    assert removed == [str(tmp_path / "psm_dead")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_file", "psm_mapped", "psm_new"]

@@ -33,6 +33,8 @@ import contextlib
 import itertools
 import logging
 import os
+import time
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -98,6 +100,7 @@ class VLLMEngine:
         from raytool.errors import preflight_engine
 
         preflight_engine(model_path, "vllm")
+        unlink_orphaned_segments()
         os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(start_timeout_s)  # vLLM's wait for its engine core
         # vLLM's CPU backend sizes its KV cache from this variable (GiB); a GPU ignores it.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cpu_kv_cache_gb)))))
@@ -359,6 +362,36 @@ def _shared_memory_segments() -> set[str]:
         with contextlib.suppress(psutil.Error):
             paths |= {m.path for m in proc.memory_maps(grouped=True) if m.path.startswith("/dev/shm/psm_")}
     return paths
+
+
+def unlink_orphaned_segments(min_age_s: float = 120.0, shm: str = "/dev/shm") -> list[str]:
+    """Remove the shared-memory segments (psm_*) that no process maps or holds open and that are older
+    than `min_age_s`: what the engine cores of servers killed with SIGKILL left behind (160-250 MB
+    each; nothing can unlink them at the moment of the kill). A server that Ray restarts calls this
+    before its new engine starts -> the paths removed."""
+    root = Path(shm)
+    if not root.is_dir():
+        return []
+    candidates = {str(path) for path in root.glob("psm_*") if time.time() - path.stat().st_mtime > min_age_s}
+    if not candidates:
+        return []
+    in_use: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # mapped (the path is the line's last field)
+            in_use |= {line.split()[-1] for line in (proc / "maps").read_text().splitlines() if f"{root}/psm_" in line}
+        with contextlib.suppress(OSError):  # or held open
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    in_use.add(os.readlink(fd))
+    removed = sorted(candidates - in_use)
+    for path in removed:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    if removed:
+        log.warning("removed %d shared-memory segments left by killed vLLM engines: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 def _preload_cpu_libraries() -> None:
