@@ -253,14 +253,9 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     ready |= {name: actor.__ray_ready__.remote() for name, actor in actors.items() if name not in ready}
     try:
         results = wait_started(ready)
-    except RaytoolError:
-        for actor in actors.values():
-            ray.kill(actor)
-        raise
-    ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
-    try:
+        ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
         graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
-    except RaytoolError:
+    except BaseException:  # nothing of a run that failed to start is left running
         for actor in actors.values():
             ray.kill(actor)
         raise

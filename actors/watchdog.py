@@ -69,5 +69,7 @@ class Watchdog:
     def _alive_pid(actor) -> int | None:
         """Its process id while Ray holds it as running; None while it is being created or restarted
         (a constructor such as an engine start may legitimately keep it silent) or is dead."""
-        state = get_actor(actor._actor_id.hex(), timeout=10)
+        # The state API's own guess of the cluster is the last one any `ray start` on this machine
+        # wrote down, not necessarily ours: name ours.
+        state = get_actor(actor._actor_id.hex(), address=ray.get_runtime_context().gcs_address, timeout=10)
         return state.pid if state is not None and state.state == "ALIVE" else None

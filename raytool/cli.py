@@ -1,6 +1,6 @@
 """The `raytool` command: train (GRPO with optional SFT warm-up), sft (multi-turn SFT), eval (validation metrics),
 preprocess (data sets -> prompt rows), export (checkpoint -> HF), report (a run as an HTML page), config,
-sandbox serve, bench NAME."""
+sandbox serve, bench NAME, chaos."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from raytool.bench import BENCHES
+from raytool.chaos import KINDS as CHAOS_KINDS
 from raytool.config import ConfigError, load_config, to_yaml, validate
 from raytool.data.preprocess import PREPROCESSORS, preprocess
 from raytool.errors import RaytoolError
@@ -67,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8080, help="TCP port (default 8080, as SandboxFusion)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 to serve other nodes)")
     _config_args(serve)
+    chaos = sub.add_parser("chaos", help="train while killing (and with --hang, stopping) the run's own actor processes, then check nothing was lost")
+    _config_args(chaos)
+    chaos.add_argument("--kill-every", type=float, default=20.0, metavar="S", help="seconds between faults (default 20)")
+    chaos.add_argument("--kinds", nargs="+", default=sorted(CHAOS_KINDS), choices=sorted(CHAOS_KINDS), metavar="KIND",
+                       help=f"actor kinds to hit (default: all of {', '.join(sorted(CHAOS_KINDS))})")
+    chaos.add_argument("--hang", action="store_true", help="also stop processes (SIGSTOP): the heartbeat must find them")
+    chaos.add_argument("--seed", type=int, default=0, help="the fault schedule's seed")
+    chaos.add_argument("--run-dir", help="where the run goes (default: runs/<timestamp>)")
+    chaos.add_argument("--json", action="store_true", help="also print the report as one JSON object, the last line of stdout")
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     _config_args(bench)
@@ -187,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(cfg, args)
         from actors import pipeline  # lazy: the CLI's imports of the Ray layer
 
+        if args.command == "chaos":
+            from actors.chaos import run_chaos, table as chaos_table
+
+            report = run_chaos(cfg, args.run_dir, args.kinds, args.kill_every, args.hang, args.seed)
+            print(chaos_table(report))
+            if args.json:
+                print(json.dumps(report))
+            return 0 if report["ok"] else 1
         if args.command == "sft":
             from actors.sft import run_sft
 
