@@ -22,7 +22,9 @@ async def _gather(engine, prompts, sampling):
 
 
 def _trainer(path, *overrides):
-    return Trainer(load_config(None, list(overrides)), path)
+    """A trainer in fp32: these tests read `trainer.lm` directly, which a bf16 trainer (auto on CPUs
+    with native bf16) shards under FSDP2 even on one rank; its own forward goes through the root."""
+    return Trainer(load_config(None, ["trainer.compute_dtype=float32", *overrides]), path)
 
 
 def _token_logprobs(model, ids):

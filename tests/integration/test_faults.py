@@ -77,3 +77,4 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
     assert re.search(r"watchdog: reward-worker-0 \(pid \d+\) did not answer a heartbeat within cluster.heartbeat_s=2s", log)
     # The only server came back on its base weights; it was synced to v2 within step 3 (its requests waited for it).
     assert "rollout servers ['rollout-server-0'] were restarted (base weights): weight sync v2 to them" in log
+
