@@ -51,7 +51,6 @@ class AgentLoopWorker:
         self.manager = manager
         self.sandbox_pools = sandbox_pools
         self.reward_workers = itertools.cycle(reward_workers)
-        self.num_reward_workers = len(reward_workers)
         # Sandbox sessions are named per attempt of a trajectory and per worker process, so a group
         # rolled out again (here, or after this worker was restarted) never meets its earlier state.
         self.nonce = uuid.uuid4().hex[:8]

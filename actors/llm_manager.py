@@ -123,10 +123,12 @@ class LLMManager:
                 raise
             except _Stalled as exc:
                 ray.cancel(ref)
+                first = name not in self.router.ejected  # its other requests stall too: one kill for all of them
                 self._eject(name, f"request {request_id}: {exc}")
-                # A stalled engine does not come back by itself: kill the server's process, Ray
-                # restarts it with a fresh engine, and the next sync re-loads it (handled like a kill).
-                ray.kill(self.servers[name], no_restart=False)
+                if first:
+                    # A stalled engine does not come back by itself: kill the server's process, Ray
+                    # restarts it with a fresh engine, and the next sync re-loads it (handled like a kill).
+                    ray.kill(self.servers[name], no_restart=False)
             except RayTaskError as exc:
                 if isinstance(exc.cause, ValueError):  # the request itself is invalid: no server would take it
                     raise exc.cause from None
