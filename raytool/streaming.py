@@ -343,7 +343,7 @@ class RolloutStream:
             self.done = [g for g in self.done if self.version - g.min_version <= self.k]
             if self.dropped_stale >= STALE_DROPS_PER_STEP * self.per_step:
                 raise RaytoolError(f"raytool: step {self.step}: {self.dropped_stale} groups came back stale, generated on weights more than "
-                                   f"async.max_staleness={self.k} versions behind the trainer's v{self.version} (the newest: v{stale[-1].min_version}): "
+                                   f"async.max_staleness={self.k} versions behind the trainer's v{self.version} (the newest: v{max(g.min_version for g in stale)}): "
                                    "the rollout servers are not getting the weight syncs")
 
     def _dropped(self, reason: str, groups: list[RolloutGroup]) -> None:
