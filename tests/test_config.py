@@ -82,3 +82,23 @@ def test_asynchronous_settings_load_under_their_yaml_names():
     assert cfg.async_.max_staleness == 2 and cfg.async_.partial_rollout == "abort" and cfg.algorithm.rollout_correction.rollout_rs == "token"
     assert "async:\n  max_staleness: 2" in to_yaml(cfg)
     assert load_config(None, ["async.max_staleness=1", "rollout.engine=hf", "async.partial_rollout=wait"]).async_.max_staleness == 1
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.stall_timeout_s=0", "rollout.stall_timeout_s"),
+    ("rollout.max_group_retries=-1", "rollout.max_group_retries"),
+    ("reward.call_timeout_s=0", "reward.call_timeout_s"),
+    ("reward.retries=-2", "reward.retries"),
+    ("cluster.heartbeat_s=-1", "cluster.heartbeat_s"),
+    ("cluster.max_actor_restarts=-3", "cluster.max_actor_restarts"),
+])
+def test_fault_settings_out_of_range_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=f"config key '{re.escape(key)}'"):
+        load_config(None, [override])
+
+
+def test_the_old_total_request_timeout_is_accepted_ignored_and_warned_about(caplog):
+    """Run directories written before stall_timeout_s carry rollout.request_timeout_s: they still resume."""
+    cfg = load_config(None, ["rollout.request_timeout_s=600"])
+    assert cfg.rollout.stall_timeout_s == 60.0
+    assert "'rollout.request_timeout_s' is deprecated and ignored" in caplog.text
