@@ -184,8 +184,9 @@ class LLMManager:
                 await asyncio.wait_for(server.generate.remote([0], _PROBE, f"probe-{name}-{time.monotonic_ns()}"), self.probe_timeout_s)
         except (asyncio.TimeoutError, GetTimeoutError):
             return  # still restarting or still hung: try again later
-        except (RayTaskError, RayActorError) as exc:
-            self.router.ejected[name] = f"probe failed: {one_line(exc)}"
+        except (RayTaskError, RayActorError) as exc:  # keep why it was ejected, with the latest probe's answer
+            cause = self.router.ejected.get(name, "").split(" (last probe failed: ")[0]
+            self.router.ejected[name] = f"{cause} (last probe failed: {one_line(exc)})"
             return
         self.addresses[name] = list(addresses)
         if health["policy_version"] == self.policy_version:
