@@ -33,7 +33,6 @@ class RolloutServer:
         self.addresses: list[str] = []
         self.in_flight = 0
         self.loading = False  # a weight load is running: requests are frozen on purpose
-        self.progress_at = time.monotonic()  # the engine's last token, or when work arrived at an idle engine
         self.started = time.time()
         try:
             self.engine = make_engine(engine, model_path, **engine_options)
@@ -55,8 +54,8 @@ class RolloutServer:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
         self._check()
-        if self.in_flight == 0:
-            self.progress_at = time.monotonic()
+        if self.in_flight == 0:  # the stall clock starts when work arrives at an idle engine
+            self.engine.stats.progressed()
         self.in_flight += 1
         start = time.perf_counter()
         try:
@@ -82,7 +81,7 @@ class RolloutServer:
             raise
         finally:
             self.loading = False
-            self.progress_at = time.monotonic()
+            self.engine.stats.progressed()
         return {"server": self.name, "tensors": loaded, "version": version, "seconds": time.perf_counter() - start}
 
     async def abort(self, request_id: str) -> bool:
@@ -110,8 +109,7 @@ class RolloutServer:
         """How long the engine has gone without a token while requests wait on it (0 while idle or
         loading weights): the manager tells a stalled server from a busy one by it."""
         self._exit_if_engine_died()
-        latest = max(self.progress_at, self.engine.stats.progress_at)
-        idle = 0.0 if self.in_flight == 0 or self.loading else time.monotonic() - latest
+        idle = 0.0 if self.in_flight == 0 or self.loading else time.monotonic() - self.engine.stats.progress_at
         return {"server": self.name, "in_flight": self.in_flight, "idle_s": idle}
 
     def _exit_if_engine_died(self, exc: BaseException | None = None) -> None:
