@@ -21,7 +21,7 @@ import ray
 from tqdm import tqdm
 
 from actors.agent_worker import build_toolset
-from actors.checkpoint import find_checkpoint, load_buffer, save_checkpoint
+from actors.checkpoint import resume_checkpoint, load_buffer, save_checkpoint
 from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
 from actors.evaluate import evaluate
 from actors.metrics import record_step
@@ -179,7 +179,7 @@ class DriverState(msgspec.Struct):
 def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None) -> Path:
     """Train per `cfg`, writing config.yaml, metrics.jsonl, traces.jsonl and checkpoints to run_dir.
     `resume`: a checkpoint or run directory to continue from (the run directory is reused)."""
-    checkpoint = find_checkpoint(resume) if resume is not None else None
+    checkpoint = resume_checkpoint(resume, cfg) if resume is not None else None
     if checkpoint is not None and run_dir is None:
         run_dir = checkpoint.parent.parent
     # A missing model, a bad reward fn or unusable data stop the run here, before any actor starts.

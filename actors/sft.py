@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from actors.compose import run_namespace, wait_for_resources
-from actors.checkpoint import find_checkpoint, save_checkpoint
+from actors.checkpoint import resume_checkpoint, save_checkpoint
 from actors.pipeline import connect, default_run_dir, run_log
 from actors.trainer import TrainerGroup
 from raytool.agent.render import as_in_turn
@@ -57,7 +57,7 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     s = cfg.sft
     if not s.train_files:
         raise RaytoolError("config key 'sft.train_files' is empty: give the conversations to train on (jsonl or parquet, messages + tools)")
-    checkpoint = find_checkpoint(resume) if resume is not None else None
+    checkpoint = resume_checkpoint(resume, cfg) if resume is not None else None
     if checkpoint is not None and run_dir is None:
         run_dir = checkpoint.parent.parent
     model_path = resolve_model(cfg.model.path)

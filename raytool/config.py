@@ -465,3 +465,22 @@ def sandbox_backend_options(s: SandboxConfig) -> dict:
 
 def to_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False)
+
+
+# What a checkpoint's weights and optimizer state are of: a resume that changes one of these would
+# load them into a different model or train them under a different objective.
+RESUME_FIXED = ("model.path", "trainer.lora_rank", "algorithm.adv_estimator", "algorithm.policy_loss")
+
+
+def check_resume(saved_yaml: str, cfg: RunConfig, saved_source: str) -> None:
+    """Refuse a resumed run whose config changes what its checkpoint holds (RESUME_FIXED), naming
+    the key; every other key may change on resume (steps, learning rate, logging, ...)."""
+    saved = _yaml_load(saved_yaml) or {}
+    new = msgspec.to_builtins(cfg)
+    for key in RESUME_FIXED:
+        section, name = key.split(".")
+        before = saved.get(section, {}).get(name, msgspec.to_builtins(getattr(RunConfig(), section)).get(name))
+        after = new[section][name]
+        if before != after:
+            raise ConfigError(f"config key '{key}': the checkpoint was trained with {before!r} ({saved_source}), this config says {after!r}; "
+                              f"a resume keeps the model and the algorithm (start a new run to change them)")

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -102,3 +104,55 @@ def test_a_resume_without_a_config_takes_the_runs_own(tmp_path):
         assert load_config(path, ["trainer.lr=1e-5"]).trainer.total_steps == 7
     assert _config_path(argparse.Namespace(config="other.yaml"), str(run_dir)) == "other.yaml"
     assert _config_path(argparse.Namespace(config=None), None) is None
+
+
+def test_a_resume_that_changes_the_model_or_the_algorithm_is_refused_naming_the_key(capsys, tmp_path):
+    """The run's own config.yaml is what its checkpoint holds: -c or an override that changes the
+    model or the algorithm stops `--resume` in one line before anything starts; other keys may change."""
+    from raytool.config import ConfigError, check_resume, load_config, to_yaml
+
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / "checkpoints" / "step_2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "driver_state.json").write_text('{"step": 2}')
+    saved = to_yaml(load_config(None, ["model.path=tiny-random"]))
+    (run_dir / "config.yaml").write_text(saved)
+    check_resume(saved, load_config(None, ["model.path=tiny-random", "trainer.total_steps=99", "trainer.lr=1e-5"]), "saved")
+    for override, key in (("model.path=smollm2-135m-instruct", "model.path"), ("algorithm.adv_estimator=rloo", "algorithm.adv_estimator"),
+                          ("trainer.lora_rank=8", "trainer.lora_rank")):
+        with pytest.raises(ConfigError, match=f"config key '{key}'"):
+            check_resume(saved, load_config(None, ["model.path=tiny-random", override]), "saved")
+    assert main(["train", "--resume", str(run_dir), "algorithm.adv_estimator=rloo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'algorithm.adv_estimator'" in err and "'grpo'" in err and str(run_dir / "config.yaml") in err and len(err.splitlines()) == 1
+
+
+def test_a_checkpoint_is_renamed_into_place_only_when_complete(tmp_path):
+    """A save that dies half-way (here: the trainer raises) leaves the earlier checkpoint of that
+    step untouched and nothing that --resume would take; a complete re-save replaces it."""
+    import msgspec
+
+    from actors.checkpoint import find_checkpoint, save_checkpoint
+
+    class State(msgspec.Struct):
+        step: int
+
+    class Trainer:
+        def __init__(self, fail: bool = False):
+            self.fail = fail
+
+        def save_checkpoint(self, directory: str) -> str:
+            (Path(directory) / "dcp").mkdir()
+            (Path(directory) / "dcp" / "shard").write_text("new" if not self.fail else "torn")
+            if self.fail:
+                raise RuntimeError("disk full")
+            return directory
+
+    first = save_checkpoint(Trainer(), tmp_path, State(3))
+    (first / "dcp" / "shard").write_text("old")
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_checkpoint(Trainer(fail=True), tmp_path, State(3))
+    assert find_checkpoint(tmp_path) == first and (first / "dcp" / "shard").read_text() == "old"
+    assert save_checkpoint(Trainer(), tmp_path, State(3)) == first
+    assert (first / "dcp" / "shard").read_text() == "new" and msgspec.json.decode((first / "driver_state.json").read_bytes()) == {"step": 3}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3"]
