@@ -361,5 +361,5 @@ def engine_options(cfg: RunConfig, seed: int) -> dict:
         "dtype": cfg.model.dtype, "max_batch_size": r.max_batch_size, "seed": seed,
         "tensor_parallel_size": r.tensor_parallel_size, "gpu_memory_utilization": r.gpu_memory_utilization,
         "max_model_len": r.max_model_len, "cpu_kv_cache_gb": r.cpu_kv_cache_gb, "cpu_preload": r.cpu_preload, "enforce_eager": r.enforce_eager,
-        "partial_rollout": cfg.async_.partial_rollout, "start_timeout_s": r.engine_start_timeout_s,
+        "partial_rollout": cfg.async_.partial_rollout, "start_timeout_s": r.engine_start_timeout_s, "delay_s": r.scripted_delay_s,
     }

@@ -69,7 +69,7 @@ class EvalConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["vllm", "hf"] = "vllm"  # rollout engine behind each RolloutServer (hf: tests, fallback)
+    engine: Literal["vllm", "hf", "scripted"] = "vllm"  # rollout engine behind each RolloutServer (hf: tests, fallback; scripted: no model, a fixed two-cell tool conversation, for benchmarks of raytool itself)
     num_servers: int = 1  # RolloutServer replicas behind the LLMManager
     n: int = 4  # samples per prompt (the GRPO group size)
     temperature: float = 1.0
@@ -93,6 +93,7 @@ class RolloutConfig(_Section):
     max_restarts: int = 3  # Ray restarts of a server whose process died (then re-synced and re-admitted)
     max_group_retries: int = 2  # a GRPO group hit by an infrastructure failure (sandbox, engine, reward fn or a worker that died) is rolled out again this many times, same seeds; then it is left out of the loss and recorded as failed
     health_probe_interval_s: float = 5.0  # how often the manager probes ejected servers for re-admission
+    scripted_delay_s: float = 0.5  # engine=scripted: seconds each request takes
 
 
 class AgentConfig(_Section):
@@ -361,6 +362,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
                     "making progress (rollout.stall_timeout_s=%g), not when a request is long", source, cfg.rollout.stall_timeout_s)
     if not cfg.rollout.stall_timeout_s > 0:
         raise ConfigError(f"{source}: config key 'rollout.stall_timeout_s': expected a positive number of seconds, got {cfg.rollout.stall_timeout_s}")
+    if cfg.rollout.scripted_delay_s < 0:
+        raise ConfigError(f"{source}: config key 'rollout.scripted_delay_s': expected >= 0 seconds, got {cfg.rollout.scripted_delay_s}")
     positive = {
         "rollout.n": cfg.rollout.n,
         "rollout.num_servers": cfg.rollout.num_servers,

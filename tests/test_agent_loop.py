@@ -344,3 +344,27 @@ def test_in_turn_stop_without_a_code_block_is_answered(renderer):
     run, _ = make_loop(renderer, ["I will write </code>", " \\boxed{1}"], observation_style="in_turn")
     traj = run()
     assert traj.tool_error_kinds == {"unterminated_tag": 1} and "closes no <code>" in traj.messages[-1].content
+
+
+def test_the_scripted_engine_drives_two_real_cells_and_an_answer(renderer, tiny_model_path):
+    """`rollout.engine=scripted` (raytool bench load) behind the real loop and sandbox: two cells,
+    the second reading the first's state, then the answer; every scripted id is trained (mask 1)."""
+    from raytool.data import make_splits
+    from raytool.data.prompts import with_system_prompt
+    from raytool.data.tool_arith import prompt_row
+    from raytool.engines.scripted import SCRIPT, ScriptedEngine
+
+    engine = ScriptedEngine(tiny_model_path, delay_s=0.01)
+    run, _ = make_loop(renderer, [])
+
+    async def generate(prompt_ids, sampling, request_id, session):
+        return await engine.generate(prompt_ids, sampling, request_id)
+
+    run.loop.generate = generate
+    row = prompt_row(make_splits(4, 1, 0)[0][0], AgentConfig().system_prompt)  # its system prompt shows a <code> block too
+    traj = run(prompt=with_system_prompt(row.prompt, AgentConfig().system_prompt))
+    assert traj.finish_reason == "answer" and traj.tool_calls == 2 and traj.tool_errors == 0
+    assert observations(traj) == ["42", "43"]
+    assert [t["text"] for t in traj.turns] == list(SCRIPT)
+    assert sum(traj.response_mask) == sum(len(renderer.assistant_ids(text)) for text in SCRIPT)
+    assert engine.stats.requests == 3 and engine.engine_stats()["busy_s"] >= 0.03

@@ -59,7 +59,7 @@ def test_rollout_engine_keys_are_checked():
     assert load_config(None, ["rollout.max_model_len=2048"]).rollout.max_model_len == 2048
     with pytest.raises(ConfigError, match="rollout.max_model_len"):
         load_config(None, ["rollout.max_model_len=0"])
-    with pytest.raises(ConfigError, match=r"rollout.engine.*\['vllm', 'hf'\]"):
+    with pytest.raises(ConfigError, match=r"rollout.engine.*\['vllm', 'hf', 'scripted'\]"):
         load_config(None, ["rollout.engine=sglang"])
 
 

@@ -31,6 +31,12 @@ def _pipeline(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
+def _load(cfg: RunConfig) -> tuple[str, dict]:
+    from actors.bench_load import bench  # lazy: the Ray layer
+
+    return bench(cfg)
+
+
 def _sandbox(cfg: RunConfig) -> tuple[str, dict]:
     from raytool.bench.sandbox import bench
 
@@ -55,4 +61,4 @@ def _engine(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
-BENCHES: dict[str, Bench] = {"engine": _engine, "pipeline": _pipeline, "router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}
+BENCHES: dict[str, Bench] = {"engine": _engine, "load": _load, "pipeline": _pipeline, "router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from raytool.types import SamplingParams, TokenOutput
 
-ENGINES = ("vllm", "hf")
+ENGINES = ("vllm", "hf", "scripted")
 INCOMPLETE = -1  # the policy version of an engine whose last weight load failed half-way
 
 
@@ -85,4 +85,8 @@ def make_engine(name: str, model_path: str, **options) -> RolloutEngine:
         from raytool.engines.hf import HFEngine
 
         return HFEngine(model_path, **options)
+    if name == "scripted":
+        from raytool.engines.scripted import ScriptedEngine
+
+        return ScriptedEngine(model_path, **options)
     raise ValueError(f"unknown rollout engine '{name}'; expected one of {list(ENGINES)}")

@@ -1,0 +1,112 @@
+"""The scripted engine: no model; each request is answered after `delay_s` from a fixed script.
+
+It stands behind real RolloutServers where a benchmark must measure raytool itself rather than a
+model (`raytool bench load`). The script is a two-cell code-interpreter conversation in the
+`retool` format, each request answered by the first script turn its prompt does not hold yet:
+1. `<code>` x = 6 * 7; print(x) `</code>`
+2. `<code>` print(x + 1) `</code>`   (the session's state carries over: the output is 43)
+3. the answer, `\\boxed{43}`
+each followed by the request's first stop token (finish reason `stop`). Token ids come from the
+model's own tokenizer, so the agent loop parses, renders and masks them like any engine's.
+Weight syncs are received for real (ZMQ) and discarded, so a training run works on it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from raytool.engines import EngineStats
+from raytool.types import SamplingParams, TokenOutput
+from raytool.weightsync import WeightReceiver
+
+log = logging.getLogger(__name__)
+
+SCRIPT = (
+    "Let me compute it.\n<code>\n```python\nx = 6 * 7\nprint(x)\n```\n</code>",
+    "One more step.\n<code>\n```python\nprint(x + 1)\n```\n</code>",
+    "The answer is \\boxed{43}.",
+)
+LOGPROB = -0.5  # every scripted token's log-prob
+
+
+class ScriptedEngine:
+    def __init__(self, model_path: str, *, delay_s: float = 0.5, **_ignored):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.turns = [self.tokenizer.encode(text, add_special_tokens=False) for text in SCRIPT]
+        eos = self.tokenizer.eos_token_id
+        self.default_stop = [eos] if eos is not None else []
+        self.delay_s = delay_s
+        self.policy_version = 0
+        self.stats = EngineStats()
+        self.busy_s = 0.0  # summed time of every request inside generate (the engine's share of a request's latency)
+        self._receiver: WeightReceiver | None = None
+
+    def turn_of(self, prompt_ids: list[int]) -> int:
+        """Which script turn answers this prompt: the first one it does not hold yet."""
+        text = self.tokenizer.decode(prompt_ids)
+        turn = 0
+        while turn < len(self.turns) - 1 and SCRIPT[turn] in text:
+            turn += 1
+        return turn
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+        self.stats.request_started()
+        self.stats.running += 1
+        start = asyncio.get_running_loop().time()
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            return TokenOutput([], [], "abort", policy_version=self.policy_version)
+        finally:
+            self.stats.running -= 1
+            self.busy_s += asyncio.get_running_loop().time() - start
+        ids = list(self.turns[self.turn_of(prompt_ids)])[: sampling.max_tokens]
+        stop = list(sampling.stop_token_ids) or self.default_stop
+        finish = "length"
+        if len(ids) < sampling.max_tokens and stop:
+            ids.append(stop[0])
+            finish = "stop"
+        self.stats.generated_tokens += len(ids)
+        self.stats.progressed()
+        return TokenOutput(token_ids=ids, logprobs=[LOGPROB] * len(ids), finish_reason=finish, policy_version=self.policy_version)
+
+    async def abort(self, request_id: str) -> bool:
+        return False  # a scripted request holds no engine slot: a cancelled call just ends
+
+    async def bind_weight_receivers(self, host: str) -> list[str]:
+        if self._receiver is None:
+            self._receiver = WeightReceiver(host)
+        return [self._receiver.address]
+
+    async def receive_weights(self, version: int, timeout_s: float) -> int:
+        def drain() -> int:
+            return sum(len(list(bucket)) for bucket in self._receiver.receive(version, timeout_s))
+
+        loaded = await asyncio.to_thread(drain)
+        self.policy_version = version
+        return loaded
+
+    async def sleep(self) -> None:
+        return None  # nothing held to release
+
+    async def wake_up(self) -> None:
+        return None
+
+    async def pause(self) -> None:
+        return None  # requests hold nothing a weight load could change
+
+    async def resume(self) -> None:
+        return None
+
+    def engine_stats(self) -> dict:
+        return {**self.stats.as_dict(), "policy_version": self.policy_version, "busy_s": self.busy_s}
+
+    def dead(self, exc: BaseException | None = None) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
