@@ -19,7 +19,7 @@ import zlib
 import msgspec
 import ray
 
-from actors.common import until_alive
+from actors.common import named, until_alive
 from raytool.agent.loop import reward_view
 from raytool.agent.registry import get_agent_loop
 from raytool.agent.render import ChatRenderer
@@ -42,15 +42,16 @@ def build_toolset(agent: AgentConfig, tokenizer, executor) -> ToolSet:
 
 @ray.remote
 class AgentLoopWorker:
-    def __init__(self, model_path: str, manager, sandbox_pools: list, reward_workers: list, cfg: RunConfig):
+    def __init__(self, model_path: str, manager, sandbox_pools: list, reward_workers: list, cfg: RunConfig, namespace: str | None = None):
+        """`manager`, `sandbox_pools`, `reward_workers`: handles, or names in `namespace` (see actors.common.named)."""
         from transformers import AutoTokenizer
 
         for module in cfg.agent.loop_modules:  # where users register their own loops and tools
             importlib.import_module(module)
         self.cfg = cfg
-        self.manager = manager
-        self.sandbox_pools = sandbox_pools
-        self.reward_workers = itertools.cycle(reward_workers)
+        self.manager = named(manager, namespace)
+        self.sandbox_pools = named(sandbox_pools, namespace)
+        self.reward_workers = itertools.cycle(named(reward_workers, namespace))
         # Sandbox sessions are named per attempt of a trajectory and per worker process, so a group
         # rolled out again (here, or after this worker was restarted) never meets its earlier state.
         self.nonce = uuid.uuid4().hex[:8]

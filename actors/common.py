@@ -79,3 +79,13 @@ async def until_alive(actor, timeout_s: float = RESTART_WAIT_S) -> bool:
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.2)
+
+
+def named(actors, namespace: str | None):
+    """Actor handles from `actors`: a handle, a name, or a list of either (names are looked up in
+    `namespace`). Actors that other actors' constructors need are passed by name: Ray keeps a
+    constructor argument holding the handle of an actor still being created in the object store,
+    where a restart of the receiving actor may not find it again (ray-project/ray#53727)."""
+    if isinstance(actors, list):
+        return [named(a, namespace) for a in actors]
+    return ray.get_actor(actors, namespace=namespace) if isinstance(actors, str) else actors

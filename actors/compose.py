@@ -235,13 +235,15 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         for i in range(r.num_servers)
     }
     manager = LLMManager.options(**options("llm-manager", light), **restarts).remote(
-        servers, affinity_slack=r.affinity_slack, stall_timeout_s=r.stall_timeout_s, probe_interval_s=r.health_probe_interval_s,
+        list(servers), namespace=ns, affinity_slack=r.affinity_slack, stall_timeout_s=r.stall_timeout_s, probe_interval_s=r.health_probe_interval_s,
         no_server_wait_s=r.engine_start_timeout_s
     )
     sandbox_pools = build_sandbox_pools(cfg, options)
     reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward) for i in range(cfg.reward.num_workers)]
     agent_workers = [
-        AgentLoopWorker.options(**options(f"agent-worker-{i}", light), **restarts).remote(model_path, manager, sandbox_pools, reward_workers, cfg)
+        AgentLoopWorker.options(**options(f"agent-worker-{i}", light), **restarts).remote(
+            model_path, "llm-manager", [f"sandbox-pool-{i}" for i in range(len(sandbox_pools))],
+            [f"reward-worker-{i}" for i in range(len(reward_workers))], cfg, namespace=ns)
         for i in range(cfg.agent.num_workers)
     ]
     graph = Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, None, ns)

@@ -31,6 +31,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.common import named
 from actors.metrics import ManagerMetrics
 from raytool.errors import one_line
 from raytool.routing import NoHealthyServer, Router
@@ -47,8 +48,10 @@ class _Stalled(Exception):
 
 @ray.remote
 class LLMManager:
-    def __init__(self, servers: dict, affinity_slack: int = 8, stall_timeout_s: float = 60.0,
-                 probe_interval_s: float = 5.0, probe_timeout_s: float = 60.0, no_server_wait_s: float = 600.0):
+    def __init__(self, servers: dict | list[str], affinity_slack: int = 8, stall_timeout_s: float = 60.0,
+                 probe_interval_s: float = 5.0, probe_timeout_s: float = 60.0, no_server_wait_s: float = 600.0, namespace: str | None = None):
+        if not isinstance(servers, dict):  # names of RolloutServer actors in `namespace` (see actors.common.named)
+            servers = dict(zip(servers, named(servers, namespace)))
         self.servers = servers  # name -> RolloutServer handle
         self.router = Router(list(servers), affinity_slack=affinity_slack)
         self.stall_timeout_s = stall_timeout_s
