@@ -86,7 +86,10 @@ def run_chaos(cfg: RunConfig, run_dir: str | Path | None, kinds: list[str], ever
     from raytool.engines.vllm_engine import unlink_orphaned_segments
 
     namespace = f"raytool-chaos-{uuid.uuid4().hex[:6]}"
-    cfg = msgspec.structs.replace(cfg, cluster=msgspec.structs.replace(cfg.cluster, namespace=namespace))
+    # The faults are the schedule's own: no restart budget runs out under them (a real run stops in
+    # one line when one does: actors.watchdog).
+    cfg = msgspec.structs.replace(cfg, cluster=msgspec.structs.replace(cfg.cluster, namespace=namespace, max_actor_restarts=-1),
+                                  rollout=msgspec.structs.replace(cfg.rollout, max_restarts=-1))
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     injector = Injector(namespace, Schedule(kinds, hang, seed), every_s)
     injector.start()

@@ -53,6 +53,7 @@ class Graph:
     agent_workers: list
     trainer: TrainerGroup | None
     namespace: str = ""  # the Ray namespace its named actors live in
+    watchdog: object = None  # the run's actors.watchdog.Watchdog, if one watches them
     _next_worker: itertools.cycle = field(init=False, repr=False)
 
     _group_worker: dict = field(init=False, repr=False, default_factory=dict)  # stats ref of a running group -> its agent worker
@@ -190,6 +191,11 @@ class Graph:
             except ray.exceptions.RayError as exc:
                 failed[calls[ref]] = one_line(exc)
         return failed
+
+    def check_alive(self) -> None:
+        """Raise (one line) if the watchdog found an actor of the graph dead for good."""
+        if self.watchdog is not None:
+            self.watchdog.check()
 
     def light_actors(self) -> dict:
         """Role name -> handle of every actor but the trainer's: those the watchdog pings."""

@@ -38,7 +38,7 @@ from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
 from raytool.tools.registry import load_tool_config
-from raytool.tracking import Tracker, validate_backends
+from raytool.tracking import Tracker, cut_after_step, validate_backends
 from raytool.training import lr_at
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,9 @@ def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: 
 
     def wait(stats_refs: list, also: list) -> tuple[dict, list]:
         everything = stats_refs + also
+        graph.check_alive()
         while not ray.wait(everything, num_returns=1, timeout=RESYNC_CHECK_S)[0]:
+            graph.check_alive()  # a server dead for good: stop in one line rather than wait for it
             if not stream.training:  # a restarted server serves again once it holds the current weights
                 graph.resync_stale(stream.version)
         ready, _ = ray.wait(everything, num_returns=len(everything), timeout=0)
@@ -314,7 +316,9 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
     then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"))
-    watchdog = Watchdog(graph.light_actors(), cfg.cluster.heartbeat_s).start()
+    watchdog = graph.watchdog = Watchdog(graph.light_actors(), cfg.cluster.heartbeat_s).start()
+    if checkpoint is not None:  # the steps after the checkpoint are done again: each logged once
+        cut_after_step(run_dir, msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=DriverState).step)
     tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0

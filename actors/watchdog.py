@@ -7,6 +7,11 @@ that has not answered by the next beat is killed with a restart, and its callers
 takes over (groups rolled out again, scoring retried, a server re-synced). A hang is therefore
 found within twice the interval. Trainer workers are not pinged: their update runs on the actor's
 thread, so a long step would look like a hang (a trainer that dies ends the run; issue notes).
+
+An actor that died for good (Ray used up its restarts) is remembered with its cause; `check()`,
+which the driver calls while it waits, then stops the run in one line naming the actor and the
+config key of its restart budget, instead of leaving requests to wait for a server that never
+comes back.
 """
 
 from __future__ import annotations
@@ -17,7 +22,17 @@ import threading
 import ray
 from ray.util.state import get_actor
 
+from raytool.errors import RaytoolError
+
 log = logging.getLogger(__name__)
+
+
+class ActorLostError(RaytoolError):
+    """An actor of the run is dead for good: Ray used up its restarts."""
+
+
+def restart_key(name: str) -> str:
+    return "rollout.max_restarts" if name.startswith("rollout-server") else "cluster.max_actor_restarts"
 
 
 class Watchdog:
@@ -25,6 +40,7 @@ class Watchdog:
         self.actors = actors  # role name -> actor handle
         self.interval_s = interval_s
         self.killed: list[str] = []  # role names, in the order they were found hung
+        self.lost: dict[str, str] = {}  # role name -> why it is dead for good
         self._killed_pids: set[int] = set()  # a stopped process can take Ray a few seconds to kill: once is enough
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytool-watchdog", daemon=True)
@@ -49,7 +65,12 @@ class Watchdog:
     def beat(self) -> list[str]:
         """One round: ping every actor, wait one interval, kill those alive but silent -> their names."""
         pings = {actor.__ray_ready__.remote(): name for name, actor in self.actors.items()}
-        _, late = ray.wait(list(pings), num_returns=len(pings), timeout=self.interval_s)
+        answered, late = ray.wait(list(pings), num_returns=len(pings), timeout=self.interval_s)
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self._note_if_lost(pings[ref])
         hung = []
         for ref in late:
             name = pings[ref]
@@ -64,6 +85,19 @@ class Watchdog:
             hung.append(name)
         self._stop.wait(max(0.0, self.interval_s - 0.01) if not late else 0.0)
         return hung
+
+    def check(self) -> None:
+        """Raise ActorLostError for the first actor found dead for good."""
+        for name, cause in self.lost.items():
+            raise ActorLostError(f"{name} is dead for good: Ray used up its restarts ({restart_key(name)}); last cause: {cause}")
+
+    def _note_if_lost(self, name: str) -> None:
+        state = get_actor(self.actors[name]._actor_id.hex(), address=ray.get_runtime_context().gcs_address, timeout=10)
+        if state is not None and state.state == "DEAD" and name not in self.lost:
+            context = (state.death_cause or {}).get("actor_died_error_context", {})
+            cause = (context.get("error_message") or "unknown").splitlines()[0][:300]
+            self.lost[name] = f"{cause} (restarted {state.num_restarts} times)"
+            log.error("watchdog: %s is dead for good: %s", name, self.lost[name])
 
     @staticmethod
     def _alive_pid(actor) -> int | None:

@@ -90,7 +90,7 @@ class RolloutConfig(_Section):
     stall_timeout_s: float = 60.0  # a server whose engine produces no token for this long while requests wait on it (or that does not answer a probe within it: a hung process) is ejected and its requests retried elsewhere; long requests on a working server are never cut
     request_timeout_s: float | None = None  # deprecated: the total-time limit stall_timeout_s replaced (it ejected slow but healthy servers); ignored, with a warning
     affinity_slack: int = 8  # GRPO siblings share a server unless it has more than this many requests in flight beyond the least busy
-    max_restarts: int = 3  # Ray restarts of a server whose process died (then re-synced and re-admitted)
+    max_restarts: int = 10  # Ray restarts of a server whose process died (then re-synced and re-admitted; -1: no limit); one that dies after them stops the run in one line
     max_group_retries: int = 2  # a GRPO group hit by an infrastructure failure (sandbox, engine, reward fn or a worker that died) is rolled out again this many times, same seeds; then it is left out of the loss and recorded as failed
     health_probe_interval_s: float = 5.0  # how often the manager probes ejected servers for re-admission
     scripted_delay_s: float = 0.5  # engine=scripted: seconds each request takes
@@ -423,6 +423,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
             raise ConfigError(f"{source}: config key '{key}': expected a count >= 0, got {value}")
     if cfg.cluster.heartbeat_s < 0:
         raise ConfigError(f"{source}: config key 'cluster.heartbeat_s': expected seconds >= 0 (0: no heartbeats), got {cfg.cluster.heartbeat_s}")
+    if cfg.rollout.max_restarts < -1:
+        raise ConfigError(f"{source}: config key 'rollout.max_restarts': expected a count >= 0, or -1 for no limit, got {cfg.rollout.max_restarts}")
     if cfg.cluster.max_actor_restarts < -1:
         raise ConfigError(f"{source}: config key 'cluster.max_actor_restarts': expected a count >= 0, or -1 for no limit, got {cfg.cluster.max_actor_restarts}")
     if r.wrong_score_cap >= 1.0:

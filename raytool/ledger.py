@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from raytool.tracking import keep_lines
+
 FILE = "ledger.jsonl"
 
 
@@ -19,9 +21,8 @@ class LedgerError(ValueError):
 class Ledger:
     def __init__(self, run_dir: Path, resume_step: int | None = None):
         self.path = Path(run_dir) / FILE
-        if resume_step is not None and self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= resume_step and "unfinished" not in json.loads(line)]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        if resume_step is not None:
+            keep_lines(self.path, lambda entry: entry.get("step", 0) <= resume_step and "unfinished" not in entry)
 
     def _append(self, entry: dict) -> None:
         with self.path.open("a") as f:

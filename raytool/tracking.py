@@ -89,6 +89,31 @@ def _scalars(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
 
 
+def keep_lines(path: Path, keep) -> None:
+    """Rewrite the JSONL file `path` with only the entries `keep(entry)` accepts; a torn last line
+    (a driver killed mid-write) goes too. A resumed run cuts the steps after its checkpoint this
+    way, so that each step it does again is written once."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if keep(entry):
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def cut_after_step(run_dir: Path, step: int) -> None:
+    """metrics.jsonl and traces.jsonl without the steps after `step` (a resume from step `step`)."""
+    for name in ("metrics.jsonl", "traces.jsonl"):
+        keep_lines(Path(run_dir) / name, lambda entry: entry.get("step", 0) <= step)
+
+
 class Tracker:
     """Writes each step's metrics to the JSONL files and the trackers of `cfg.logger`, and trajectories
     to traces.jsonl. `config` (the run config as builtins) goes to W&B as the run's config."""

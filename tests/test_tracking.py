@@ -140,3 +140,18 @@ def test_a_selected_tracker_without_its_package_fails_naming_the_key(monkeypatch
     validate_backends(LoggingConfig(logger=["console", "tensorboard"]))
     with pytest.raises(ConfigError, match="logging.logger"):
         load_config(None, ["logging.logger=[console,mlflow]"])
+
+
+def test_a_resume_cuts_the_steps_after_its_checkpoint_and_a_torn_last_line(tmp_path):
+    """The driver died after logging steps 3 and 4 (and half a line) past its step-2 checkpoint:
+    the resumed run logs 3 and 4 again, so they must go first, each step then written once."""
+    import json
+
+    from raytool.tracking import cut_after_step
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "x"')
+    (tmp_path / "traces.jsonl").write_text("".join(json.dumps({"step": s, "uid": f"u{s}"}) + "\n" for s in (2, 3)))
+    cut_after_step(tmp_path, 2)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [json.loads(line)["uid"] for line in (tmp_path / "traces.jsonl").read_text().splitlines()] == ["u2"]
+    cut_after_step(tmp_path / "missing", 2)  # nothing logged yet: nothing to cut

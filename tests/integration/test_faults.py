@@ -78,3 +78,38 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
     # The only server came back on its base weights; it was synced to v2 within step 3 (its requests waited for it).
     assert "rollout servers ['rollout-server-0'] were restarted (base weights): weight sync v2 to them" in log
 
+
+
+def test_the_watchdog_kills_a_stopped_actor_and_stops_the_run_for_one_dead_for_good(ray_cluster):
+    """A stopped (SIGSTOP) actor is killed within two heartbeats and Ray restarts it; an actor whose
+    restarts are used up makes `check()` raise one line naming it and the key of its budget."""
+    import os
+    import signal
+    import time
+
+    import ray
+
+    from actors.common import wait_until_alive
+    from actors.watchdog import ActorLostError, Watchdog
+
+    @ray.remote(num_cpus=0)
+    class Pinger:
+        def pid(self) -> int:
+            return os.getpid()
+
+    stoppable = Pinger.options(max_restarts=1).remote()
+    mortal = Pinger.options(max_restarts=0).remote()
+    watchdog = Watchdog({"agent-worker-0": stoppable, "rollout-server-0": mortal}, interval_s=1.0)
+    first = ray.get(stoppable.pid.remote())
+    ray.get(mortal.pid.remote())
+    watchdog.check()  # all well: nothing to say
+    os.kill(first, signal.SIGSTOP)
+    ray.kill(mortal, no_restart=True)
+    start = time.monotonic()
+    while "agent-worker-0" not in watchdog.killed or "rollout-server-0" not in watchdog.lost:
+        watchdog.beat()
+        assert time.monotonic() - start < 30, (watchdog.killed, watchdog.lost)
+    assert time.monotonic() - start < 2 * 1.0 + 5  # within two heartbeats (and the state API's answer)
+    assert wait_until_alive(stoppable) and ray.get(stoppable.pid.remote(), timeout=60) != first  # restarted
+    with pytest.raises(ActorLostError, match=r"rollout-server-0 is dead for good.*rollout\.max_restarts"):
+        watchdog.check()
