@@ -82,6 +82,14 @@ def find_checkpoint(path: str | Path) -> Path:
     return max(candidates, key=lambda d: int(d.name.removeprefix("step_")))
 
 
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The run's newest complete checkpoint, None when it has none."""
+    try:
+        return find_checkpoint(run_dir)
+    except RaytoolError:
+        return None
+
+
 def resume_checkpoint(path: str | Path, cfg: RunConfig) -> Path:
     """find_checkpoint, after checking that `cfg` keeps what the checkpoint holds (the model, the
     algorithm) against the config.yaml of the run that wrote it."""

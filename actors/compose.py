@@ -162,7 +162,7 @@ class Graph:
         addresses = [address for name in targets for address in targets[name]]
         acks, broken = [], {}
         try:
-            sent, *_ = ray.get(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20, timeout_s))
+            sent, *_ = self.trainer.gather(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20, timeout_s))
         except ray.exceptions.RayTaskError as exc:  # a receiver did not take a bucket (or its ack never came)
             error = exc.cause if isinstance(exc.cause, WeightSyncError) else None
             named = [name for name in targets if error is not None and set(error.addresses) & set(targets[name])]

@@ -21,10 +21,11 @@ import ray
 from tqdm import tqdm
 
 from actors.agent_worker import build_toolset
-from actors.checkpoint import resume_checkpoint, load_buffer, save_checkpoint
+from actors.checkpoint import latest_checkpoint, load_buffer, resume_checkpoint, save_checkpoint
 from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
 from actors.evaluate import evaluate
 from actors.metrics import record_step
+from actors.trainer import TrainerLost
 from actors.watchdog import Watchdog
 from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import ConfigError, RunConfig, to_yaml
@@ -33,7 +34,7 @@ from raytool.data.prompts import PromptRow, drop_too_long, with_system_prompt
 from raytool.data.task import Task, load_task
 from raytool.errors import RaytoolError
 from raytool.evaluation import table as eval_table
-from raytool.ledger import Ledger, outcome_metrics
+from raytool.ledger import FILE as LEDGER_FILE, Ledger, outcome_metrics
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
@@ -199,8 +200,26 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
         task = fitting_prompts(cfg, task, model_path, tokenizer)
         connect(address or cfg.cluster.address)
         log.info("run directory: %s", run_dir.resolve())
-        train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint)
-    return run_dir
+        failures = 0
+        while True:
+            try:
+                train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint)
+                return run_dir
+            except TrainerLost as exc:
+                failures += 1
+                if failures > cfg.trainer.max_failures:
+                    raise TrainerLost(f"{exc} (the trainer group failed {failures} times; trainer.max_failures={cfg.trainer.max_failures})") from exc
+                checkpoint = latest_checkpoint(run_dir)
+                log.warning("%s: re-forming the trainer group and restoring %s (failure %d of trainer.max_failures=%d)", exc,
+                            checkpoint or "the start: no checkpoint yet (trainer.save_every)", failures, cfg.trainer.max_failures)
+                if checkpoint is None:
+                    start_over(run_dir)
+
+
+def start_over(run_dir: Path) -> None:
+    """A run restarted from the beginning writes its logs afresh."""
+    for name in ("metrics.jsonl", "sft_metrics.jsonl", "traces.jsonl", LEDGER_FILE):
+        (run_dir / name).unlink(missing_ok=True)
 
 
 def context_length(cfg: RunConfig, model_path: str) -> int | None:
@@ -277,7 +296,7 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState
     train_start = time.perf_counter()
     training = graph.trainer.rl_step_refs(batch)
     stream.train_while_rolling(training)
-    train_metrics = ray.get(training)[0]
+    train_metrics = graph.trainer.gather(training)[0]
     train_s = time.perf_counter() - train_start
 
     sync_start = time.perf_counter()

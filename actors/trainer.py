@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.common import actor_options
 from raytool.config import RunConfig
 from raytool.device import detect, set_torch_threads
-from raytool.errors import ActorStartError, start_failure
+from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool import placement
 from raytool.streaming import RolloutBatch
 from raytool.training import Trainer
@@ -107,8 +107,15 @@ class TrainerWorker:
         return str(self.trainer.export_hf(directory))
 
 
+class TrainerLost(RaytoolError):
+    """A trainer worker's process died: the group cannot go on (its ranks share one model)."""
+
+
 class TrainerGroup:
-    """N TrainerWorkers in one placement group, joined in a torch process group when N > 1."""
+    """N TrainerWorkers in one placement group, joined in a torch process group when N > 1.
+
+    Every call waits on all ranks and fails fast: a rank whose process died raises TrainerLost at
+    once, naming it, while the others may be blocked in a collective with it."""
 
     def __init__(self, cfg: RunConfig, model_path: str, namespace: str | None = None):
         """Workers are named `trainer-<rank>` in `namespace` (None: anonymous)."""
@@ -147,6 +154,18 @@ class TrainerGroup:
                 f"(cluster.placement_timeout_s); free now: {free or 'nothing'} (config keys trainer.num_workers, trainer.num_cpus, trainer.num_gpus)"
             ) from None
 
+    def gather(self, refs: list) -> list:
+        """Every rank's result of one call, in rank order; TrainerLost as soon as one rank died."""
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            rank = pending.pop(ready[0])
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:
+                raise TrainerLost(f"trainer-{rank} died: {one_line(exc)}") from exc
+        return ray.get(refs)
+
     def rl_step_refs(self, batch: RolloutBatch) -> list:
         """Start one update on `batch` -> the workers' result refs (each rank's metrics, the same on
         every rank). Each rank fetches only its balanced share of the trajectories."""
@@ -158,7 +177,7 @@ class TrainerGroup:
         ]
 
     def rl_step(self, batch: RolloutBatch) -> dict:
-        return ray.get(self.rl_step_refs(batch))[0]
+        return self.gather(self.rl_step_refs(batch))[0]
 
     def _slices(self, examples: list[SFTExample]) -> list:
         """Each rank's share of an SFT batch, in the object store (a rank fetches only its own)."""
@@ -166,26 +185,26 @@ class TrainerGroup:
         return [ray.put(examples[rank::n]) for rank in range(n)]
 
     def sft_step(self, examples: list[SFTExample], lr: float) -> dict:
-        return ray.get([w.sft_step.remote(part, lr) for w, part in zip(self.workers, self._slices(examples))])[0]
+        return self.gather([w.sft_step.remote(part, lr) for w, part in zip(self.workers, self._slices(examples))])[0]
 
     def sft_val_loss(self, examples: list[SFTExample]) -> float:
-        return ray.get([w.sft_val_loss.remote(part) for w, part in zip(self.workers, self._slices(examples))])[0]
+        return self.gather([w.sft_val_loss.remote(part) for w, part in zip(self.workers, self._slices(examples))])[0]
 
     def snapshot_reference(self) -> None:
-        ray.get([w.snapshot_reference.remote() for w in self.workers])
+        self.gather([w.snapshot_reference.remote() for w in self.workers])
 
     def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float = 120.0) -> list:
         """Object refs of the sending calls (the receivers must be listening concurrently)."""
         return [w.send_weights.remote(addresses, version, bucket_bytes, timeout_s) for w in self.workers]
 
     def save_checkpoint(self, directory: str) -> str:
-        return ray.get([w.save_checkpoint.remote(os.fspath(directory)) for w in self.workers])[0]
+        return self.gather([w.save_checkpoint.remote(os.fspath(directory)) for w in self.workers])[0]
 
     def load_checkpoint(self, directory: str) -> None:
-        ray.get([w.load_checkpoint.remote(os.fspath(directory)) for w in self.workers])
+        self.gather([w.load_checkpoint.remote(os.fspath(directory)) for w in self.workers])
 
     def export_hf(self, directory: str) -> str:
-        return ray.get([w.export_hf.remote(os.fspath(directory)) for w in self.workers])[0]
+        return self.gather([w.export_hf.remote(os.fspath(directory)) for w in self.workers])[0]
 
     def shutdown(self) -> None:
         ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=10)

@@ -210,6 +210,7 @@ class TrainerConfig(_Section):
     sft_warmup_steps: int = 12  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
     save_every: int = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
     save_final: bool = True  # write a resumable checkpoint and an HF export at the end of the run
+    max_failures: int = 3  # a trainer worker whose process dies: the whole actor graph is rebuilt and restored from the last checkpoint (none yet: the run starts over) this many times; then the run stops
     weight_sync_bucket_mb: int = 64  # size of one ZMQ weight bucket (larger tensors are split)
     weight_sync_in_place: bool = True  # servers on the trainer's node read its staging buffers in place (CUDA IPC, shared memory) instead of TCP
 
@@ -423,6 +424,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
             raise ConfigError(f"{source}: config key '{key}': expected a count >= 0, got {value}")
     if cfg.cluster.heartbeat_s < 0:
         raise ConfigError(f"{source}: config key 'cluster.heartbeat_s': expected seconds >= 0 (0: no heartbeats), got {cfg.cluster.heartbeat_s}")
+    if cfg.trainer.max_failures < 0:
+        raise ConfigError(f"{source}: config key 'trainer.max_failures': expected a count >= 0, got {cfg.trainer.max_failures}")
     if cfg.rollout.max_restarts < -1:
         raise ConfigError(f"{source}: config key 'rollout.max_restarts': expected a count >= 0, or -1 for no limit, got {cfg.rollout.max_restarts}")
     if cfg.cluster.max_actor_restarts < -1:

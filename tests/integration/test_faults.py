@@ -113,3 +113,47 @@ def test_the_watchdog_kills_a_stopped_actor_and_stops_the_run_for_one_dead_for_g
     assert wait_until_alive(stoppable) and ray.get(stoppable.pid.remote(), timeout=60) != first  # restarted
     with pytest.raises(ActorLostError, match=r"rollout-server-0 is dead for good.*rollout\.max_restarts"):
         watchdog.check()
+
+
+def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_step_is_logged_once(ray_cluster, tmp_path, caplog):
+    """SIGKILL of the trainer worker after the step-2 checkpoint: the graph is rebuilt, restored
+    from step 2, and the run ends with steps 1..4 logged once each and the ledger reconciling."""
+    import logging
+
+    import ray
+    from ray.util.state import list_actors
+
+    from actors.pipeline import run
+    from raytool.ledger import audit
+
+    namespace = f"raytool-trainer-fault-{os.getpid()}"
+    cfg = load_config(None, [
+        "model.path=tiny-random", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=4", "trainer.save_every=2",
+        "trainer.save_final=false", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16",
+        "agent.max_response_tokens=48", "rollout.seed=7", "logging.logger=[]", "logging.progress=false", f"cluster.namespace={namespace}",
+    ])
+    run_dir = tmp_path / "run"
+    killed = []
+
+    def kill_after_the_step_2_checkpoint():
+        deadline = time.time() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.05)
+        for actor in list_actors(filters=[("class_name", "=", "TrainerWorker"), ("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)],
+                                 address=ray.get_runtime_context().gcs_address):
+            os.kill(actor.pid, signal.SIGKILL)
+            killed.append(actor.pid)
+
+    killer = threading.Thread(target=kill_after_the_step_2_checkpoint, daemon=True)
+    killer.start()
+    with caplog.at_level(logging.WARNING, logger="actors.pipeline"):
+        run(cfg, run_dir)
+    killer.join(timeout=5)
+    assert killed, "the trainer worker was never killed"
+    lines = [r.getMessage() for r in caplog.records if "re-forming the trainer group" in r.getMessage()]
+    assert len(lines) == 1 and "trainer-0 died" in lines[0] and "step_2" in lines[0] and "trainer.max_failures=3" in lines[0], lines
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    counts = audit(run_dir)
+    assert counts["trained"] == 4 * 2 and counts["drawn"] == sum(v for k, v in counts.items() if k != "drawn")
