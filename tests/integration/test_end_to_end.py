@@ -26,7 +26,9 @@ TINY = ["model.path=tiny-random", "trainer.total_steps=2", "trainer.sft_warmup_s
 
 def test_tiny_run_checkpoints_and_a_resumed_run_repeats_step_three_exactly(ray_cluster, tmp_path, logprob_tolerance):
     """A 3-step run that checkpoints at step 2, and a run resumed from that checkpoint: step 3
-    draws the same prompts, samples the same tokens (seeded) and trains to the same metrics."""
+    draws the same prompts, samples the same tokens (seeded), trains to the same metrics and ends
+    on bit-identical weights."""
+    import torch
     from safetensors.torch import load_file
 
     from actors.pipeline import run
@@ -64,6 +66,10 @@ def test_tiny_run_checkpoints_and_a_resumed_run_repeats_step_three_exactly(ray_c
     assert [t["response_ids"] for t in resumed_traces] == [t["response_ids"] for t in step3]
     for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert again[key] == pytest.approx(grpo[2][key], rel=1e-4, abs=1e-6), key
+    # ... and ends on the very same weights, bit for bit.
+    original, resumed = load_file(exported / "model.safetensors"), load_file(resumed_dir / "checkpoints" / "step_3" / "hf" / "model.safetensors")
+    assert original.keys() == resumed.keys()
+    assert [name for name in original if not torch.equal(original[name], resumed[name])] == []
 
 
 def test_readme_composition_example_runs(ray_cluster):
