@@ -28,17 +28,35 @@ log = logging.getLogger(__name__)
 
 
 class Injector(threading.Thread):
-    """Every `every_s` seconds, one fault per the schedule on a live process of the run's namespace."""
+    """Every `every_s` seconds, one fault per the schedule on a live process of the run's namespace.
+    `steps_log` (metrics.jsonl): at most one fault per logged step, `every_s` after it; `max_faults`:
+    then none."""
 
-    def __init__(self, namespace: str, schedule: Schedule, every_s: float):
+    def __init__(self, namespace: str, schedule: Schedule, every_s: float, steps_log: Path | None = None, max_faults: int | None = None):
         super().__init__(name="raytool-chaos", daemon=True)
         self.namespace, self.schedule, self.every_s = namespace, schedule, every_s
+        self.steps_log, self.max_faults = steps_log, max_faults
         self.faults: list[dict] = []
         self.done = threading.Event()
 
+    def _steps(self) -> int:
+        return len(self.steps_log.read_text().splitlines()) if self.steps_log.is_file() else 0
+
+    def _next_step(self) -> bool:
+        """Wait for one more logged step than at the last fault -> False once the run is done."""
+        seen = self.faults[-1]["steps"] if self.faults else -1
+        while self._steps() <= seen:
+            if self.done.wait(0.5):
+                return False
+        return True
+
     def run(self) -> None:
         self._wait_for_the_run()
-        while not self.done.wait(self.every_s):
+        while self.max_faults is None or len(self.faults) < self.max_faults:
+            if self.steps_log is not None and not self._next_step():
+                return
+            if self.done.wait(self.every_s):
+                return
             kind, how = self.schedule.next()
             try:
                 pid = self._victim(kind)
@@ -49,7 +67,7 @@ class Injector(threading.Thread):
                 self.schedule.hits[kind] -= 1  # not hit: it stays due
                 continue
             os.kill(pid, signal.SIGSTOP if how == "stop" else signal.SIGKILL)
-            self.faults.append({"t": time.time(), "kind": kind, "how": how, "pid": pid})
+            self.faults.append({"t": time.time(), "kind": kind, "how": how, "pid": pid, "steps": self._steps() if self.steps_log else 0})
             log.warning("chaos: %s %s (pid %d)", "stopped" if how == "stop" else "killed", kind, pid)
 
     def _wait_for_the_run(self) -> None:
@@ -80,8 +98,10 @@ class Injector(threading.Thread):
         return cores[0].pid if cores else None
 
 
-def run_chaos(cfg: RunConfig, run_dir: str | Path | None, kinds: list[str], every_s: float, hang: bool, seed: int) -> dict:
-    """Train per `cfg` under faults -> the report: faults by kind, the checks, steps, wall time."""
+def run_chaos(cfg: RunConfig, run_dir: str | Path | None, kinds: list[str], every_s: float, hang: bool, seed: int,
+              per_step: bool = False, max_faults: int | None = None) -> dict:
+    """Train per `cfg` under faults -> the report: faults by kind, the checks, steps, wall time.
+    `per_step`: at most one fault per step (`every_s` after it is logged); `max_faults`: then stop."""
     from actors.pipeline import default_run_dir, run
     from raytool.engines.vllm_engine import unlink_orphaned_segments
 
@@ -91,7 +111,7 @@ def run_chaos(cfg: RunConfig, run_dir: str | Path | None, kinds: list[str], ever
     cfg = msgspec.structs.replace(cfg, cluster=msgspec.structs.replace(cfg.cluster, namespace=namespace, max_actor_restarts=-1),
                                   rollout=msgspec.structs.replace(cfg.rollout, max_restarts=-1))
     run_dir = Path(run_dir) if run_dir else default_run_dir()
-    injector = Injector(namespace, Schedule(kinds, hang, seed), every_s)
+    injector = Injector(namespace, Schedule(kinds, hang, seed), every_s, run_dir / "metrics.jsonl" if per_step else None, max_faults)
     injector.start()
     start = time.monotonic()
     error = None
@@ -103,7 +123,7 @@ def run_chaos(cfg: RunConfig, run_dir: str | Path | None, kinds: list[str], ever
         injector.done.set()
         injector.join(timeout=30)
     wall = time.monotonic() - start
-    report = {"faults": len(injector.faults), "by_kind": {k: sum(f["kind"] == k for f in injector.faults) for k in kinds},
+    report = {"faults": len(injector.faults), "fault_log": injector.faults, "by_kind": {k: sum(f["kind"] == k for f in injector.faults) for k in kinds},
               "stopped": sum(f["how"] == "stop" for f in injector.faults), "wall_s": round(wall, 1), "run_error": error,
               **check_run(run_dir, cfg.trainer.total_steps)}
     report["actors_left"] = _actors_left(namespace)
@@ -129,6 +149,7 @@ def _actors_left(namespace: str, wait_s: float = 30.0) -> int:
 
 def table(report: dict) -> str:
     rows = [("faults injected", f"{report['faults']} ({report['stopped']} stopped, the rest killed)"),
+            ("at steps", ", ".join(f"{f['kind']}@{f['steps']}" for f in report.get("fault_log", []))),
             *((f"  {kind}", str(n)) for kind, n in report["by_kind"].items()),
             ("steps done", str(report["steps"])), ("wall time", f"{report['wall_s']:.0f} s"),
             ("groups retried / failed", f"{report['groups_retried']} / {report['groups_failed']}"),

@@ -41,6 +41,8 @@ from raytool.weightsync import WeightSyncError
 
 log = logging.getLogger(__name__)
 
+ACK_GRACE_S = 30.0  # beyond a weight sync's own timeout, how long the driver waits for a server's ack
+
 
 @dataclass
 class Graph:
@@ -172,7 +174,10 @@ class Graph:
             broken.update({name: (one_line(exc), True, error) for name in named})
         for name, ref in receiving.items():
             try:
-                acks.append(ray.get(ref))
+                acks.append(ray.get(ref, timeout=timeout_s + ACK_GRACE_S))
+            except ray.exceptions.GetTimeoutError:  # hung in the load: handled like a death (Ray restarts it, the next sync re-loads it)
+                ray.kill(self.servers[name], no_restart=False)
+                broken[name] = (f"{name} did not ack weight sync v{version} within {timeout_s + ACK_GRACE_S:g}s: killed so that Ray restarts it", True, None)
             except ray.exceptions.RayError as exc:
                 cause = getattr(exc, "cause", None)
                 broken.setdefault(name, (one_line(exc), isinstance(exc, ray.exceptions.RayActorError), cause if isinstance(cause, WeightSyncError) else None))

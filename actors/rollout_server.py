@@ -54,6 +54,7 @@ class RolloutServer:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
         self._check()
+        self._exit_if_engine_died()
         if self.in_flight == 0:  # the stall clock starts when work arrives at an idle engine
             self.engine.stats.progressed()
         self.in_flight += 1
@@ -72,6 +73,7 @@ class RolloutServer:
     async def receive_weights(self, version: int, timeout_s: float = 300.0) -> dict:
         """Take one weight sync from the trainer into the live engine; ack after the weights are in."""
         self._check()
+        self._exit_if_engine_died()  # a dead engine would never take the weights (nor answer)
         start = time.perf_counter()
         self.loading = True
         try:

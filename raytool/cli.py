@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"actor kinds to hit (default: all of {', '.join(sorted(CHAOS_KINDS))})")
     chaos.add_argument("--hang", action="store_true", help="also stop processes (SIGSTOP): the heartbeat must find them")
     chaos.add_argument("--seed", type=int, default=0, help="the fault schedule's seed")
+    chaos.add_argument("--per-step", action="store_true", help="at most one fault per training step: the next comes --kill-every seconds after a step is logged")
+    chaos.add_argument("--max-faults", type=int, default=None, metavar="N", help="stop injecting after N faults (the run goes on to its end)")
     chaos.add_argument("--run-dir", help="where the run goes (default: runs/<timestamp>)")
     chaos.add_argument("--json", action="store_true", help="also print the report as one JSON object, the last line of stdout")
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chaos":
             from actors.chaos import run_chaos, table as chaos_table
 
-            report = run_chaos(cfg, args.run_dir, args.kinds, args.kill_every, args.hang, args.seed)
+            report = run_chaos(cfg, args.run_dir, args.kinds, args.kill_every, args.hang, args.seed,
+                               per_step=args.per_step, max_faults=args.max_faults)
             print(chaos_table(report))
             if args.json:
                 print(json.dumps(report))
