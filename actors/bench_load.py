@@ -12,9 +12,10 @@ round: completed, lost (submitted, never returned), duplicated (returned twice),
 whose cells or answer came back wrong, trajectories/s, and the overhead per generate request
 beyond the engine's own time (the agent loop's wait minus the engine's time: the manager, two
 actor calls, and queueing where the machine's cores are busy), and the CPU time each actor kind
-spent per trajectory (its actor processes; a sandbox session's own process is not counted). Memory growth is the round's peak over the idle level after the warm-up:
-`memory_1000_vs_250` is the 1,000 round's growth over the 250 round's (goal <= 4.5: linear or
-better; agent workers cap the trajectories they run at once, sandbox pools cap their queues).
+spent per trajectory (its actor processes; a sandbox session's own process is not counted).
+Memory growth is the round's peak over the idle level after the warm-up: `memory_1000_vs_250` is
+the 1,000 round's growth over the 250 round's (goal <= 4.5: linear or better; agent workers cap
+the trajectories they run at once, sandbox pools cap their queues).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
                                 "growth": sum(max(0, sampler_round.peak[k] - idle[k]) for k in idle) + max(0, sampler_round.store_peak - idle_store)}
     finally:
         graph.shutdown()
-    big, small = rounds["1000"], rounds["250"]
+    big = rounds["1000"]
     result = {
         "completed": big["completed"],
         "lost": big["lost"],

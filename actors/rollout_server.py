@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -15,6 +16,8 @@ from raytool.errors import RolloutServerError, describe_engine_failure
 from raytool.types import SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
+
+LOAD_CHECK_S = 2.0  # while a weight load runs, how often the server checks that its engine is alive
 
 
 @ray.remote
@@ -77,7 +80,10 @@ class RolloutServer:
         start = time.perf_counter()
         self.loading = True
         try:
-            loaded = await self.engine.receive_weights(version, timeout_s)
+            loading = asyncio.ensure_future(self.engine.receive_weights(version, timeout_s))
+            while not (await asyncio.wait({loading}, timeout=LOAD_CHECK_S))[0]:
+                self._exit_if_engine_died()  # an engine that died mid-load may never answer the load
+            loaded = loading.result()
         except Exception as exc:
             self._exit_if_engine_died(exc)
             raise

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Literal
 
 import msgspec
+import psutil
 
 from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
 from raytool.types import SamplingParams, TokenOutput
@@ -140,6 +141,9 @@ class VLLMEngine:
             disable_log_stats=False,
         )
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.stats)])
+        # The engine-core process(es) vLLM started: one killed is seen at once (dead()), even where
+        # vLLM itself would leave a call waiting on it.
+        self._cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in p.name()]
         eos = self.llm.get_tokenizer().eos_token_id
         self.default_stop: list[int] = [eos] if eos is not None else []
 
@@ -334,9 +338,10 @@ class VLLMEngine:
         """Whether the engine core is gone (`exc`: an error a call raised): nothing but a new engine serves again."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        return isinstance(exc, EngineDeadError) or self.llm.errored
+        return isinstance(exc, EngineDeadError) or self.llm.errored or not all(_running(p) for p in self._cores)
 
     def shutdown(self) -> None:
+        self._cores = []  # they exit now, on purpose
         segments = _shared_memory_segments()
         self.llm.shutdown()
         # vLLM's shutdown force-kills an engine core that does not exit in time, which leaves its
@@ -409,3 +414,10 @@ def _preload_cpu_libraries() -> None:
     if after != before:
         os.environ["LD_PRELOAD"] = after
         log.info("vLLM on CPU: LD_PRELOAD %s", after)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
