@@ -41,6 +41,7 @@ from raytool.weightsync import WeightSyncError
 
 log = logging.getLogger(__name__)
 
+MANAGER_CALL_ATTEMPTS = 5  # the driver's calls to an LLM manager that keeps dying
 ACK_GRACE_S = 30.0  # beyond a weight sync's own timeout, how long the driver waits for a server's ack
 
 
@@ -110,13 +111,14 @@ class Graph:
 
     def ask_manager(self, method: str, *args):
         """Call the LLM manager and wait for the answer; a manager that died is waited for while Ray
-        restarts it (it rebuilds its state from the servers) and asked once more."""
-        try:
-            return ray.get(getattr(self.manager, method).remote(*args))
-        except ray.exceptions.RayActorError:
-            if not wait_until_alive(self.manager):
-                raise
-            return ray.get(getattr(self.manager, method).remote(*args))
+        restarts it (it rebuilds its state from the servers) and asked again, up to
+        MANAGER_CALL_ATTEMPTS times (it may die again while it comes back)."""
+        for attempt in range(MANAGER_CALL_ATTEMPTS):
+            try:
+                return ray.get(getattr(self.manager, method).remote(*args))
+            except ray.exceptions.RayActorError:
+                if attempt == MANAGER_CALL_ATTEMPTS - 1 or not wait_until_alive(self.manager):
+                    raise
 
     def resync_stale(self, version: int) -> None:
         """Load `version` (the trainer's current weights) into the servers Ray restarted (fresh engines
