@@ -336,16 +336,16 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"))
     watchdog = graph.watchdog = Watchdog(graph.light_actors(), cfg.cluster.heartbeat_s).start()
-    if checkpoint is not None:  # the steps after the checkpoint are done again: each logged once
-        cut_after_step(run_dir, msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=DriverState).step)
+    saved = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=DriverState) if checkpoint is not None else None
+    if saved is not None:  # the steps after the checkpoint are done again: each logged once
+        cut_after_step(run_dir, saved.step)
     tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     try:
-        state = DriverState(step=0, version=0, loader=loader.state_dict())
+        state = saved or DriverState(step=0, version=0, loader=loader.state_dict())
         buffered = []
         if checkpoint is not None:
-            state = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=DriverState)
             graph.trainer.load_checkpoint(str(checkpoint))
             loader.load_state_dict(state.loader)
             buffered = load_buffer(checkpoint, PromptRow)

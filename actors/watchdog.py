@@ -69,7 +69,7 @@ class Watchdog:
         for ref in answered:
             try:
                 ray.get(ref)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.ActorDiedError:  # restarting answers ActorUnavailableError: only a death can be final
                 self._note_if_lost(pings[ref])
         hung = []
         for ref in late:

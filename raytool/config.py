@@ -484,10 +484,10 @@ def check_resume(saved_yaml: str, cfg: RunConfig, saved_source: str) -> None:
     """Refuse a resumed run whose config changes what its checkpoint holds (RESUME_FIXED), naming
     the key; every other key may change on resume (steps, learning rate, logging, ...)."""
     saved = _yaml_load(saved_yaml) or {}
-    new = msgspec.to_builtins(cfg)
+    new, defaults = msgspec.to_builtins(cfg), msgspec.to_builtins(RunConfig())
     for key in RESUME_FIXED:
         section, name = key.split(".")
-        before = saved.get(section, {}).get(name, msgspec.to_builtins(getattr(RunConfig(), section)).get(name))
+        before = saved.get(section, {}).get(name, defaults[section][name])
         after = new[section][name]
         if before != after:
             raise ConfigError(f"config key '{key}': the checkpoint was trained with {before!r} ({saved_source}), this config says {after!r}; "
