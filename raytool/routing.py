@@ -112,13 +112,15 @@ class Router:
             c.latency_n += 1
 
     def eject(self, server: str, reason: str) -> None:
-        """Take `server` out of rotation; its sessions and groups re-home on their next pick."""
+        """Take `server` out of rotation; its sessions and groups re-home on their next pick. An
+        already ejected server keeps its first reason: later failures (its other requests failing
+        while it restarts) are consequences, not the cause."""
         if server not in self.in_flight:
             raise KeyError(f"Router.eject: unknown server {server!r} (known: {sorted(self.in_flight)})")
         if server not in self.ejected:
             self._counters[server].ejections += 1
             self._counters[server].epoch += 1
-        self.ejected[server] = reason
+            self.ejected[server] = reason
 
     def readmit(self, server: str) -> None:
         """Put an ejected server back into rotation, with no sticky sessions or groups."""

@@ -106,6 +106,8 @@ def test_eject_moves_sessions_and_groups_and_readmit_starts_clean():
 def test_no_healthy_server_names_every_ejected_server_and_why():
     r = Router(["a", "b"])
     r.eject("a", "OOM"), r.eject("b", "actor died")
+    r.eject("a", "actor restarting")  # a consequence of the first failure: the cause stays, counted once
+    assert r.stats()["servers"]["a"]["ejections"] == 1
     with pytest.raises(NoHealthyServer, match=r"a \(OOM\), b \(actor died\)"):
         r.pick()
     assert r.stats()["ejected"] == {"a": "OOM", "b": "actor died"}
