@@ -57,6 +57,7 @@ class Graph:
     trainer: TrainerGroup | None
     namespace: str = ""  # the Ray namespace its named actors live in
     watchdog: object = None  # the run's actors.watchdog.Watchdog, if one watches them
+    sync_attempts: int = 0  # weight-sync passes so far: each pass's buckets carry its number
     _next_worker: itertools.cycle = field(init=False, repr=False)
 
     _group_worker: dict = field(init=False, repr=False, default_factory=dict)  # stats ref of a running group -> its agent worker
@@ -162,11 +163,14 @@ class Graph:
         failed server (one-line reason, whether its actor died, its WeightSyncError if it had one))."""
         if not targets:  # every server is down or restarting: nothing to send to (they are synced once back)
             return {"bytes": 0, "buckets": 0, "seconds": 0.0}, [], {}
-        receiving = {name: self.servers[name].receive_weights.remote(version, timeout_s) for name in targets}
+        self.sync_attempts += 1  # a pass of this version after a failed one: receivers drop the first pass's leftovers
+        attempt = self.sync_attempts
+        receiving = {name: self.servers[name].receive_weights.remote(version, timeout_s, attempt) for name in targets}
         addresses = [address for name in targets for address in targets[name]]
         acks, broken = [], {}
         try:
-            sent, *_ = self.trainer.gather(self.trainer.send_weights(addresses, version, self.cfg.trainer.weight_sync_bucket_mb << 20, timeout_s))
+            bucket_bytes = self.cfg.trainer.weight_sync_bucket_mb << 20
+            sent, *_ = self.trainer.gather(self.trainer.send_weights(addresses, version, bucket_bytes, timeout_s, attempt))
         except ray.exceptions.RayTaskError as exc:  # a receiver did not take a bucket (or its ack never came)
             error = exc.cause if isinstance(exc.cause, WeightSyncError) else None
             named = [name for name in targets if error is not None and set(error.addresses) & set(targets[name])]

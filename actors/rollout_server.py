@@ -73,14 +73,18 @@ class RolloutServer:
         out.server = self.name
         return out
 
-    async def receive_weights(self, version: int, timeout_s: float = 300.0) -> dict:
-        """Take one weight sync from the trainer into the live engine; ack after the weights are in."""
+    async def receive_weights(self, version: int, timeout_s: float = 300.0, attempt: int = 0) -> dict:
+        """Take one weight sync from the trainer into the live engine; ack after the weights are in.
+        Versions only go up: a sync older than the weights it serves is refused."""
         self._check()
         self._exit_if_engine_died()  # a dead engine would never take the weights (nor answer)
+        if version < self.engine.policy_version:
+            raise ValueError(f"rollout server {self.name}: weight sync v{version} is older than the v{self.engine.policy_version} "
+                             "it serves (versions only go up)")
         start = time.perf_counter()
         self.loading = True
         try:
-            loading = asyncio.ensure_future(self.engine.receive_weights(version, timeout_s))
+            loading = asyncio.ensure_future(self.engine.receive_weights(version, timeout_s, attempt))
             while not (await asyncio.wait({loading}, timeout=LOAD_CHECK_S))[0]:
                 self._exit_if_engine_died()  # an engine that died mid-load may never answer the load
             loaded = loading.result()

@@ -67,7 +67,7 @@ class TrainerWorker:
     def snapshot_reference(self) -> None:
         self.trainer.snapshot_reference()
 
-    def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float) -> dict:
+    def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float, attempt: int = 0) -> dict:
         """Rank 0 streams; the other ranks take part in gathering full tensors from their shards."""
         if self.cfg.model.dtype not in DTYPES:  # actors.compose.build resolves model.dtype before any engine starts
             raise ValueError(f"model.dtype {self.cfg.model.dtype!r} was not resolved before the weight sync")
@@ -85,7 +85,7 @@ class TrainerWorker:
                 addresses, bucket_bytes, timeout_s, node_ip=ray.util.get_node_ip_address(), ipc=None if self.cfg.trainer.weight_sync_in_place else False,
             ), key
         try:
-            return self.sender.send(weights, version)
+            return self.sender.send(weights, version, attempt)
         finally:
             for _ in weights:  # a failed send still takes part in the other ranks' all-gathers
                 continue
@@ -193,9 +193,9 @@ class TrainerGroup:
     def snapshot_reference(self) -> None:
         self.gather([w.snapshot_reference.remote() for w in self.workers])
 
-    def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float = 120.0) -> list:
+    def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float = 120.0, attempt: int = 0) -> list:
         """Object refs of the sending calls (the receivers must be listening concurrently)."""
-        return [w.send_weights.remote(addresses, version, bucket_bytes, timeout_s) for w in self.workers]
+        return [w.send_weights.remote(addresses, version, bucket_bytes, timeout_s, attempt) for w in self.workers]
 
     def save_checkpoint(self, directory: str) -> str:
         return self.gather([w.save_checkpoint.remote(os.fspath(directory)) for w in self.workers])[0]

@@ -201,10 +201,35 @@ def test_stale_buckets_are_dropped_and_a_newer_version_refused():
     (bucket,) = list(receiver.receive(version=3, timeout_s=10))
     assert torch.equal(bucket[0][1], torch.full((2,), 3.0))
     sender.send([("w", torch.ones(2))], version=5)
-    with pytest.raises(RuntimeError, match="expected v4 bucket 0, got v5 bucket 0 from the sender"):
+    with pytest.raises(RuntimeError, match=r"expected v4 \(attempt 0\) bucket 0, got v5 \(attempt 0\) bucket 0 from the sender"):
         next(receiver.receive(version=4, timeout_s=10))
     with pytest.raises(TimeoutError, match="v6: bucket 0 did not reach .* within 0.2s"):
         next(receiver.receive(version=6, timeout_s=0.2))
+    sender.close()
+    receiver.close()
+
+
+def test_a_second_attempt_at_a_version_drops_what_the_first_left_behind():
+    """A relay chain broken half-way leaves the first pass's later buckets queued at a receiver;
+    the driver's second pass of the same version carries a higher attempt and loads cleanly."""
+    receiver = WeightReceiver()
+    sender = WeightSender([receiver.address], bucket_bytes=1 << 10, ipc=False)
+    first = {f"w{i}": torch.full((200,), float(i)) for i in range(3)}  # 800 bytes each: one bucket per tensor
+    sender.send(first.items(), version=3, attempt=1)
+    partial = receiver.receive(3, timeout_s=10, attempt=1)
+    next(partial)  # bucket 0 loaded, then this receiver's load failed: buckets 1 and 2 stay queued
+    partial.close()
+    second = {name: t + 10 for name, t in first.items()}
+    sender.send(second.items(), version=3, attempt=2)
+    loaded = dict(pair for bucket in receiver.receive(3, timeout_s=10, attempt=2) for pair in bucket)
+    assert loaded.keys() == second.keys() and all(torch.equal(loaded[n], second[n]) for n in second)
+    sender.send(first.items(), version=3, attempt=3)  # the same thing without telling the attempts apart fails
+    partial = receiver.receive(3, timeout_s=10, attempt=3)
+    next(partial)
+    partial.close()
+    sender.send(second.items(), version=3, attempt=3)
+    with pytest.raises(RuntimeError, match=r"expected v3 \(attempt 3\) bucket 0, got v3 \(attempt 3\) bucket 1"):
+        list(receiver.receive(3, timeout_s=10, attempt=3))
     sender.close()
     receiver.close()
 

@@ -59,8 +59,9 @@ class RolloutEngine(Protocol):
     async def bind_weight_receivers(self, host: str) -> list[str]:
         """Open the ZMQ receivers the trainer streams to (one per process that holds weights)."""
 
-    async def receive_weights(self, version: int, timeout_s: float) -> int:
-        """Take one weight sync into the live engine; returns the number of tensors loaded."""
+    async def receive_weights(self, version: int, timeout_s: float, attempt: int = 0) -> int:
+        """Take one weight sync (`attempt` of `version`) into the live engine; returns the number
+        of tensors loaded."""
 
     async def sleep(self) -> None: ...
 

@@ -168,14 +168,14 @@ class HFEngine:
             self._receiver = WeightReceiver(host)
         return [self._receiver.address]
 
-    async def receive_weights(self, version: int, timeout_s: float) -> int:
+    async def receive_weights(self, version: int, timeout_s: float, attempt: int = 0) -> int:
         """Take one sync from the trainer, bucket by bucket, between batches: the whole sync and the
         version change under the weights lock, so every batch runs on one version's weights."""
 
         def receive() -> int:
             with self._weights_lock:
                 try:
-                    loaded = sum(self.load_weights(bucket) for bucket in self._receiver.receive(version, timeout_s))
+                    loaded = sum(self.load_weights(bucket) for bucket in self._receiver.receive(version, timeout_s, attempt))
                 except BaseException:
                     self.policy_version = INCOMPLETE  # half old, half new: serve nothing until a sync completes
                     raise

@@ -81,9 +81,9 @@ class ScriptedEngine:
             self._receiver = WeightReceiver(host)
         return [self._receiver.address]
 
-    async def receive_weights(self, version: int, timeout_s: float) -> int:
+    async def receive_weights(self, version: int, timeout_s: float, attempt: int = 0) -> int:
         def drain() -> int:
-            return sum(len(list(bucket)) for bucket in self._receiver.receive(version, timeout_s))
+            return sum(len(list(bucket)) for bucket in self._receiver.receive(version, timeout_s, attempt))
 
         loaded = await asyncio.to_thread(drain)
         self.policy_version = version

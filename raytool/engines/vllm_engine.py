@@ -283,7 +283,7 @@ class VLLMEngine:
         """Each vLLM worker binds a ZMQ PULL socket; returns their addresses (one per TP rank)."""
         return list(await self.llm.collective_rpc("raytool_bind_weight_receiver", args=(host,)))
 
-    async def receive_weights(self, version: int, timeout_s: float) -> int:
+    async def receive_weights(self, version: int, timeout_s: float, attempt: int = 0) -> int:
         """Take one sync from the trainer into the live engine: pause, load bucket by bucket in the
         workers, reset the prefix cache (its KV was computed by the old weights), label the weights
         with `version`, resume. vLLM tags each step's tokens with the label it held and changes it
@@ -294,7 +294,7 @@ class VLLMEngine:
             self._load_aborts += 1
         await self.llm.pause_generation(mode=mode, clear_cache=False)
         try:
-            counts = await self.llm.collective_rpc("raytool_receive_weights", args=(version, timeout_s))
+            counts = await self.llm.collective_rpc("raytool_receive_weights", args=(version, timeout_s, attempt))
             for count in counts:
                 if isinstance(count, dict):
                     raise WeightSyncError.from_fields(count["error"])

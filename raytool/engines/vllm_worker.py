@@ -33,7 +33,7 @@ class WeightSyncExtension:
             receiver = self._raytool_receiver = WeightReceiver(host)
         return receiver.address
 
-    def raytool_receive_weights(self, version: int, timeout_s: float) -> int | dict:
+    def raytool_receive_weights(self, version: int, timeout_s: float, attempt: int = 0) -> int | dict:
         """Load one sync bucket by bucket with the model's own `load_weights` (it maps HF names to
         vLLM's fused parameters and keeps this rank's shard); returns how many tensors came, or a
         failed sync's WeightSyncError as {"error": its fields} (vLLM's RPC would keep only its text).
@@ -52,7 +52,7 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
             try:
-                for bucket in self._raytool_receiver.receive(version, timeout_s):
+                for bucket in self._raytool_receiver.receive(version, timeout_s, attempt):
                     model.load_weights(bucket)
                     loaded += len(bucket)
                     if tied:

@@ -11,6 +11,10 @@ each piece sits at its offset in that buffer; receivers ack such a bucket when t
 it. The header's checksum covers what travels: the payload frames (the weights' bytes, or the
 handle to them). Every hop verifies it before it forwards or loads the bucket.
 
+A header names its sync by (version, attempt): a version sent again after a failed pass (a relay
+chain a dead receiver broke) gets a higher attempt, so a receiver tells the buckets the first pass
+left in its queue from the second pass's and drops them.
+
 Over TCP a sync to several receivers is a chain: `route` lists every receiver in order, the sender
 sends to `route[0]`, and the receiver at `route[hop]` forwards the same payload frames, with
 `hop + 1` in the header, to `route[hop + 1]`. Direct fan-out (and every in-place sync: its
@@ -82,6 +86,7 @@ class BucketHeader(msgspec.Struct, array_like=True):
     hop: int  # this frame is addressed to route[hop]
     origin: str  # the sender ("host pid N"), named in errors about the first hop
     ack_to: str = ""  # kinds "cuda", "shm": where receivers ack a bucket, so the sender may reuse its buffer
+    attempt: int = 0  # which try at this version: a version sent again (a broken chain) gets a higher one
 
     def upstream(self) -> str:
         """Who sent this frame to route[hop]."""
@@ -94,6 +99,7 @@ class Ack(msgspec.Struct, array_like=True):
     version: int
     index: int
     address: str
+    attempt: int = 0
 
 
 encode = msgspec.msgpack.Encoder().encode

@@ -35,15 +35,16 @@ class WeightReceiver:
         # costs its page faults again (measured: 50 ms of a 250 ms sync of SmolLM2-135M).
         self._joins: dict[tuple[str, str], torch.Tensor] = {}
 
-    def receive(self, version: int, timeout_s: float = 120.0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def receive(self, version: int, timeout_s: float = 120.0, attempt: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield the tensors of one sync, a bucket at a time, until the bucket marked last.
 
         A yielded bucket holds complete tensors only (the pieces of a split tensor are joined
         first). Its tensors are read-only views of the received frames, or, from a sender on this
         node, of its staging buffer (GPU or shared memory), valid until the next bucket is asked
         for: copy what you keep.
-        Buckets of an earlier version (left over from a failed sync) are dropped. `timeout_s`
-        bounds the wait for each bucket and each forward to the next receiver."""
+        Buckets of an earlier sync (an earlier version, or an earlier attempt at this one: left over
+        from a sync that failed half-way) are dropped. `timeout_s` bounds the wait for each bucket
+        and each forward to the next receiver."""
         expected = 0
         upstream = "upstream (no bucket of this sync has come yet: the sender or a receiver before this one is late or failed)"
         partial: dict[str, torch.Tensor] = {}  # split tensors being joined, as bytes
@@ -56,11 +57,12 @@ class WeightReceiver:
                 )
             header_frame, *payload = self._sock.recv_multipart(copy=False)
             header = decode_header(header_frame.bytes)
-            if header.version < version:
+            if (header.version, header.attempt) < (version, attempt):
                 continue  # left over from a sync that failed half-way: drop it
-            if header.version != version or header.index != expected:
+            if (header.version, header.attempt) != (version, attempt) or header.index != expected:
                 raise WeightSyncError(
-                    f"weight sync: expected v{version} bucket {expected}, got v{header.version} bucket {header.index} "
+                    f"weight sync: expected v{version} (attempt {attempt}) bucket {expected}, got v{header.version} "
+                    f"(attempt {header.attempt}) bucket {header.index} "
                     f"from {header.upstream()}", version=version, bucket=expected, addresses=(self.address,), kind="out_of_order",
                 )
             upstream = header.upstream()
@@ -120,7 +122,7 @@ class WeightReceiver:
 
     def _ack(self, header: BucketHeader, timeout_s: float) -> None:
         try:
-            self._peer(header.ack_to, timeout_s).send(encode(Ack(header.version, header.index, self.address)))
+            self._peer(header.ack_to, timeout_s).send(encode(Ack(header.version, header.index, self.address, header.attempt)))
         except zmq.Again:
             raise WeightSyncTimeout(
                 f"weight sync v{header.version}: the sender's ack socket {header.ack_to} did not take the ack "

@@ -93,13 +93,16 @@ class WeightSender:
         self._shm_paths: dict[int, str] = {}  # data_ptr of a shared-memory staging buffer -> its file
         self._acks: zmq.Socket | None = None
         self._ack_address = ""
+        self._attempt = 0  # of the send in progress
 
     # --- the caller's thread: packing -------------------------------------------------------
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, attempt: int = 0) -> dict:
         """Stream every tensor to every receiver; returns bytes, buckets and seconds. Raises
-        WeightSyncTimeout naming the receiver that did not take a bucket in time."""
+        WeightSyncTimeout naming the receiver that did not take a bucket in time. `attempt` tells a
+        second try at a version from the first (the receivers were told the same)."""
         start = time.perf_counter()
+        self._attempt = attempt
         tensors = iter(named_tensors)
         first = next(tensors, None)
         tensors = itertools.chain([first], tensors) if first is not None else iter(())
@@ -239,7 +242,7 @@ class WeightSender:
         routes = [self.addresses] if self.fanout == "chain" and kind == "bytes" else [[a] for a in self.addresses]
         header = BucketHeader(
             version, bucket.index, bucket.last, kind, digest, bucket.pieces, [], 0, self.origin,
-            self._ack_socket() if kind != "bytes" else "",
+            self._ack_socket() if kind != "bytes" else "", self._attempt,
         )
         for route in routes:
             header.route = route
@@ -275,7 +278,7 @@ class WeightSender:
                     version=version, bucket=index, addresses=tuple(sorted(waiting)), kind="no_ack",
                 )
             ack: Ack = decode_ack(self._acks.recv())
-            if ack.version == version:  # an older one is left over from a sync that failed
+            if (ack.version, ack.attempt) == (version, self._attempt):  # an older one is left over from a sync that failed
                 acked.setdefault(ack.index, set()).add(ack.address)
         acked.pop(index)
 

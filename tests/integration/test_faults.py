@@ -157,3 +157,32 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
     assert steps == [1, 2, 3, 4]
     counts = audit(run_dir)
     assert counts["trained"] == 4 * 2 and counts["drawn"] == sum(v for k, v in counts.items() if k != "drawn")
+
+
+def test_a_rollout_server_takes_a_second_attempt_at_a_version_and_refuses_an_older_one(ray_cluster):
+    """The relay chain's re-send after a broken pass reaches a live server as attempt 2 of the same
+    version and loads; a version older than the one it serves is refused in one line."""
+    import ray
+    import torch
+
+    from actors.rollout_server import RolloutServer
+    from raytool.models import resolve_model
+    from raytool.weightsync import WeightSender
+
+    server = RolloutServer.options(num_cpus=0).remote("rollout-server-t", resolve_model("tiny-random"), "scripted", {"delay_s": 0.0})
+    (address,) = ray.get(server.ready.remote())
+    sender = WeightSender([address], bucket_bytes=1 << 10, ipc=False)
+    weights = {f"w{i}": torch.full((200,), float(i)) for i in range(3)}
+    try:
+        loading = server.receive_weights.remote(3, 10.0, 1)
+        sender.send(weights.items(), 3, attempt=1)
+        assert ray.get(loading)["tensors"] == 3
+        sender.send(weights.items(), 3, attempt=1)  # a duplicate of the first pass, queued at the server
+        loading = server.receive_weights.remote(3, 10.0, 2)
+        sender.send(weights.items(), 3, attempt=2)
+        assert ray.get(loading)["tensors"] == 3 and ray.get(server.health.remote())["policy_version"] == 3
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"weight sync v2 is older than the v3 it serves \(versions only go up\)"):
+            ray.get(server.receive_weights.remote(2, 10.0))
+    finally:
+        sender.close()
+        ray.kill(server)
