@@ -1,19 +1,20 @@
-"""Checkpoints of a run: the trainer group's state in RUN_DIR/checkpoints/step_N, the driver's state
-next to it (driver_state.json: a directory without it is not a checkpoint), and, for an asynchronous
-run, the finished groups not yet trained (buffer.msgpack). Each is written under a temporary name
-and renamed into place when complete."""
+"""Checkpoints of a run: the trainer group's state in RUN_DIR/checkpoints/step_N (or, with
+trainer.checkpoint_dir, a shared path or fsspec URI: DIR/<run name>/step_N), the run's config.yaml
+and the driver's state next to it (driver_state.json: a directory without it is not a checkpoint),
+and, for an asynchronous run, the finished groups not yet trained (buffer.msgpack). Each is written
+under a temporary name and renamed into place when complete."""
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
+import re
 from pathlib import Path
 
 import msgspec
 import ray
 
 from raytool.config import RunConfig, check_resume
+from raytool import storage
 from raytool.errors import RaytoolError
 from raytool.streaming import RolloutGroup
 from raytool.types import Trajectory
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "driver_state.json"
 BUFFER_FILE = "buffer.msgpack"
+CONFIG_FILE = "config.yaml"
 
 
 class _SavedGroup(msgspec.Struct):
@@ -33,71 +35,96 @@ class _SavedGroup(msgspec.Struct):
     trajectories: list[Trajectory]
 
 
-def save_checkpoint(trainer, run_dir: Path, state: msgspec.Struct, buffered: list[RolloutGroup] = ()) -> Path:
-    """The trainer group's checkpoint in run_dir/checkpoints/step_N, `buffered` groups beside it, and
-    the driver's `state` (a Struct with a `step`) last, as driver_state.json. All of it is written
-    under a temporary name (.step_N.partial) and renamed into place when complete: a save that dies
-    half-way leaves the checkpoints before it as they were (a re-save of step N replaces the old one
-    only then)."""
-    directory = (run_dir / "checkpoints" / f"step_{state.step}").resolve()
-    partial = directory.with_name(f".{directory.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
-    partial.mkdir(parents=True)
-    trainer.save_checkpoint(str(partial))
+def checkpoint_root(cfg: RunConfig, run_dir: Path) -> str:
+    """Where this run's checkpoints go: RUN_DIR/checkpoints, or trainer.checkpoint_dir/<run name>."""
+    if cfg.trainer.checkpoint_dir:
+        return storage.join(storage.absolute(cfg.trainer.checkpoint_dir), Path(run_dir).resolve().name)
+    return str((Path(run_dir) / "checkpoints").resolve())
+
+
+def save_checkpoint(trainer, root: str | Path, state: msgspec.Struct, buffered: list[RolloutGroup] = (), config_yaml: str = "") -> str:
+    """The trainer group's checkpoint in root/step_N, `buffered` groups and the run's `config_yaml`
+    beside it, and the driver's `state` (a Struct with a `step`) last, as driver_state.json. It is
+    written under a temporary name (.step_N.partial) and renamed into place when complete: a save
+    that dies half-way leaves the checkpoints before it as they were (a re-save of step N replaces
+    the old one only then). `root`: a local or shared path, or an fsspec URI."""
+    directory = storage.join(storage.absolute(root), f"step_{state.step}")
+    partial = storage.join(storage.parent(directory), f".step_{state.step}.partial")
+    storage.remove(partial)  # left by a save that died
+    storage.makedirs(partial)
+    trainer.save_checkpoint(partial)
     if buffered:
         trajectories = ray.get([g.ref for g in buffered])
         saved = [_SavedGroup(g.key, g.seq, msgspec.to_builtins(g.row), g.stats, g.submitted_version, t) for g, t in zip(buffered, trajectories)]
-        (partial / BUFFER_FILE).write_bytes(msgspec.msgpack.encode(saved))
-    (partial / STATE_FILE).write_bytes(msgspec.json.encode(state))
-    replaced = directory.with_name(f".{directory.name}.old")
-    if directory.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(directory, replaced)
-    os.replace(partial, directory)
-    shutil.rmtree(replaced, ignore_errors=True)
+        storage.write_bytes(storage.join(partial, BUFFER_FILE), msgspec.msgpack.encode(saved))
+    if config_yaml:
+        storage.write_bytes(storage.join(partial, CONFIG_FILE), config_yaml.encode())
+    storage.write_bytes(storage.join(partial, STATE_FILE), msgspec.json.encode(state))
+    replaced = storage.join(storage.parent(directory), f".step_{state.step}.old")
+    if storage.exists(directory):
+        storage.remove(replaced)
+        storage.move(directory, replaced)
+    storage.move(partial, directory)
+    storage.remove(replaced)
     log.info("checkpoint: %s", directory)
     return directory
 
 
-def load_buffer(checkpoint: Path, row_type: type) -> list[RolloutGroup]:
+def read_state(checkpoint: str, state_type: type):
+    return msgspec.json.decode(storage.read_bytes(storage.join(checkpoint, STATE_FILE)), type=state_type)
+
+
+def load_buffer(checkpoint: str | Path, row_type: type) -> list[RolloutGroup]:
     """The finished groups a checkpoint holds (their trajectories back in the object store)."""
-    path = checkpoint / BUFFER_FILE
-    if not path.is_file():
+    path = storage.join(checkpoint, BUFFER_FILE)
+    if not storage.exists(path):
         return []
-    saved = msgspec.msgpack.decode(path.read_bytes(), type=list[_SavedGroup])
+    saved = msgspec.msgpack.decode(storage.read_bytes(path), type=list[_SavedGroup])
     return [RolloutGroup(g.key, g.seq, msgspec.convert(g.row, row_type), ray.put(g.trajectories),
                          [{**s, "version_counts": {int(v): n for v, n in s["version_counts"].items()}} for s in g.stats], g.submitted_version)
             for g in saved]
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from what a user passes to --resume: the checkpoint itself, or a run
-    directory (its latest checkpoint)."""
-    path = Path(path)
-    if (path / STATE_FILE).is_file():
-        return path
-    candidates = [d for d in (path / "checkpoints").glob("step_*") if (d / STATE_FILE).is_file()]
-    if not candidates:
-        raise RaytoolError(f"--resume {path}: no checkpoint there (expected a checkpoints/step_N directory with {STATE_FILE}, or a run directory holding them)")
-    return max(candidates, key=lambda d: int(d.name.removeprefix("step_")))
+def find_checkpoint(path: str | Path, cfg: RunConfig | None = None) -> str:
+    """A checkpoint from what a user passes to --resume: the checkpoint itself (a path or URI), or
+    a run directory (its latest checkpoint, where `cfg`'s trainer.checkpoint_dir puts them)."""
+    if storage.exists(storage.join(path, STATE_FILE)):
+        return storage.absolute(path)
+    root = checkpoint_root(cfg, Path(path)) if cfg is not None else storage.absolute(Path(path) / "checkpoints")
+    steps = [int(n.removeprefix("step_")) for n in storage.children(root) if re.fullmatch(r"step_\d+", n)]
+    steps = [step for step in steps if storage.exists(storage.join(root, f"step_{step}", STATE_FILE))]
+    if not steps:
+        raise RaytoolError(f"--resume {path}: no checkpoint there (expected a checkpoints/step_N directory with {STATE_FILE}, "
+                           f"or a run directory holding them; looked in {root})")
+    return storage.join(root, f"step_{max(steps)}")
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def latest_checkpoint(run_dir: Path, cfg: RunConfig | None = None) -> str | None:
     """The run's newest complete checkpoint, None when it has none."""
     try:
-        return find_checkpoint(run_dir)
+        return find_checkpoint(run_dir, cfg)
     except RaytoolError:
         return None
 
 
-def resume_checkpoint(path: str | Path, cfg: RunConfig) -> Path:
+def resume_checkpoint(path: str | Path, cfg: RunConfig) -> str:
     """find_checkpoint, after checking that `cfg` keeps what the checkpoint holds (the model, the
-    algorithm) against the config.yaml of the run that wrote it."""
-    checkpoint = find_checkpoint(path)
-    saved = checkpoint.parent.parent / "config.yaml"
-    if saved.is_file():
-        check_resume(saved.read_text(), cfg, str(saved))
+    algorithm) against the config of the run that wrote it (saved in the checkpoint, or the run
+    directory's config.yaml)."""
+    checkpoint = find_checkpoint(path, cfg)
+    for saved in (storage.join(checkpoint, CONFIG_FILE), storage.join(storage.parent(storage.parent(checkpoint)), CONFIG_FILE)):
+        if storage.exists(saved):
+            check_resume(storage.read_bytes(saved).decode(), cfg, saved)
+            break
     return checkpoint
+
+
+def resumed_run_dir(checkpoint: str) -> Path:
+    """The run directory a resumed run writes to when none is given: the one holding a checkpoint
+    under RUN_DIR/checkpoints, else runs/<the checkpoint's run name> (checkpoint_dir/<run name>/step_N)."""
+    if storage.is_local(checkpoint) and storage.name(storage.parent(checkpoint)) == "checkpoints":
+        return Path(storage.parent(storage.parent(checkpoint)))
+    return Path("runs") / storage.name(storage.parent(checkpoint))
 
 
 def latest_run_dir(root: Path = Path("runs")) -> Path:

@@ -15,7 +15,8 @@ import ray
 
 from actors.compose import Graph, build
 from raytool.agent.loop import reward_view
-from raytool.config import EvalConfig, RunConfig
+from raytool import storage
+from raytool.config import EvalConfig, RunConfig, load_config
 from raytool.data.prompts import PromptRow, load_prompt_files
 from raytool.data.task import load_task
 from raytool.evaluation import EvalSample, summarize
@@ -55,9 +56,10 @@ def eval_model_path(model: str, work_dir: Path) -> str:
     path = Path(model)
     if not path.is_dir() or (path / "config.json").is_file():
         return resolve_model(model)
-    checkpoint = find_checkpoint(path)
-    if (checkpoint / "hf" / "config.json").is_file():
-        return str(checkpoint / "hf")
+    checkpoint = find_checkpoint(path, load_config(str(path / "config.yaml")) if (path / "config.yaml").is_file() else None)
+    hf = storage.join(checkpoint, "hf")
+    if storage.exists(storage.join(hf, "config.json")):
+        return hf if storage.is_local(hf) else str(storage.get_dir(hf, work_dir / "hf"))
     from raytool.training.export import export_checkpoint
 
     log.info("exporting %s to HF format for the engine", checkpoint)

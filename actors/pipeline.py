@@ -21,7 +21,7 @@ import ray
 from tqdm import tqdm
 
 from actors.agent_worker import build_toolset
-from actors.checkpoint import latest_checkpoint, load_buffer, resume_checkpoint, save_checkpoint
+from actors.checkpoint import checkpoint_root, latest_checkpoint, load_buffer, read_state, resume_checkpoint, resumed_run_dir, save_checkpoint
 from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
 from actors.evaluate import evaluate
 from actors.metrics import record_step
@@ -33,6 +33,7 @@ from raytool.data import PromptLoader, load_conversations, sft_examples
 from raytool.data.prompts import PromptRow, drop_too_long, with_system_prompt
 from raytool.data.task import Task, load_task
 from raytool.errors import RaytoolError
+from raytool import storage
 from raytool.evaluation import table as eval_table
 from raytool.ledger import FILE as LEDGER_FILE, Ledger, outcome_metrics
 from raytool.models import resolve_model
@@ -182,7 +183,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     `resume`: a checkpoint or run directory to continue from (the run directory is reused)."""
     checkpoint = resume_checkpoint(resume, cfg) if resume is not None else None
     if checkpoint is not None and run_dir is None:
-        run_dir = checkpoint.parent.parent
+        run_dir = resumed_run_dir(checkpoint)
     # A missing model, a bad reward fn or unusable data stop the run here, before any actor starts.
     model_path = resolve_model(cfg.model.path)
     validate_reward_fn(cfg.reward.fn)
@@ -209,7 +210,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
                 failures += 1
                 if failures > cfg.trainer.max_failures:
                     raise TrainerLost(f"{exc} (the trainer group failed {failures} times; trainer.max_failures={cfg.trainer.max_failures})") from exc
-                checkpoint = latest_checkpoint(run_dir)
+                checkpoint = latest_checkpoint(run_dir, cfg)
                 log.warning("%s: re-forming the trainer group and restoring %s (failure %d of trainer.max_failures=%d)", exc,
                             checkpoint or "the start: no checkpoint yet (trainer.save_every)", failures, cfg.trainer.max_failures)
                 if checkpoint is None:
@@ -328,7 +329,7 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState
     return metrics, batch
 
 
-def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: Path | None) -> None:
+def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: str | None) -> None:
     """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run`.
 
     Each step takes a batch of finished groups from the rollout stream, trains on it while the
@@ -336,13 +337,15 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"))
     watchdog = graph.watchdog = Watchdog(graph.light_actors(), cfg.cluster.heartbeat_s).start()
-    saved = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=DriverState) if checkpoint is not None else None
+    root = checkpoint_root(cfg, run_dir)
+    saved = read_state(checkpoint, DriverState) if checkpoint is not None else None
     if saved is not None:  # the steps after the checkpoint are done again: each logged once
         cut_after_step(run_dir, saved.step)
     tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     try:
+        graph.trainer.check_storage(root)
         state = saved or DriverState(step=0, version=0, loader=loader.state_dict())
         buffered = []
         if checkpoint is not None:
@@ -378,12 +381,12 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             state.step, state.loader, state.redo = step, loader.state_dict(), redo
             every = cfg.trainer.save_every
             if every and step % every == 0 and not (cfg.trainer.save_final and step == cfg.trainer.total_steps):
-                save_checkpoint(graph.trainer, run_dir, state, waiting)
+                save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg))
         redo, waiting = stream.unfinished()
         ledger.finish(state.step, [key for key, _ in redo] + [g.key for g in waiting])
         if cfg.trainer.save_final:
-            directory = save_checkpoint(graph.trainer, run_dir, state, waiting)
-            log.info("final model (HF format): %s", graph.trainer.export_hf(str(directory / "hf")))
+            directory = save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg))
+            log.info("final model (HF format): %s", graph.trainer.export_hf(storage.join(directory, "hf")))
     finally:
         watchdog.stop()
         tracker.close()

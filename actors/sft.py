@@ -15,9 +15,10 @@ from pathlib import Path
 import msgspec
 
 from actors.compose import run_namespace, wait_for_resources
-from actors.checkpoint import resume_checkpoint, save_checkpoint
+from actors.checkpoint import checkpoint_root, read_state, resume_checkpoint, resumed_run_dir, save_checkpoint
 from actors.pipeline import connect, default_run_dir, run_log
 from actors.trainer import TrainerGroup
+from raytool import storage
 from raytool.agent.render import as_in_turn
 from raytool.config import RunConfig, to_yaml
 from raytool.data.conversations import load_conversations, sft_examples, split_validation
@@ -59,7 +60,7 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
         raise RaytoolError("config key 'sft.train_files' is empty: give the conversations to train on (jsonl or parquet, messages + tools)")
     checkpoint = resume_checkpoint(resume, cfg) if resume is not None else None
     if checkpoint is not None and run_dir is None:
-        run_dir = checkpoint.parent.parent
+        run_dir = resumed_run_dir(checkpoint)
     model_path = resolve_model(cfg.model.path)
     validate_backends(cfg.logging)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -80,9 +81,11 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
         per_epoch = math.ceil(len(train_examples) / s.batch_size)
         total = per_epoch * s.epochs
         state = SFTState(step=0, epoch=0, index=0)
+        root = checkpoint_root(cfg, run_dir)
         try:
+            trainer.check_storage(root)
             if checkpoint is not None:
-                state = msgspec.json.decode((checkpoint / "driver_state.json").read_bytes(), type=SFTState)
+                state = read_state(checkpoint, SFTState)
                 trainer.load_checkpoint(str(checkpoint))
                 log.info("resumed from %s at step %d", checkpoint, state.step)
 
@@ -106,9 +109,9 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
                         validate(metrics)
                     tracker.log(metrics, phase="sft")
                     if s.save_every and state.step % s.save_every == 0 and state.step != total:
-                        save_checkpoint(trainer, run_dir, state)
-            directory = save_checkpoint(trainer, run_dir, state)
-            log.info("final model (HF format): %s", trainer.export_hf(str(directory / "hf")))
+                        save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg))
+            directory = save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg))
+            log.info("final model (HF format): %s", trainer.export_hf(storage.join(directory, "hf")))
         finally:
             tracker.close()
             trainer.shutdown()

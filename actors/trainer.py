@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -13,7 +14,7 @@ from actors.common import actor_options
 from raytool.config import RunConfig
 from raytool.device import detect, set_torch_threads
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
-from raytool import placement
+from raytool import placement, storage
 from raytool.streaming import RolloutBatch
 from raytool.training import Trainer
 from raytool.training.batching import split_across_ranks
@@ -106,6 +107,14 @@ class TrainerWorker:
     def export_hf(self, directory: str) -> str:
         return str(self.trainer.export_hf(directory))
 
+    def write_probe(self, location: str, token: str) -> str:
+        """Leave this rank's probe at `location`; returns this rank's node (for the error)."""
+        storage.write_probe(location, self.rank, token)
+        return ray.util.get_node_ip_address()
+
+    def seen_probes(self, location: str, token: str) -> list[int]:
+        return storage.seen_probes(location, token, self.world_size)
+
 
 class TrainerLost(RaytoolError):
     """A trainer worker's process died: the group cannot go on (its ranks share one model)."""
@@ -165,6 +174,32 @@ class TrainerGroup:
             except ray.exceptions.RayActorError as exc:
                 raise TrainerLost(f"trainer-{rank} died: {one_line(exc)}") from exc
         return ray.get(refs)
+
+    def check_storage(self, location: str, key: str = "trainer.checkpoint_dir") -> None:
+        """Every rank writes a probe at `location` and reads every rank's back: a rank that cannot
+        write there, or does not see what the others wrote (a directory local to one node), stops
+        the run here, in one line naming `key`, instead of at the first resume or export."""
+        token = uuid.uuid4().hex
+        probe = storage.join(location, f".probe-{token}")
+        try:
+            nodes = self.gather([w.write_probe.remote(probe, token) for w in self.workers])
+            seen = self.gather([w.seen_probes.remote(probe, token) for w in self.workers])
+        except ray.exceptions.RayTaskError as exc:
+            raise RaytoolError(f"{key}={location}: a trainer rank cannot write or read there: {one_line(exc)}") from None
+        finally:
+            try:
+                storage.remove(probe)
+            except OSError:
+                pass  # a location the driver cannot reach: the ranks' answers say what matters
+        everyone = set(range(len(self.workers)))
+        blind = {rank: sorted(everyone - set(ranks)) for rank, ranks in enumerate(seen) if set(ranks) != everyone}
+        if blind:
+            rank, missing = min(blind.items(), key=lambda item: (0 not in item[1], item[0]))  # "rank N does not see rank 0's" first
+            raise RaytoolError(
+                f"{key}={location}: trainer rank {rank} (node {nodes[rank]}) does not see the files rank(s) "
+                f"{', '.join(map(str, missing))} wrote there, so a checkpoint would be split across nodes; "
+                "use a path every node mounts (NFS) or an fsspec URI such as s3://bucket/path"
+            )
 
     def rl_step_refs(self, batch: RolloutBatch) -> list:
         """Start one update on `batch` -> the workers' result refs (each rank's metrics, the same on

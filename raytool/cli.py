@@ -137,7 +137,7 @@ def _config_path(args, resume: str | Path | None) -> str | Path | None:
     if args.config is not None or resume is None:
         return args.config
     resume = Path(resume)
-    for run_dir in (resume, resume.parent.parent):  # a run directory, or a checkpoint in its checkpoints/
+    for run_dir in (resume, resume.parent.parent):  # a run directory, or a checkpoint (its own copy, or its run's)
         if (run_dir / "config.yaml").is_file():
             logging.getLogger(__name__).info("resuming with the run's config: %s", run_dir / "config.yaml")
             return run_dir / "config.yaml"

@@ -210,6 +210,7 @@ class TrainerConfig(_Section):
     sft_warmup_steps: int = 12  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
     save_every: int = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
     save_final: bool = True  # write a resumable checkpoint and an HF export at the end of the run
+    checkpoint_dir: str = ""  # where checkpoints go: "" is RUN_DIR/checkpoints; else a path every node mounts, or an fsspec URI (s3://bucket/path; its fsspec package on every node), under which each run writes <run name>/step_N
     max_failures: int = 3  # a trainer worker whose process dies: the whole actor graph is rebuilt and restored from the last checkpoint (none yet: the run starts over) this many times; then the run stops
     weight_sync_bucket_mb: int = 64  # size of one ZMQ weight bucket (larger tensors are split)
     weight_sync_in_place: bool = True  # servers on the trainer's node read its staging buffers in place (CUDA IPC, shared memory) instead of TCP

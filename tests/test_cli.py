@@ -127,12 +127,18 @@ def test_a_resume_that_changes_the_model_or_the_algorithm_is_refused_naming_the_
     assert "'algorithm.adv_estimator'" in err and "'grpo'" in err and str(run_dir / "config.yaml") in err and len(err.splitlines()) == 1
 
 
-def test_a_checkpoint_is_renamed_into_place_only_when_complete(tmp_path):
+@pytest.mark.parametrize("where", ["local", "memory://"])
+def test_a_checkpoint_is_renamed_into_place_only_when_complete(tmp_path, where):
     """A save that dies half-way (here: the trainer raises) leaves the earlier checkpoint of that
-    step untouched and nothing that --resume would take; a complete re-save replaces it."""
+    step untouched and nothing that --resume would take; a complete re-save replaces it. The same
+    holds on an fsspec object store (fsspec's in-memory one here)."""
+    import uuid
+
     import msgspec
 
     from actors.checkpoint import find_checkpoint, save_checkpoint
+    from raytool import storage
+    from raytool.config import load_config
 
     class State(msgspec.Struct):
         step: int
@@ -142,17 +148,20 @@ def test_a_checkpoint_is_renamed_into_place_only_when_complete(tmp_path):
             self.fail = fail
 
         def save_checkpoint(self, directory: str) -> str:
-            (Path(directory) / "dcp").mkdir()
-            (Path(directory) / "dcp" / "shard").write_text("new" if not self.fail else "torn")
+            storage.write_bytes(storage.join(directory, "dcp", "shard"), b"new" if not self.fail else b"torn")
             if self.fail:
                 raise RuntimeError("disk full")
             return directory
 
-    first = save_checkpoint(Trainer(), tmp_path, State(3))
-    (first / "dcp" / "shard").write_text("old")
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [f"trainer.checkpoint_dir={where}{uuid.uuid4().hex}"] if where != "local" else [])
+    root = storage.join(cfg.trainer.checkpoint_dir, "run") if where != "local" else str(run_dir / "checkpoints")
+    first = save_checkpoint(Trainer(), root, State(3))
+    shard = storage.join(first, "dcp", "shard")
+    storage.write_bytes(shard, b"old")
     with pytest.raises(RuntimeError, match="disk full"):
-        save_checkpoint(Trainer(fail=True), tmp_path, State(3))
-    assert find_checkpoint(tmp_path) == first and (first / "dcp" / "shard").read_text() == "old"
-    assert save_checkpoint(Trainer(), tmp_path, State(3)) == first
-    assert (first / "dcp" / "shard").read_text() == "new" and msgspec.json.decode((first / "driver_state.json").read_bytes()) == {"step": 3}
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3"]
+        save_checkpoint(Trainer(fail=True), root, State(3))
+    assert find_checkpoint(run_dir, cfg) == first and storage.read_bytes(shard) == b"old"
+    assert save_checkpoint(Trainer(), root, State(3)) == first
+    assert storage.read_bytes(shard) == b"new" and msgspec.json.decode(storage.read_bytes(storage.join(first, "driver_state.json"))) == {"step": 3}
+    assert storage.children(root) == ["step_3"]

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 import torch
 
+from raytool import storage
 from raytool.errors import RaytoolError
 from raytool.training.model import PolicyModel, merged_named_weights, with_lora
 
@@ -22,6 +24,9 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
 
     from raytool.training.trainer import single_process_quiet, write_hf
 
+    if not storage.is_local(ckpt):  # an fsspec URI: read a local copy (one process reads every shard anyway)
+        with tempfile.TemporaryDirectory(prefix="raytool-ckpt-") as local:
+            return export_checkpoint(storage.get_dir(ckpt, local), out)
     ckpt = Path(ckpt)
     meta_file, hf_meta = ckpt / "trainer_meta.json", ckpt / "hf_meta"
     if not meta_file.is_file() or not (ckpt / "dcp").is_dir():

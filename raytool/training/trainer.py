@@ -16,6 +16,7 @@ import math
 import random
 import shutil
 import socket
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked
 from raytool.algos.correction import rollout_correction
 from raytool.config import RunConfig
 from raytool import device as device_info
+from raytool import storage
 from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right
 from raytool.training.model import DTYPES, PolicyModel, load_lm, merged_named_weights, shard
 from raytool.types import SFTExample, Trajectory
@@ -379,44 +381,49 @@ class Trainer:
             w = w.full_tensor() if hasattr(w, "full_tensor") else w
             yield name, (w.to(dtype) if dtype is not None else w)
 
-    def export_hf(self, directory: str | Path) -> Path:
+    def export_hf(self, directory: str | Path) -> str:
         """An HF checkpoint (safetensors, config, tokenizer, chat template) that vLLM and
-        transformers load; LoRA adapters merged. Rank 0 writes."""
-        directory = Path(directory)
+        transformers load; LoRA adapters merged. Rank 0 writes (to a local directory first when
+        `directory` is an fsspec URI)."""
+        directory = storage.absolute(directory)
         state = {name: w.cpu() for name, w in self.named_weights()}
         if self.rank == 0:
-            write_hf(state, self.model_path, directory)
+            if storage.is_local(directory):
+                write_hf(state, self.model_path, Path(directory))
+            else:
+                with tempfile.TemporaryDirectory(prefix="raytool-hf-") as local:
+                    storage.put_dir(write_hf(state, self.model_path, Path(local)), directory)
         return directory
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str | Path) -> Path:
+    def save_checkpoint(self, directory: str | Path) -> str:
         """A resumable, sharded checkpoint (torch.distributed.checkpoint; loadable at any world
-        size): model, optimizer, step and every rank's RNG states. The driver adds its own state."""
+        size): model, optimizer, step and every rank's RNG states. The driver adds its own state.
+        `directory`: a local or shared path, or an fsspec URI (see raytool.storage)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        directory = Path(directory)
+        directory = storage.absolute(directory)
         model_state, optim_state = get_state_dict(self.policy, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
         has_reference = isinstance(self.reference, PolicyModel)
         if has_reference:
             state["reference"] = get_model_state_dict(self.reference)
         with single_process_quiet():
-            dcp.save(state, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
+            dcp.save(state, checkpoint_id=storage.join(directory, "dcp"), no_dist=not dist.is_initialized())
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(), "step": self.step, "rl_updates": self.rl_updates}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state()
-        (directory / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(rng, directory / "rng" / f"rank{self.rank}.pt")
+        with storage.open_file(storage.join(directory, "rng", f"rank{self.rank}.pt"), "wb") as f:
+            torch.save(rng, f)
         if self.rank == 0:
             meta = {"model_path": self.model_path, "lora": self.cfg.trainer.lora_rank > 0, "reference": has_reference,
                     "trainer": msgspec.to_builtins(self.cfg.trainer), "model": msgspec.to_builtins(self.cfg.model)}
-            (directory / "hf_meta").mkdir(exist_ok=True)  # what `raytool export` needs besides the weights
-            for name in _HF_FILES:
+            for name in _HF_FILES:  # what `raytool export` needs besides the weights
                 if (Path(self.model_path) / name).is_file():
-                    shutil.copy(Path(self.model_path) / name, directory / "hf_meta" / name)
-            (directory / "trainer_meta.json").write_text(json.dumps(meta, indent=1))
+                    storage.write_bytes(storage.join(directory, "hf_meta", name), (Path(self.model_path) / name).read_bytes())
+            storage.write_bytes(storage.join(directory, "trainer_meta.json"), json.dumps(meta, indent=1).encode())
         if self.world_size > 1:
             dist.barrier()
         return directory
@@ -425,21 +432,22 @@ class Trainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
-        directory = Path(directory)
+        directory = storage.absolute(directory)
         model_state, optim_state = get_state_dict(self.policy, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
-        meta = json.loads((directory / "trainer_meta.json").read_text())
+        meta = json.loads(storage.read_bytes(storage.join(directory, "trainer_meta.json")))
         if meta.get("reference"):
             state["reference"] = get_model_state_dict(self._reference())
         with single_process_quiet():
-            dcp.load(state, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
+            dcp.load(state, checkpoint_id=storage.join(directory, "dcp"), no_dist=not dist.is_initialized())
         set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if meta.get("reference"):
             set_model_state_dict(self.reference, state["reference"])
-        rng_file = directory / "rng" / f"rank{self.rank}.pt"
-        if not rng_file.is_file():  # resumed at another world size: ranks beyond the saved ones reseed
-            rng_file = directory / "rng" / "rank0.pt"
-        rng = torch.load(rng_file, weights_only=False)
+        rng_file = storage.join(directory, "rng", f"rank{self.rank}.pt")
+        if not storage.exists(rng_file):  # resumed at another world size: ranks beyond the saved ones reseed
+            rng_file = storage.join(directory, "rng", "rank0.pt")
+        with storage.open_file(rng_file) as f:
+            rng = torch.load(f, weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])

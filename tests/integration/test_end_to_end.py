@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from raytool.config import load_config
+from raytool.errors import RaytoolError
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -187,6 +188,11 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
         assert acks[0]["tensors"] > 0
         graph.trainer.save_checkpoint(str(tmp_path / "ckpt"))
         assert {p.name for p in (tmp_path / "ckpt" / "rng").iterdir()} == {"rank0.pt", "rank1.pt"}
+        graph.trainer.check_storage(str(tmp_path / "shared"))  # both ranks see it: nothing to say
+        # fsspec's in-memory file system is private to each process, like a directory local to one node
+        with pytest.raises(RaytoolError, match=r"^trainer\.checkpoint_dir=memory://node-local: trainer rank 1 \(node [\d.]+\) does not see "
+                                                r"the files rank\(s\) 0 wrote there.*fsspec URI"):
+            graph.trainer.check_storage("memory://node-local")
         saved = load_file(Path(graph.trainer.export_hf(str(tmp_path / "hf"))) / "model.safetensors")
         base = load_file(Path(graph.model_path) / "model.safetensors")
         name = "model.layers.0.mlp.up_proj.weight"

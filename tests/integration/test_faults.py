@@ -117,7 +117,9 @@ def test_the_watchdog_kills_a_stopped_actor_and_stops_the_run_for_one_dead_for_g
 
 def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_step_is_logged_once(ray_cluster, tmp_path, caplog):
     """SIGKILL of the trainer worker after the step-2 checkpoint: the graph is rebuilt, restored
-    from step 2, and the run ends with steps 1..4 logged once each and the ledger reconciling."""
+    from step 2, and the run ends with steps 1..4 logged once each and the ledger reconciling.
+    The checkpoints go to trainer.checkpoint_dir as an fsspec URI (torch.distributed.checkpoint's
+    fsspec writer and reader, the driver's files through fsspec)."""
     import logging
 
     import ray
@@ -131,6 +133,7 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
         "model.path=tiny-random", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=4", "trainer.save_every=2",
         "trainer.save_final=false", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16",
         "agent.max_response_tokens=48", "rollout.seed=7", "logging.logger=[]", "logging.progress=false", f"cluster.namespace={namespace}",
+        f"trainer.checkpoint_dir=file://{tmp_path}/shared",
     ])
     run_dir = tmp_path / "run"
     killed = []
@@ -155,6 +158,8 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
     assert len(lines) == 1 and "trainer-0 died" in lines[0] and "step_2" in lines[0] and "trainer.max_failures=3" in lines[0], lines
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+    assert not (run_dir / "checkpoints").exists() and sorted(p.name for p in (tmp_path / "shared" / "run").iterdir()) == ["step_2", "step_4"]
+    assert (tmp_path / "shared" / "run" / "step_4" / "config.yaml").is_file()
     counts = audit(run_dir)
     assert counts["trained"] == 4 * 2 and counts["drawn"] == sum(v for k, v in counts.items() if k != "drawn")
 
