@@ -1,9 +1,10 @@
 """`raytool chaos`: a training run while its own actors' processes are killed (SIGKILL) or hung
 (SIGSTOP) on a schedule, then the checks of `raytool.chaos.check_run` and what was left behind.
 
-Faults reach processes on this machine (the kinds of `raytool.chaos.KINDS`; the trainer is not a
-target: a trainer that dies ends the run). The run is the ordinary `actors.pipeline.run` with a
-known Ray namespace, so the injector finds exactly this run's actors.
+Faults reach processes on this machine (the kinds of `raytool.chaos.KINDS`; a trainer rank hit
+re-forms the trainer group from the last checkpoint, so give the run `trainer.save_every`). The run
+is the ordinary `actors.pipeline.run` with a known Ray namespace, so the injector finds exactly this
+run's actors.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from raytool.chaos import KINDS, Schedule, check_run
 from raytool.config import RunConfig
 
 log = logging.getLogger(__name__)
+
+UNLIMITED = 1 << 30  # trainer.max_failures of a chaos run
 
 
 class Injector(threading.Thread):
@@ -107,9 +110,10 @@ def run_chaos(cfg: RunConfig, run_dir: str | Path | None, kinds: list[str], ever
 
     namespace = f"raytool-chaos-{uuid.uuid4().hex[:6]}"
     # The faults are the schedule's own: no restart budget runs out under them (a real run stops in
-    # one line when one does: actors.watchdog).
+    # one line when one does: actors.watchdog, trainer.max_failures).
     cfg = msgspec.structs.replace(cfg, cluster=msgspec.structs.replace(cfg.cluster, namespace=namespace, max_actor_restarts=-1),
-                                  rollout=msgspec.structs.replace(cfg.rollout, max_restarts=-1))
+                                  rollout=msgspec.structs.replace(cfg.rollout, max_restarts=-1),
+                                  trainer=msgspec.structs.replace(cfg.trainer, max_failures=UNLIMITED))
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     injector = Injector(namespace, Schedule(kinds, hang, seed), every_s, run_dir / "metrics.jsonl" if per_step else None, max_faults)
     injector.start()

@@ -208,8 +208,13 @@ class Graph:
         if self.watchdog is not None:
             self.watchdog.check()
 
+    def watched_actors(self) -> dict:
+        """Role name -> handle of every actor of the run: those the watchdog pings."""
+        trainer = {f"trainer-{rank}": w for rank, w in enumerate(self.trainer.workers)} if self.trainer is not None else {}
+        return {**self.light_actors(), **trainer}
+
     def light_actors(self) -> dict:
-        """Role name -> handle of every actor but the trainer's: those the watchdog pings."""
+        """Role name -> handle of every actor but the trainer's."""
         return {**self.servers, "llm-manager": self.manager, **{f"sandbox-pool-{i}": p for i, p in enumerate(self.sandbox_pools)},
                 **{f"reward-worker-{i}": w for i, w in enumerate(self.reward_workers)},
                 **{f"agent-worker-{i}": w for i, w in enumerate(self.agent_workers)}}

@@ -336,7 +336,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
     then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"))
-    watchdog = graph.watchdog = Watchdog(graph.light_actors(), cfg.cluster.heartbeat_s).start()
+    watchdog = graph.watchdog = Watchdog(graph.watched_actors(), cfg.cluster.heartbeat_s).start()
     root = checkpoint_root(cfg, run_dir)
     saved = read_state(checkpoint, DriverState) if checkpoint is not None else None
     if saved is not None:  # the steps after the checkpoint are done again: each logged once

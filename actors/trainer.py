@@ -23,8 +23,11 @@ from raytool.types import SFTExample
 from raytool.weightsync import WeightSender
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"heartbeat": 1})
 class TrainerWorker:
+    """One trainer rank. Its calls run one at a time, in order; `heartbeat` runs on a thread of its
+    own, so the watchdog tells a rank busy in a long update from a hung process."""
+
     def __init__(self, rank: int, world_size: int, model_path: str, cfg: RunConfig):
         set_torch_threads(cfg.cluster.torch_threads)
         self.rank, self.world_size = rank, world_size
@@ -32,6 +35,10 @@ class TrainerWorker:
         self.trainer: Trainer | None = None
         self.sender: WeightSender | None = None
         self._sender_key: tuple = ()
+
+    @ray.method(concurrency_group="heartbeat")
+    def heartbeat(self) -> int:
+        return os.getpid()
 
     def rendezvous_address(self) -> str:
         with socket.socket() as s:

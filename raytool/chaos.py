@@ -13,8 +13,8 @@ from raytool.ledger import LedgerError, audit
 # The actor kinds a chaos run can hit, and what each is in the run: the Ray actor class whose
 # process is killed or stopped ("engine": the vLLM engine-core process inside a rollout server).
 KINDS = {"agent": "AgentLoopWorker", "reward": "RewardWorker", "sandbox": "SandboxPool", "manager": "LLMManager",
-         "server": "RolloutServer", "engine": "RolloutServer"}
-STOPPABLE = {"agent", "reward", "sandbox", "manager", "server"}  # a stopped process of these is found by the heartbeat
+         "server": "RolloutServer", "engine": "RolloutServer", "trainer": "TrainerWorker"}
+STOPPABLE = {"agent", "reward", "sandbox", "manager", "server", "trainer"}  # a stopped process of these is found by the heartbeat
 
 
 class Schedule:

@@ -255,7 +255,7 @@ class ClusterConfig(_Section):
     wait_for_resources_s: float = 0.0  # an autoscaling cluster: wait this long for nodes before a missing resource is an error (0: fail at once)
     placement_timeout_s: float = 600.0  # the trainer's placement group not placed by then is an error naming what it waits for
     max_actor_restarts: int = 10  # Ray restarts of the LLM manager, an agent worker, reward worker or sandbox pool whose process died (-1: no limit); their work is retried
-    heartbeat_s: float = 30.0  # the driver pings every light actor and rollout server this often; one alive but silent for a whole interval (hung, stopped) is killed and restarted: found within twice this (0: off)
+    heartbeat_s: float = 30.0  # the driver pings every actor of the run (trainer ranks included) this often; one alive but silent for a whole interval (hung, stopped) is killed and restarted (a trainer rank: the group re-forms): found within twice this (0: off)
 
 
 class RunConfig(_Section):

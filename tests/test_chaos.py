@@ -17,7 +17,7 @@ def test_the_schedule_hits_every_kind_before_any_twice_and_stops_only_what_the_h
     assert {how for _, how in faults} == {"kill", "stop"}
     assert Schedule(["agent"], hang=False, seed=0).next() == ("agent", "kill")  # without --hang: kills only
     with pytest.raises(ValueError, match="unknown fault kinds"):
-        Schedule(["trainer"], hang=False, seed=0)
+        Schedule(["learner"], hang=False, seed=0)
 
 
 def _run(tmp_path, versions, trained_twice=False):

@@ -115,9 +115,11 @@ def test_the_watchdog_kills_a_stopped_actor_and_stops_the_run_for_one_dead_for_g
         watchdog.check()
 
 
-def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_step_is_logged_once(ray_cluster, tmp_path, caplog):
-    """SIGKILL of the trainer worker after the step-2 checkpoint: the graph is rebuilt, restored
-    from step 2, and the run ends with steps 1..4 logged once each and the ledger reconciling.
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_step_is_logged_once(ray_cluster, tmp_path, caplog, how):
+    """SIGKILL (or SIGSTOP: the watchdog's heartbeat finds it and kills it) of the trainer worker
+    after the step-2 checkpoint: the graph is rebuilt, restored from step 2, and the run ends with
+    steps 1..4 logged once each and the ledger reconciling.
     The checkpoints go to trainer.checkpoint_dir as an fsspec URI (torch.distributed.checkpoint's
     fsspec writer and reader, the driver's files through fsspec)."""
     import logging
@@ -133,7 +135,7 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
         "model.path=tiny-random", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=4", "trainer.save_every=2",
         "trainer.save_final=false", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16",
         "agent.max_response_tokens=48", "rollout.seed=7", "logging.logger=[]", "logging.progress=false", f"cluster.namespace={namespace}",
-        f"trainer.checkpoint_dir=file://{tmp_path}/shared",
+        f"trainer.checkpoint_dir=file://{tmp_path}/shared", "cluster.heartbeat_s=2",
     ])
     run_dir = tmp_path / "run"
     killed = []
@@ -145,15 +147,17 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
             time.sleep(0.05)
         for actor in list_actors(filters=[("class_name", "=", "TrainerWorker"), ("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)],
                                  address=ray.get_runtime_context().gcs_address):
-            os.kill(actor.pid, signal.SIGKILL)
+            os.kill(actor.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             killed.append(actor.pid)
 
     killer = threading.Thread(target=kill_after_the_step_2_checkpoint, daemon=True)
     killer.start()
-    with caplog.at_level(logging.WARNING, logger="actors.pipeline"):
+    with caplog.at_level(logging.WARNING):
         run(cfg, run_dir)
     killer.join(timeout=5)
     assert killed, "the trainer worker was never killed"
+    if how == "stop":
+        assert [r for r in caplog.records if r.getMessage().startswith("watchdog: trainer-0") and "did not answer a heartbeat" in r.getMessage()]
     lines = [r.getMessage() for r in caplog.records if "re-forming the trainer group" in r.getMessage()]
     assert len(lines) == 1 and "trainer-0 died" in lines[0] and "step_2" in lines[0] and "trainer.max_failures=3" in lines[0], lines
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
