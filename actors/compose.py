@@ -24,7 +24,7 @@ import ray
 from tqdm import tqdm
 
 from actors.agent_worker import AgentLoopWorker
-from actors.common import actor_options, wait_until_alive
+from actors.common import RESTART_WAIT_S, actor_options, wait_until_alive
 from actors.llm_manager import LLMManager
 from actors.reward_worker import RewardWorker
 from actors.rollout_server import RolloutServer
@@ -208,13 +208,8 @@ class Graph:
         if self.watchdog is not None:
             self.watchdog.check()
 
-    def watched_actors(self) -> dict:
-        """Role name -> handle of every actor of the run: those the watchdog pings."""
-        trainer = {f"trainer-{rank}": w for rank, w in enumerate(self.trainer.workers)} if self.trainer is not None else {}
-        return {**self.light_actors(), **trainer}
-
     def light_actors(self) -> dict:
-        """Role name -> handle of every actor but the trainer's."""
+        """Role name -> handle of every actor but the trainer's: those the watchdog pings."""
         return {**self.servers, "llm-manager": self.manager, **{f"sandbox-pool-{i}": p for i, p in enumerate(self.sandbox_pools)},
                 **{f"reward-worker-{i}": w for i, w in enumerate(self.reward_workers)},
                 **{f"agent-worker-{i}": w for i, w in enumerate(self.agent_workers)}}
@@ -272,11 +267,12 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     actors = graph.light_actors()
     # Engines load, sandboxes fork their warm sessions, constructors run: wait for all of them, and
     # name the first that fails (a bad model path, an engine that cannot start, a bad reward fn ...).
-    ready = {name: srv.ready.remote() for name, srv in servers.items()}
-    ready |= {f"sandbox-pool-{i}": pool.ready.remote() for i, pool in enumerate(sandbox_pools)}
-    ready |= {name: actor.__ray_ready__.remote() for name, actor in actors.items() if name not in ready}
+    ask = {name: srv.ready for name, srv in servers.items()}
+    ask |= {f"sandbox-pool-{i}": pool.ready for i, pool in enumerate(sandbox_pools)}
+    ask |= {name: actor.__ray_ready__ for name, actor in actors.items() if name not in ask}
     try:
-        results = wait_started(ready)
+        results = wait_started({name: method.remote() for name, method in ask.items()}, restartable={name: (actors[name], ask[name]) for name in ask},
+                               restart_wait_s=max(RESTART_WAIT_S, r.engine_start_timeout_s))
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
         graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
     except BaseException:  # nothing of a run that failed to start is left running
@@ -292,9 +288,11 @@ def run_namespace(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:6]}"
 
 
-def wait_started(ready: dict) -> dict:
+def wait_started(ready: dict, restartable: dict | None = None, restart_wait_s: float = RESTART_WAIT_S) -> dict:
     """{role name: ready ref} -> {role name: result}; the first actor to fail raises one line naming
-    its role and cause (the full remote traceback stays on the exception's __cause__)."""
+    its role and cause (the full remote traceback stays on the exception's __cause__).
+    `restartable`: {role name: (actor, its ready method)} of actors Ray restarts: one whose process
+    dies while starting is waited for and asked again, until its restarts are used up."""
     pending = {ref: name for name, ref in ready.items()}
     results = {}
     while pending:
@@ -302,6 +300,12 @@ def wait_started(ready: dict) -> dict:
         name = pending.pop(done[0])
         try:
             results[name] = ray.get(done[0])
+        except ray.exceptions.RayActorError as exc:
+            if name in (restartable or {}) and wait_until_alive(restartable[name][0], restart_wait_s):
+                log.warning("%s died while starting (%s); Ray restarted it, waiting for it again", name, one_line(exc))
+                pending[restartable[name][1].remote()] = name
+                continue
+            raise ActorStartError(f"{name} failed to start: {start_failure(exc)}") from exc
         except ray.exceptions.RayError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, RaytoolError):  # already one line that names the part (a rollout server, a sandbox pool)

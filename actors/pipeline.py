@@ -270,7 +270,9 @@ def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: 
         graph.check_alive()
         while not ray.wait(everything, num_returns=1, timeout=RESYNC_CHECK_S)[0]:
             graph.check_alive()  # a server dead for good: stop in one line rather than wait for it
-            if not stream.training:  # a restarted server serves again once it holds the current weights
+            if stream.training:  # a stopped trainer rank: TrainerLost (the group re-forms), not a wait forever
+                graph.trainer.check_heartbeats()
+            else:  # a restarted server serves again once it holds the current weights
                 graph.resync_stale(stream.version)
         ready, _ = ray.wait(everything, num_returns=len(everything), timeout=0)
         ready = set(ready)
@@ -336,7 +338,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
     then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"))
-    watchdog = graph.watchdog = Watchdog(graph.watched_actors(), cfg.cluster.heartbeat_s).start()
+    watchdog = graph.watchdog = Watchdog(graph.light_actors(), cfg.cluster.heartbeat_s).start()
     root = checkpoint_root(cfg, run_dir)
     saved = read_state(checkpoint, DriverState) if checkpoint is not None else None
     if saved is not None:  # the steps after the checkpoint are done again: each logged once

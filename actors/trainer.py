@@ -26,7 +26,7 @@ from raytool.weightsync import WeightSender
 @ray.remote(concurrency_groups={"heartbeat": 1})
 class TrainerWorker:
     """One trainer rank. Its calls run one at a time, in order; `heartbeat` runs on a thread of its
-    own, so the watchdog tells a rank busy in a long update from a hung process."""
+    own, so the driver tells a rank busy in a long update (or a model load) from a hung process."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, cfg: RunConfig):
         set_torch_threads(cfg.cluster.torch_threads)
@@ -131,11 +131,15 @@ class TrainerGroup:
     """N TrainerWorkers in one placement group, joined in a torch process group when N > 1.
 
     Every call waits on all ranks and fails fast: a rank whose process died raises TrainerLost at
-    once, naming it, while the others may be blocked in a collective with it."""
+    once, naming it, while the others may be blocked in a collective with it. While it waits, it
+    pings the ranks' heartbeats every cluster.heartbeat_s: a rank silent for a whole interval (a
+    stopped or hung process) is killed and raises TrainerLost too, so no wait on the trainer is
+    unbounded."""
 
     def __init__(self, cfg: RunConfig, model_path: str, namespace: str | None = None):
         """Workers are named `trainer-<rank>` in `namespace` (None: anonymous)."""
         t, c = cfg.trainer, cfg.cluster
+        self.heartbeat_s = c.heartbeat_s
         bundle = placement.bundle(cfg, "trainer worker")  # what the driver checked the cluster can hold
         self.pg = None
         strategy = None
@@ -150,11 +154,14 @@ class TrainerGroup:
             opts = actor_options(t.num_cpus, t.num_gpus, c.accelerator, c.env_vars, scheduling_strategy=strategy, **named)
             self.workers.append(TrainerWorker.options(**opts).remote(rank, t.num_workers, model_path, cfg))
         try:
-            init = ray.get(self.workers[0].rendezvous_address.remote()) if t.num_workers > 1 else None
-            ray.get([w.setup.remote(init) for w in self.workers])
+            init = self.gather([self.workers[0].rendezvous_address.remote()])[0] if t.num_workers > 1 else None
+            self.gather([w.setup.remote(init) for w in self.workers])  # a rank that hangs or dies here: TrainerLost
         except ray.exceptions.RayError as exc:
             self.shutdown()
             raise ActorStartError(f"trainer failed to start: {start_failure(exc)}") from exc
+        except TrainerLost:
+            self.shutdown()
+            raise
 
     def _wait_placed(self, bundle: dict, count: int, timeout_s: float) -> None:
         """Ray leaves a placement group it cannot place pending forever: give up after `timeout_s`
@@ -171,16 +178,40 @@ class TrainerGroup:
             ) from None
 
     def gather(self, refs: list) -> list:
-        """Every rank's result of one call, in rank order; TrainerLost as soon as one rank died."""
+        """Every rank's result of one call, in rank order; TrainerLost as soon as one rank died or
+        hung (silent for a heartbeat interval)."""
         pending = {ref: rank for rank, ref in enumerate(refs)}
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.heartbeat_s or None)
+            if not ready:
+                self.check_heartbeats(sorted(pending.values()))
+                continue
             rank = pending.pop(ready[0])
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as exc:
+                ray.kill(self.workers[rank])  # unreachable is not always dead: make sure
                 raise TrainerLost(f"trainer-{rank} died: {one_line(exc)}") from exc
         return ray.get(refs)
+
+    def check_heartbeats(self, ranks: list[int] | None = None) -> None:
+        """Ping `ranks` (all by default); kill the first that stays silent for a heartbeat interval
+        or cannot be reached -> TrainerLost. Nothing to do when heartbeats are off (cluster.heartbeat_s=0)."""
+        if not self.heartbeat_s:
+            return
+        pings = {self.workers[rank].heartbeat.remote(): rank for rank in (range(len(self.workers)) if ranks is None else ranks)}
+        answered, late = ray.wait(list(pings), num_returns=len(pings), timeout=self.heartbeat_s)
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                ray.kill(self.workers[pings[ref]])
+                raise TrainerLost(f"trainer-{pings[ref]} cannot be reached: {one_line(exc)}") from exc
+        if late:
+            rank = min(pings[ref] for ref in late)
+            ray.kill(self.workers[rank])
+            raise TrainerLost(f"trainer-{rank} did not answer a heartbeat within cluster.heartbeat_s={self.heartbeat_s:g}s "
+                              "(a stopped or hung process): killed")
 
     def check_storage(self, location: str, key: str = "trainer.checkpoint_dir") -> None:
         """Every rank writes a probe at `location` and reads every rank's back: a rank that cannot

@@ -1,13 +1,13 @@
 """Heartbeats: a hung actor process (stopped, deadlocked, its node gone quiet) is found and handled
 like a kill, so that no call waits on it forever.
 
-The driver pings every actor of the run every `cluster.heartbeat_s`: light actors and rollout
-servers with `__ray_ready__` (answered by the actor's event loop even while it works), trainer
-workers with their `heartbeat` method (a concurrency group of its own, so a long update does not
-delay it). An actor that Ray reports alive but that has not answered by the next beat is killed,
-and its callers' failure handling takes over (groups rolled out again, scoring retried, a server
-re-synced, the trainer group re-formed from its last checkpoint). A hang is therefore found within
-twice the interval.
+The driver pings every light actor and rollout server (`__ray_ready__`, answered by the actor's
+event loop even while it works) every `cluster.heartbeat_s`; an actor that Ray reports alive but
+that has not answered by the next beat is killed with a restart, and its callers' failure handling
+takes over (groups rolled out again, scoring retried, a server re-synced). A hang is therefore
+found within twice the interval. Trainer ranks are watched where the driver waits on them
+(`actors.trainer.TrainerGroup.gather`, the same deadline): a rank that hangs or dies re-forms the
+trainer group from its last checkpoint.
 
 An actor that died for good (Ray used up its restarts) is remembered with its cause; `check()`,
 which the driver calls while it waits, then stops the run in one line naming the actor and the
@@ -30,13 +30,6 @@ log = logging.getLogger(__name__)
 
 class ActorLostError(RaytoolError):
     """An actor of the run is dead for good: Ray used up its restarts."""
-
-
-TRAINER = "trainer-"  # role names of trainer ranks
-
-
-def _ping(name: str, actor):
-    return actor.heartbeat.remote() if name.startswith(TRAINER) else actor.__ray_ready__.remote()
 
 
 def restart_key(name: str) -> str:
@@ -72,14 +65,13 @@ class Watchdog:
 
     def beat(self) -> list[str]:
         """One round: ping every actor, wait one interval, kill those alive but silent -> their names."""
-        pings = {_ping(name, actor): name for name, actor in self.actors.items()}
+        pings = {actor.__ray_ready__.remote(): name for name, actor in self.actors.items()}
         answered, late = ray.wait(list(pings), num_returns=len(pings), timeout=self.interval_s)
         for ref in answered:
             try:
                 ray.get(ref)
             except ray.exceptions.ActorDiedError:  # restarting answers ActorUnavailableError: only a death can be final
-                if not pings[ref].startswith(TRAINER):  # a dead trainer rank: the trainer group re-forms (trainer.max_failures)
-                    self._note_if_lost(pings[ref])
+                self._note_if_lost(pings[ref])
         hung = []
         for ref in late:
             name = pings[ref]
@@ -87,8 +79,7 @@ class Watchdog:
             if pid is None or pid in self._killed_pids:
                 continue
             log.warning("watchdog: %s (pid %d) did not answer a heartbeat within cluster.heartbeat_s=%gs (a hung process, or one "
-                        "that just died); killing it so that %s", name, pid, self.interval_s,
-                        "the trainer group is re-formed" if name.startswith(TRAINER) else "Ray restarts it")
+                        "that just died); killing it so that Ray restarts it", name, pid, self.interval_s)
             ray.kill(self.actors[name], no_restart=False)
             self._killed_pids.add(pid)
             self.killed.append(name)
