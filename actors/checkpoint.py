@@ -42,12 +42,14 @@ def checkpoint_root(cfg: RunConfig, run_dir: Path) -> str:
     return str((Path(run_dir) / "checkpoints").resolve())
 
 
-def save_checkpoint(trainer, root: str | Path, state: msgspec.Struct, buffered: list[RolloutGroup] = (), config_yaml: str = "") -> str:
+def save_checkpoint(trainer, root: str | Path, state: msgspec.Struct, buffered: list[RolloutGroup] = (), config_yaml: str = "",
+                    keep: int = 0) -> str:
     """The trainer group's checkpoint in root/step_N, `buffered` groups and the run's `config_yaml`
     beside it, and the driver's `state` (a Struct with a `step`) last, as driver_state.json. It is
     written under a temporary name (.step_N.partial) and renamed into place when complete: a save
     that dies half-way leaves the checkpoints before it as they were (a re-save of step N replaces
-    the old one only then). `root`: a local or shared path, or an fsspec URI."""
+    the old one only then). `root`: a local or shared path, or an fsspec URI. `keep` > 0: then all
+    but the newest `keep` checkpoints are deleted."""
     directory = storage.join(storage.absolute(root), f"step_{state.step}")
     partial = storage.join(storage.parent(directory), f".step_{state.step}.partial")
     storage.remove(partial)  # left by a save that died
@@ -67,7 +69,16 @@ def save_checkpoint(trainer, root: str | Path, state: msgspec.Struct, buffered: 
     storage.move(partial, directory)
     storage.remove(replaced)
     log.info("checkpoint: %s", directory)
+    if keep > 0:
+        for step in _steps(root)[:-keep]:
+            storage.remove(storage.join(root, f"step_{step}"))
     return directory
+
+
+def _steps(root: str) -> list[int]:
+    """The steps of the complete checkpoints under `root`, oldest first."""
+    steps = sorted(int(n.removeprefix("step_")) for n in storage.children(root) if re.fullmatch(r"step_\d+", n))
+    return [step for step in steps if storage.exists(storage.join(root, f"step_{step}", STATE_FILE))]
 
 
 def read_state(checkpoint: str, state_type: type):
@@ -91,12 +102,11 @@ def find_checkpoint(path: str | Path, cfg: RunConfig | None = None) -> str:
     if storage.exists(storage.join(path, STATE_FILE)):
         return storage.absolute(path)
     root = checkpoint_root(cfg, Path(path)) if cfg is not None else storage.absolute(Path(path) / "checkpoints")
-    steps = [int(n.removeprefix("step_")) for n in storage.children(root) if re.fullmatch(r"step_\d+", n)]
-    steps = [step for step in steps if storage.exists(storage.join(root, f"step_{step}", STATE_FILE))]
+    steps = _steps(root)
     if not steps:
         raise RaytoolError(f"--resume {path}: no checkpoint there (expected a checkpoints/step_N directory with {STATE_FILE}, "
                            f"or a run directory holding them; looked in {root})")
-    return storage.join(root, f"step_{max(steps)}")
+    return storage.join(root, f"step_{steps[-1]}")
 
 
 def latest_checkpoint(run_dir: Path, cfg: RunConfig | None = None) -> str | None:

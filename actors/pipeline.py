@@ -13,6 +13,7 @@ import os
 import random
 import time
 import traceback
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -160,12 +161,22 @@ def run_sft_warmup(graph: Graph, cfg: RunConfig, examples: list, tracker: Tracke
             tracker.log(metrics, phase="sft")
 
 
-def validate(graph: Graph, cfg: RunConfig, task: Task, step: int) -> dict:
-    """Validation metrics at `step` (also logged as a table)."""
+def validate(graph: Graph, cfg: RunConfig, task: Task, step: int, tracker: Tracker | None = None, decode=None) -> dict:
+    """Validation metrics at `step` (also logged as a table); the first logging.val_trace_samples
+    trajectories of each data source go to `tracker`'s val_traces.jsonl."""
     start = time.perf_counter()
-    metrics, _ = evaluate(graph, task.val, cfg.eval, prefix=f"val{step}", progress="validation" if cfg.logging.progress else None)
+    rows = task.val[: cfg.eval.max_prompts] if cfg.eval.max_prompts else task.val
+    metrics, trajectories = evaluate(graph, rows, cfg.eval, prefix=f"val{step}", progress="validation" if cfg.logging.progress else None)
     metrics["timing/validation_s"] = time.perf_counter() - start
     log.info("validation at step %d:\n%s", step, eval_table(metrics, cfg.eval.n))
+    if tracker is not None and cfg.logging.val_trace_samples:
+        per_source: dict[str, list] = {}
+        for i, t in enumerate(trajectories):  # evaluate keeps row order, eval.n trajectories per row
+            kept = per_source.setdefault(rows[i // cfg.eval.n].data_source, [])
+            if len(kept) < cfg.logging.val_trace_samples:
+                kept.append(t)
+        traced = [(source, t) for source, kept in per_source.items() for t in kept]
+        tracker.trace(step, [t for _, t in traced], decode, data_sources=[source for source, _ in traced])
     return metrics
 
 
@@ -201,20 +212,27 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
         task = fitting_prompts(cfg, task, model_path, tokenizer)
         connect(address or cfg.cluster.address)
         log.info("run directory: %s", run_dir.resolve())
-        failures = 0
-        while True:
-            try:
-                train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint)
-                return run_dir
-            except TrainerLost as exc:
-                failures += 1
-                if failures > cfg.trainer.max_failures:
-                    raise TrainerLost(f"{exc} (the trainer group failed {failures} times; trainer.max_failures={cfg.trainer.max_failures})") from exc
-                checkpoint = latest_checkpoint(run_dir, cfg)
-                log.warning("%s: re-forming the trainer group and restoring %s (failure %d of trainer.max_failures=%d)", exc,
-                            checkpoint or "the start: no checkpoint yet (trainer.save_every)", failures, cfg.trainer.max_failures)
-                if checkpoint is None:
-                    start_over(run_dir)
+        reforming(cfg, run_dir, checkpoint, lambda checkpoint: train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint))
+        return run_dir
+
+
+def reforming(cfg: RunConfig, run_dir: Path, checkpoint: str | None, train_once: Callable[[str | None], None]) -> None:
+    """`train_once(checkpoint)`; when a trainer rank dies or hangs (TrainerLost), again from the
+    run's last checkpoint (with none yet, from the start with fresh logs), up to
+    trainer.max_failures times, each said in one line."""
+    failures = 0
+    while True:
+        try:
+            return train_once(checkpoint)
+        except TrainerLost as exc:
+            failures += 1
+            if failures > cfg.trainer.max_failures:
+                raise TrainerLost(f"{exc} (the trainer group failed {failures} times; trainer.max_failures={cfg.trainer.max_failures})") from exc
+            checkpoint = latest_checkpoint(run_dir, cfg)
+            log.warning("%s: re-forming the trainer group and restoring %s (failure %d of trainer.max_failures=%d)", exc,
+                        checkpoint or "the start: no checkpoint yet (trainer.save_every)", failures, cfg.trainer.max_failures)
+            if checkpoint is None:
+                start_over(run_dir)
 
 
 def start_over(run_dir: Path) -> None:
@@ -364,7 +382,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             state.version += 1
             graph.sync_weights(state.version)
         if cfg.eval.before_train and task.val and state.step == 0:
-            tracker.log({"step": 0, **validate(graph, cfg, task, 0)})
+            tracker.log({"step": 0, **validate(graph, cfg, task, 0, tracker, tokenizer.decode)})
         stream = rollout_stream(graph, cfg, loader, state.version)
         stream.restore(list(state.redo), buffered)
         ledger = Ledger(run_dir, resume_step=state.step if checkpoint is not None else None)
@@ -372,7 +390,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             metrics, batch = grpo_step(graph, stream, step, state, progress=cfg.logging.progress)
             every = cfg.eval.every
             if every and task.val and (step % every == 0 or step == cfg.trainer.total_steps):
-                metrics.update(validate(graph, cfg, task, step))
+                metrics.update(validate(graph, cfg, task, step, tracker, tokenizer.decode))
             outcomes = stream.take_outcomes()
             metrics.update(outcome_metrics(outcomes), **{"data/prompts_too_long": task.too_long})
             tracker.log(metrics)
@@ -383,11 +401,11 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             state.step, state.loader, state.redo = step, loader.state_dict(), redo
             every = cfg.trainer.save_every
             if every and step % every == 0 and not (cfg.trainer.save_final and step == cfg.trainer.total_steps):
-                save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg))
+                save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints)
         redo, waiting = stream.unfinished()
         ledger.finish(state.step, [key for key, _ in redo] + [g.key for g in waiting])
         if cfg.trainer.save_final:
-            directory = save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg))
+            directory = save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints)
             log.info("final model (HF format): %s", graph.trainer.export_hf(storage.join(directory, "hf")))
     finally:
         watchdog.stop()

@@ -16,7 +16,7 @@ import msgspec
 
 from actors.compose import run_namespace, wait_for_resources
 from actors.checkpoint import checkpoint_root, read_state, resume_checkpoint, resumed_run_dir, save_checkpoint
-from actors.pipeline import connect, default_run_dir, run_log
+from actors.pipeline import connect, default_run_dir, reforming, run_log
 from actors.trainer import TrainerGroup
 from raytool import storage
 from raytool.agent.render import as_in_turn
@@ -24,7 +24,7 @@ from raytool.config import RunConfig, to_yaml
 from raytool.data.conversations import load_conversations, sft_examples, split_validation
 from raytool.errors import RaytoolError
 from raytool.models import resolve_model
-from raytool.tracking import Tracker, validate_backends
+from raytool.tracking import Tracker, keep_lines, validate_backends
 from raytool.training import lr_at
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,53 @@ def _examples(conversations, cfg: RunConfig, tokenizer):
     return sft_examples(conversations, tokenizer, cfg.sft.max_length, cfg.agent.chat_template_kwargs)[0]  # (it logs its own counts)
 
 
+def _train(cfg: RunConfig, run_dir: Path, model_path: str, train_examples: list, val_examples: list, checkpoint: str | None) -> None:
+    """Start the trainer group and run the epochs (from `checkpoint`, if given) to the final export."""
+    s = cfg.sft
+    state = read_state(checkpoint, SFTState) if checkpoint is not None else SFTState(step=0, epoch=0, index=0)
+    if checkpoint is not None:  # the steps after the checkpoint are done again: each logged once
+        keep_lines(run_dir / "sft_metrics.jsonl", lambda entry: entry.get("step", 0) <= state.step)
+    per_epoch = math.ceil(len(train_examples) / s.batch_size)
+    total = per_epoch * s.epochs
+    root = checkpoint_root(cfg, run_dir)
+    tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
+    trainer = None
+    try:
+        trainer = TrainerGroup(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-sft-{run_dir.resolve().name}"))
+        trainer.check_storage(root)
+        if checkpoint is not None:
+            trainer.load_checkpoint(checkpoint)
+            log.info("resumed from %s at step %d", checkpoint, state.step)
+
+        def validate(metrics: dict) -> None:
+            if val_examples:
+                metrics["val/sft_loss"] = trainer.sft_val_loss(val_examples)
+
+        for epoch in range(state.epoch, s.epochs):
+            order = list(range(len(train_examples)))
+            random.Random(cfg.trainer.seed * 7919 + epoch).shuffle(order)
+            first = state.index if epoch == state.epoch else 0
+            for index in range(first, per_epoch):
+                start = time.perf_counter()
+                batch = [train_examples[i] for i in order[index * s.batch_size : (index + 1) * s.batch_size]]
+                metrics = trainer.sft_step(batch, lr_at(state.step, s.lr, s.warmup_steps, total, s.lr_schedule))
+                state = SFTState(step=state.step + 1, epoch=epoch, index=index + 1)
+                if index + 1 == per_epoch:  # the epoch is done: a resume starts the next one
+                    state = SFTState(step=state.step, epoch=epoch + 1, index=0)
+                metrics.update(step=state.step, epoch=epoch + (index + 1) / per_epoch, **{"timing/step_s": time.perf_counter() - start})
+                if (s.val_every and state.step % s.val_every == 0) or (not s.val_every and index + 1 == per_epoch):
+                    validate(metrics)
+                tracker.log(metrics, phase="sft")
+                if s.save_every and state.step % s.save_every == 0 and state.step != total:
+                    save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg), keep=cfg.trainer.keep_checkpoints)
+        directory = save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg), keep=cfg.trainer.keep_checkpoints)
+        log.info("final model (HF format): %s", trainer.export_hf(storage.join(directory, "hf")))
+    finally:
+        tracker.close()
+        if trainer is not None:
+            trainer.shutdown()
+
+
 def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None) -> Path:
     from transformers import AutoTokenizer
 
@@ -76,43 +123,5 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     with run_log(run_dir):
         connect(address or cfg.cluster.address)
         wait_for_resources(cfg, only={"trainer worker"})
-        trainer = TrainerGroup(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-sft-{run_dir.resolve().name}"))
-        tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
-        per_epoch = math.ceil(len(train_examples) / s.batch_size)
-        total = per_epoch * s.epochs
-        state = SFTState(step=0, epoch=0, index=0)
-        root = checkpoint_root(cfg, run_dir)
-        try:
-            trainer.check_storage(root)
-            if checkpoint is not None:
-                state = read_state(checkpoint, SFTState)
-                trainer.load_checkpoint(str(checkpoint))
-                log.info("resumed from %s at step %d", checkpoint, state.step)
-
-            def validate(metrics: dict) -> None:
-                if val_examples:
-                    metrics["val/sft_loss"] = trainer.sft_val_loss(val_examples)
-
-            for epoch in range(state.epoch, s.epochs):
-                order = list(range(len(train_examples)))
-                random.Random(cfg.trainer.seed * 7919 + epoch).shuffle(order)
-                first = state.index if epoch == state.epoch else 0
-                for index in range(first, per_epoch):
-                    start = time.perf_counter()
-                    batch = [train_examples[i] for i in order[index * s.batch_size : (index + 1) * s.batch_size]]
-                    metrics = trainer.sft_step(batch, lr_at(state.step, s.lr, s.warmup_steps, total, s.lr_schedule))
-                    state = SFTState(step=state.step + 1, epoch=epoch, index=index + 1)
-                    if index + 1 == per_epoch:  # the epoch is done: a resume starts the next one
-                        state = SFTState(step=state.step, epoch=epoch + 1, index=0)
-                    metrics.update(step=state.step, epoch=epoch + (index + 1) / per_epoch, **{"timing/step_s": time.perf_counter() - start})
-                    if (s.val_every and state.step % s.val_every == 0) or (not s.val_every and index + 1 == per_epoch):
-                        validate(metrics)
-                    tracker.log(metrics, phase="sft")
-                    if s.save_every and state.step % s.save_every == 0 and state.step != total:
-                        save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg))
-            directory = save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg))
-            log.info("final model (HF format): %s", trainer.export_hf(storage.join(directory, "hf")))
-        finally:
-            tracker.close()
-            trainer.shutdown()
+        reforming(cfg, run_dir, checkpoint, lambda checkpoint: _train(cfg, run_dir, model_path, train_examples, val_examples, checkpoint))
     return run_dir

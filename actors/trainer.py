@@ -124,7 +124,7 @@ class TrainerWorker:
 
 
 class TrainerLost(RaytoolError):
-    """A trainer worker's process died: the group cannot go on (its ranks share one model)."""
+    """A trainer worker's process died or hung: the group cannot go on (its ranks share one model)."""
 
 
 class TrainerGroup:

@@ -72,6 +72,8 @@ class Watchdog:
                 ray.get(ref)
             except ray.exceptions.ActorDiedError:  # restarting answers ActorUnavailableError: only a death can be final
                 self._note_if_lost(pings[ref])
+            except ray.exceptions.RayActorError:
+                continue  # being restarted (ActorUnavailableError): nothing to do until it is back
         hung = []
         for ref in late:
             name = pings[ref]

@@ -210,8 +210,9 @@ class TrainerConfig(_Section):
     sft_warmup_steps: int = 12  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
     save_every: int = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
     save_final: bool = True  # write a resumable checkpoint and an HF export at the end of the run
+    keep_checkpoints: int = 0  # after each save, delete all but the newest this many checkpoints (0: keep all)
     checkpoint_dir: str = ""  # where checkpoints go: "" is RUN_DIR/checkpoints; else a path every node mounts, or an fsspec URI (s3://bucket/path; its fsspec package on every node), under which each run writes <run name>/step_N
-    max_failures: int = 3  # a trainer worker whose process dies: the whole actor graph is rebuilt and restored from the last checkpoint (none yet: the run starts over) this many times; then the run stops
+    max_failures: int = 3  # a trainer worker whose process dies or hangs: the whole actor graph is rebuilt and restored from the last checkpoint (none yet: the run starts over) this many times; then the run stops
     weight_sync_bucket_mb: int = 64  # size of one ZMQ weight bucket (larger tensors are split)
     weight_sync_in_place: bool = True  # servers on the trainer's node read its staging buffers in place (CUDA IPC, shared memory) instead of TCP
 
@@ -242,6 +243,7 @@ class LoggingConfig(_Section):
     project_name: str = "raytool"  # wandb: the W&B project
     experiment_name: str | None = None  # wandb: the W&B run name (None: the run directory's name)
     trace_samples: int = 2  # full trajectories written to traces.jsonl each step
+    val_trace_samples: int = 2  # validation trajectories per data source written to val_traces.jsonl at each validation (0: none)
     progress: bool = True  # progress bar while rolling out
 
 
@@ -427,6 +429,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'cluster.heartbeat_s': expected seconds >= 0 (0: no heartbeats), got {cfg.cluster.heartbeat_s}")
     if cfg.trainer.max_failures < 0:
         raise ConfigError(f"{source}: config key 'trainer.max_failures': expected a count >= 0, got {cfg.trainer.max_failures}")
+    if cfg.trainer.keep_checkpoints < 0:
+        raise ConfigError(f"{source}: config key 'trainer.keep_checkpoints': expected a count >= 0 (0: keep all), got {cfg.trainer.keep_checkpoints}")
     if cfg.rollout.max_restarts < -1:
         raise ConfigError(f"{source}: config key 'rollout.max_restarts': expected a count >= 0, or -1 for no limit, got {cfg.rollout.max_restarts}")
     if cfg.cluster.max_actor_restarts < -1:

@@ -57,7 +57,8 @@ _SUMMARY_KEYS = ["critic/score/mean", "acc/mean", "num_turns/mean", "tool/calls_
 
 # What the page keeps of a trace row (token ids, masks and log-probs are left out).
 _TRACE_FIELDS = ["step", "uid", "group_id", "reward", "reward_extra", "ground_truth", "finish_reason", "num_turns", "tool_calls",
-                 "tool_errors", "tool_error_kinds", "policy_version", "agent_name", "messages", "turns", "timings", "prompt_text"]
+                 "tool_errors", "tool_error_kinds", "policy_version", "agent_name", "messages", "turns", "timings", "prompt_text",
+                 "data_source"]
 
 
 @dataclass
@@ -110,8 +111,9 @@ def load_run(run_dir: Path) -> RunData:
     metrics, sft = run_dir / "metrics.jsonl", run_dir / "sft_metrics.jsonl"
     data.grpo = _by_step(read_jsonl(metrics, data.problems, "GRPO curves"), metrics, "grpo", data.problems)
     data.sft = _by_step(read_jsonl(sft, data.problems, "SFT curves"), sft, "sft", data.problems)
-    traces = run_dir / "traces.jsonl"
-    data.traces = [{k: row[k] for k in _TRACE_FIELDS if k in row} for _, row in read_jsonl(traces, data.problems, "trajectories to browse")]
+    for split, name in (("train", "traces.jsonl"), ("val", "val_traces.jsonl")):
+        rows = read_jsonl(run_dir / name, data.problems, "trajectories to browse") if split == "train" or (run_dir / name).is_file() else []
+        data.traces += [{**{k: row[k] for k in _TRACE_FIELDS if k in row}, "split": split} for _, row in rows]
     if (run_dir / "config.yaml").is_file():
         data.config = (run_dir / "config.yaml").read_text(errors="replace")
     return data
@@ -260,7 +262,8 @@ __PROBLEMS__
   <label>step <select id="step-filter"><option value="">all</option></select></label>
   <label>show <select id="outcome-filter">
     <option value="">all</option><option value="rewarded">reward &gt; 0</option><option value="unrewarded">reward &le; 0</option>
-    <option value="tools">with tool calls</option><option value="errors">with tool errors</option></select></label>
+    <option value="tools">with tool calls</option><option value="errors">with tool errors</option>
+    <option value="train">training only</option><option value="val">validation only</option></select></label>
   <label>text <input id="text-filter" type="search" placeholder="in prompt, turns, tool calls"></label>
   <span id="match-count"></span>
 </div>
@@ -348,6 +351,7 @@ function matches(t) {
   if (o === "unrewarded" && r > 0) return false;
   if (o === "tools" && !(t.tool_calls > 0)) return false;
   if (o === "errors" && !(t.tool_errors > 0)) return false;
+  if ((o === "train" || o === "val") && t.split !== o) return false;
   const q = textFilter.value.trim().toLowerCase();
   return !q || searchText(t).includes(q);
 }
@@ -360,7 +364,8 @@ function renderList() {
     if (first === null) first = i;
     const b = el("button", "traj" + (i === selected ? " selected" : ""));
     b.type = "button"; b.dataset.index = i; b.setAttribute("role", "option");
-    b.append(el("span", "uid", "step " + t.step + " · " + (t.uid || "#" + i)));
+    const where = t.split === "val" ? "validation · " + (t.data_source || "?") + " · " : "";
+    b.append(el("span", "uid", "step " + t.step + " · " + where + (t.uid || "#" + i)));
     const r = t.reward ?? 0;
     b.append(el("span", "reward " + (r > 0 ? "pos" : "neg"), "reward " + fmt(r)));
     b.append(el("span", "facts", "turns " + (t.num_turns ?? "?") + " · calls " + (t.tool_calls ?? 0) + " · errors " +
@@ -397,12 +402,12 @@ function renderCall(call, n) {
 }
 function renderDetail(t) {
   detail.replaceChildren();
-  detail.append(el("h3", "", "Trajectory " + (t.uid || "") + " (step " + t.step + ")"));
+  detail.append(el("h3", "", (t.split === "val" ? "Validation trajectory " : "Trajectory ") + (t.uid || "") + " (step " + t.step + ")"));
   const kinds = Object.entries(t.tool_error_kinds || {}).map(([k, v]) => k + " " + v).join(", ");
   detail.append(factsTable([["reward", fmt(t.reward)], ["ground truth", t.ground_truth], ["finish", t.finish_reason],
     ["turns", t.num_turns], ["tool calls", t.tool_calls], ["tool errors", (t.tool_errors ?? 0) + (kinds ? " (" + kinds + ")" : "")],
     ["reward extra", t.reward_extra && Object.keys(t.reward_extra).length ? JSON.stringify(t.reward_extra) : ""],
-    ["policy version", t.policy_version], ["agent", t.agent_name], ["group", t.group_id],
+    ["policy version", t.policy_version], ["agent", t.agent_name], ["group", t.group_id], ["data source", t.data_source],
     ["time", t.timings && t.timings.total_s !== undefined ? fmt(t.timings.total_s) + " s" : ""]]));
   const messages = t.messages || [];
   const firstAssistant = messages.findIndex(m => m.role === "assistant");

@@ -109,8 +109,8 @@ def keep_lines(path: Path, keep) -> None:
 
 
 def cut_after_step(run_dir: Path, step: int) -> None:
-    """metrics.jsonl and traces.jsonl without the steps after `step` (a resume from step `step`)."""
-    for name in ("metrics.jsonl", "traces.jsonl"):
+    """metrics.jsonl, traces.jsonl and val_traces.jsonl without the steps after `step` (a resume from step `step`)."""
+    for name in ("metrics.jsonl", "traces.jsonl", "val_traces.jsonl"):
         keep_lines(Path(run_dir) / name, lambda entry: entry.get("step", 0) <= step)
 
 
@@ -129,6 +129,7 @@ class Tracker:
             "sft": open(self.run_dir / "sft_metrics.jsonl", "a", buffering=1),
         }
         self._traces = open(self.run_dir / "traces.jsonl", "a", buffering=1)
+        self._val_traces = None  # val_traces.jsonl, opened at the first validation that writes
         self._tensorboard = None
         if "tensorboard" in cfg.logger:
             from torch.utils.tensorboard import SummaryWriter
@@ -176,19 +177,28 @@ class Tracker:
             self._wandb_keys.add(key)
         self._wandb.log(row)
 
-    def trace(self, step: int, trajectories, decode=None) -> None:
+    def trace(self, step: int, trajectories, decode=None, data_sources: list[str] | None = None) -> None:
         """Write full trajectories: ids, masks, messages, per-turn texts, tool calls with their
-        status and output, errors, reward and timings; `decode(ids)` adds the decoded prompt."""
-        for t in trajectories:
+        status and output, errors, reward and timings; `decode(ids)` adds the decoded prompt.
+        With `data_sources` (one per trajectory) they are validation trajectories, written to
+        val_traces.jsonl with their data source."""
+        if data_sources is not None and self._val_traces is None:
+            self._val_traces = open(self.run_dir / "val_traces.jsonl", "a", buffering=1)
+        out = self._traces if data_sources is None else self._val_traces
+        for i, t in enumerate(trajectories):
             row = {"step": step, **msgspec.to_builtins(t)}
+            if data_sources is not None:
+                row["data_source"] = data_sources[i]
             if decode is not None:
                 row["prompt_text"] = decode(t.prompt_ids)
-            self._traces.write(json.dumps(row) + "\n")
+            out.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._traces.close()
+        if self._val_traces is not None:
+            self._val_traces.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb is not None:

@@ -1,5 +1,3 @@
-from pathlib import Path
-
 import pytest
 import yaml
 
@@ -165,3 +163,6 @@ def test_a_checkpoint_is_renamed_into_place_only_when_complete(tmp_path, where):
     assert save_checkpoint(Trainer(), root, State(3)) == first
     assert storage.read_bytes(shard) == b"new" and msgspec.json.decode(storage.read_bytes(storage.join(first, "driver_state.json"))) == {"step": 3}
     assert storage.children(root) == ["step_3"]
+    for step in (4, 5, 6):
+        save_checkpoint(Trainer(), root, State(step), keep=2)
+    assert sorted(storage.children(root)) == ["step_5", "step_6"] and find_checkpoint(run_dir, cfg) == storage.join(root, "step_6")

@@ -90,6 +90,8 @@ def test_asynchronous_settings_load_under_their_yaml_names():
     ("reward.call_timeout_s=0", "reward.call_timeout_s"),
     ("reward.retries=-2", "reward.retries"),
     ("cluster.heartbeat_s=-1", "cluster.heartbeat_s"),
+    ("trainer.max_failures=-1", "trainer.max_failures"),
+    ("trainer.keep_checkpoints=-2", "trainer.keep_checkpoints"),
     ("cluster.max_actor_restarts=-3", "cluster.max_actor_restarts"),
 ])
 def test_fault_settings_out_of_range_name_their_key(override, key):

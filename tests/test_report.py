@@ -50,6 +50,8 @@ def run_dir(tmp_path_factory) -> Path:
         tracker.trace(step, [_trajectory(f"s{step}-a", f"print(6 * 7)  # step {step}", "42", 1.0),
                              _trajectory(f"s{step}-b", f"while True: pass  # step {step}", "Error (timeout): the cell ran past 5 s", 0.0, ok=False)],
                       decode=lambda ids: f"<|im_start|>user decoded {ids}")
+    # validation at step 3 (one trajectory of one data source), as pipeline.validate writes it
+    tracker.trace(3, [_trajectory("val3g0-0", "print(2 ** 10)", "1024", 1.0)], decode=lambda ids: "decoded", data_sources=["aime_2024"])
     tracker.close()
     return run
 
@@ -79,7 +81,9 @@ def test_report_writes_the_page_and_one_png_per_curve(report):
     assert "http://" not in page and "https://" not in page and "<link" not in page  # nothing to fetch
     assert "tool/errors/timeout" in page and "critic/score/mean" in page and "val-core/tool_arith/acc/mean@4" in page
     traces = json.loads(page.split('id="traces-data">')[1].split("</script>")[0])
-    assert len(traces) == 6 and "prompt_ids" not in traces[0] and traces[1]["turns"][0]["calls"][0]["output"].startswith("Error (timeout)")
+    assert len(traces) == 7 and "prompt_ids" not in traces[0] and traces[1]["turns"][0]["calls"][0]["output"].startswith("Error (timeout)")
+    assert [t["split"] for t in traces] == ["train"] * 6 + ["val"] and traces[6]["data_source"] == "aime_2024"
+    assert "data_source" not in traces[0]
 
 
 def test_missing_files_and_bad_lines_are_named_and_the_rest_is_reported(small_run, tmp_path, caplog):
@@ -112,12 +116,12 @@ def test_trajectory_browser_in_headless_chromium_shows_the_selected_call_and_out
 
     page = browser_page
     page.goto(report.html.as_uri())
-    expect(page.locator("#match-count")).to_have_text("6 of 6 trajectories")
+    expect(page.locator("#match-count")).to_have_text("7 of 7 trajectories")
     expect(page.locator("#traj-detail pre.code")).to_have_text("print(6 * 7)  # step 1")  # the first is shown at once
 
     page.select_option("#step-filter", "2")
     page.select_option("#outcome-filter", "errors")
-    expect(page.locator("#match-count")).to_have_text("1 of 6 trajectories")
+    expect(page.locator("#match-count")).to_have_text("1 of 7 trajectories")
     page.locator(".traj", has_text="s2-b").click()
     expect(page.locator(".traj.selected")).to_contain_text("s2-b")
     detail = page.locator("#traj-detail")
@@ -134,4 +138,11 @@ def test_trajectory_browser_in_headless_chromium_shows_the_selected_call_and_out
     page.select_option("#step-filter", "")
     page.locator(".traj", has_text="s3-a").click()
     expect(detail.locator("pre.output")).to_have_text("42")
+
+    page.fill("#text-filter", "")
+    page.select_option("#outcome-filter", "val")
+    expect(page.locator("#match-count")).to_have_text("1 of 7 trajectories")
+    expect(page.locator(".traj.selected")).to_contain_text("validation · aime_2024 · val3g0-0")
+    expect(detail.locator("h3")).to_have_text("Validation trajectory val3g0-0 (step 3)")
+    expect(detail.locator("pre.output")).to_have_text("1024")
     assert page.js_errors == []

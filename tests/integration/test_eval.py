@@ -48,6 +48,9 @@ def test_train_validates_on_schedule_samples_dynamically_and_eval_reads_its_chec
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "val-core/tool_arith/acc/mean@2" in rows[0] and "val-core/tool_arith/acc/mean@2" in rows[2]
     assert "val-core/tool_arith/acc/mean@2" not in rows[1]
+    val_traces = [json.loads(line) for line in (run_dir / "val_traces.jsonl").read_text().splitlines()]
+    assert [(t["step"], t["data_source"]) for t in val_traces] == [(0, "tool_arith")] * 2 + [(2, "tool_arith")] * 2  # logging.val_trace_samples each
+    assert all(t["prompt_text"] and t["response_ids"] for t in val_traces)
     # The random model scores 0 everywhere: no group has a reward spread, so every step draws its
     # rounds to the cap and trains on the last round.
     assert all(r["rollout/sampling_rounds"] == 2 and r["rollout/prompts_drawn"] == 4 and r["rollout/groups_kept"] == 0 for r in rows[1:])

@@ -220,3 +220,43 @@ def test_an_actor_that_dies_while_the_graph_starts_is_waited_for_and_asked_again
     mortal = DiesOnce.options(max_restarts=0).remote(str(tmp_path / "dies-for-good"))
     with pytest.raises(ActorStartError, match="^reward-worker-0 failed to start"):
         wait_started({"reward-worker-0": mortal.ready.remote()}, restartable={"reward-worker-0": (mortal, mortal.ready)})
+
+
+def test_a_killed_sft_trainer_is_re_formed_from_its_last_checkpoint(ray_cluster, tmp_path, caplog):
+    """`raytool sft` re-forms its trainer group like a training run: the rank killed right after the
+    step-2 checkpoint, the run goes on from it and logs every step once."""
+    import logging
+
+    import ray
+    from ray.util.state import list_actors
+
+    from actors.sft import run_sft
+
+    namespace = f"raytool-sft-fault-{os.getpid()}"
+    data = str(Path(__file__).resolve().parents[1] / "fixtures" / "sft_conversations.jsonl")
+    cfg = load_config(None, ["model.path=tiny-random", f"sft.train_files=[{data}]", "sft.epochs=5", "sft.batch_size=2", "sft.save_every=2",
+                             "sft.val_fraction=0", "logging.logger=[]", f"cluster.namespace={namespace}"])
+    run_dir = tmp_path / "sft"
+    killed = []
+
+    def kill_after_the_step_2_checkpoint():
+        deadline = time.time() + 300
+        pids = []
+        while not pids and time.time() < deadline:
+            pids = [a.pid for a in list_actors(filters=[("class_name", "=", "TrainerWorker"), ("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)],
+                                               address=ray.get_runtime_context().gcs_address)]
+        while time.time() < deadline and not (run_dir / "checkpoints" / "step_2" / "driver_state.json").exists():
+            time.sleep(0.01)
+        os.kill(pids[0], signal.SIGKILL)
+        killed.append(pids[0])
+
+    killer = threading.Thread(target=kill_after_the_step_2_checkpoint, daemon=True)
+    killer.start()
+    with caplog.at_level(logging.WARNING, logger="actors.pipeline"):
+        run_sft(cfg, run_dir)
+    killer.join(timeout=5)
+    assert killed
+    lines = [r.getMessage() for r in caplog.records if "re-forming the trainer group" in r.getMessage()]
+    assert len(lines) == 1 and "trainer-0 died" in lines[0] and "checkpoints/step_" in lines[0], lines
+    steps = [json.loads(line)["step"] for line in (run_dir / "sft_metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
