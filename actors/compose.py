@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from actors.agent_worker import AgentLoopWorker
 from actors.common import RESTART_WAIT_S, actor_options, wait_until_alive
+from actors.watchdog import Watchdog
 from actors.llm_manager import LLMManager
 from actors.reward_worker import RewardWorker
 from actors.rollout_server import RolloutServer
@@ -215,6 +216,8 @@ class Graph:
                 **{f"agent-worker-{i}": w for i, w in enumerate(self.agent_workers)}}
 
     def shutdown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.trainer is not None:
             self.trainer.shutdown()
         # Let engines stop their own processes (vLLM's engine core) before the actors go.
@@ -224,11 +227,13 @@ class Graph:
             ray.kill(actor)
 
 
-def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = True, namespace: str | None = None) -> Graph:
+def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = True, namespace: str | None = None, watch: bool = False) -> Graph:
     """Start every actor of the run described by `cfg` (ray.init must have run), each named by its
     role (`rollout-server-0`, `llm-manager`, `trainer-0`, ...) in one namespace per run, so the
     dashboard shows who is who. A cluster that can never hold the run is an error before any actor
-    starts; an actor that fails to start is reported by role and cause in one line."""
+    starts; an actor that fails to start is reported by role and cause in one line. `watch`: a
+    Watchdog (graph.watchdog; stopped by shutdown) heartbeats the actors from the moment they are
+    created, so one stopped while the graph starts is killed and restarted instead of waited for."""
     model_path = model_path or resolve_model(cfg.model.path)
     cfg = with_engine_dtype(with_tool_sandbox_settings(cfg))
     wait_for_resources(cfg, skip={"trainer worker"} if not with_trainer else set())
@@ -265,6 +270,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     ]
     graph = Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, None, ns)
     actors = graph.light_actors()
+    if watch:
+        graph.watchdog = Watchdog(actors, cfg.cluster.heartbeat_s).start()
     # Engines load, sandboxes fork their warm sessions, constructors run: wait for all of them, and
     # name the first that fails (a bad model path, an engine that cannot start, a bad reward fn ...).
     ask = {name: srv.ready for name, srv in servers.items()}
@@ -276,6 +283,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
         graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
     except BaseException:  # nothing of a run that failed to start is left running
+        if graph.watchdog is not None:
+            graph.watchdog.stop()
         for actor in actors.values():
             ray.kill(actor)
         raise

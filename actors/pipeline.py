@@ -27,7 +27,6 @@ from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settin
 from actors.evaluate import evaluate
 from actors.metrics import record_step
 from actors.trainer import TrainerLost
-from actors.watchdog import Watchdog
 from raytool.agent.render import ChatRenderer, as_in_turn
 from raytool.config import ConfigError, RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
@@ -355,8 +354,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     Each step takes a batch of finished groups from the rollout stream, trains on it while the
     stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
     then publishes the new weights to the servers, which load them between engine steps."""
-    graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"))
-    watchdog = graph.watchdog = Watchdog(graph.light_actors(), cfg.cluster.heartbeat_s).start()
+    graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"), watch=True)
     root = checkpoint_root(cfg, run_dir)
     saved = read_state(checkpoint, DriverState) if checkpoint is not None else None
     if saved is not None:  # the steps after the checkpoint are done again: each logged once
@@ -365,7 +363,8 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
     kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     try:
-        graph.trainer.check_storage(root)
+        if cfg.trainer.save_every or cfg.trainer.save_final:  # a run that never saves needs no storage
+            graph.trainer.check_storage(root)
         state = saved or DriverState(step=0, version=0, loader=loader.state_dict())
         buffered = []
         if checkpoint is not None:
@@ -408,6 +407,5 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             directory = save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints)
             log.info("final model (HF format): %s", graph.trainer.export_hf(storage.join(directory, "hf")))
     finally:
-        watchdog.stop()
         tracker.close()
         graph.shutdown()

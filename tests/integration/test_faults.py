@@ -198,7 +198,8 @@ def test_a_rollout_server_takes_a_second_attempt_at_a_version_and_refuses_an_old
 
 def test_an_actor_that_dies_while_the_graph_starts_is_waited_for_and_asked_again(ray_cluster, tmp_path):
     """A light actor or rollout server killed while the run starts (a fault during the graph build,
-    or during a re-formation's rebuild) is restarted by Ray; the build waits for it instead of failing."""
+    or during a re-formation's rebuild) is restarted by Ray; the build waits for it instead of failing.
+    (One stopped then is found by the build's watchdog, `build(watch=True)`, and killed like this.)"""
     import ray
 
     from actors.compose import wait_started
@@ -209,10 +210,10 @@ def test_an_actor_that_dies_while_the_graph_starts_is_waited_for_and_asked_again
         def __init__(self, marker: str):
             self.marker = marker
 
-        def ready(self) -> int:
+        async def ready(self) -> int:
             if not os.path.exists(self.marker):
                 open(self.marker, "w").close()
-                os._exit(1)  # the process dies mid-start, once
+                os.kill(os.getpid(), signal.SIGKILL)  # the process dies mid-start, once
             return os.getpid()
 
     actor = DiesOnce.options(max_restarts=1).remote(str(tmp_path / "died"))
