@@ -3,6 +3,8 @@
 import asyncio
 import math
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -117,7 +119,7 @@ def test_sft_steps_lower_the_loss_and_checkpoint_reloads(tiny_model_path, render
     batch = [renderer.sft_examples(sft_messages(p))[0] for p in make_splits(4, 1, seed=0)[0]]
     losses = [trainer.sft_step(batch, lr=3e-3)["sft/loss"] for _ in range(6)]
     assert losses[-1] < losses[0] * 0.9
-    out = trainer.export_hf(tmp_path / "hf")
+    out = Path(trainer.export_hf(tmp_path / "hf"))
     reloaded = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
     for name, param in trainer.lm.named_parameters():
         assert torch.equal(reloaded[name], param.detach()), name
