@@ -18,9 +18,7 @@ comes back.
 from __future__ import annotations
 
 import logging
-import math
 import threading
-import time
 
 import ray
 from ray.util.state import get_actor
@@ -45,7 +43,6 @@ class Watchdog:
         self.killed: list[str] = []  # role names, in the order they were found hung
         self.lost: dict[str, str] = {}  # role name -> why it is dead for good
         self._killed_pids: set[int] = set()  # a stopped process can take Ray a few seconds to kill: once is enough
-        self._killed_at: dict[str, float] = {}  # role name -> when it was last killed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytool-watchdog", daemon=True)
 
@@ -80,8 +77,6 @@ class Watchdog:
         hung = []
         for ref in late:
             name = pings[ref]
-            if time.monotonic() - self._killed_at.get(name, -math.inf) < 2 * self.interval_s:
-                continue  # this ping may have gone to the process just killed, not to its restarted successor
             pid = self._alive_pid(self.actors[name])
             if pid is None or pid in self._killed_pids:
                 continue
@@ -89,7 +84,6 @@ class Watchdog:
                         "that just died); killing it so that Ray restarts it", name, pid, self.interval_s)
             ray.kill(self.actors[name], no_restart=False)
             self._killed_pids.add(pid)
-            self._killed_at[name] = time.monotonic()
             self.killed.append(name)
             hung.append(name)
         self._stop.wait(max(0.0, self.interval_s - 0.01) if not late else 0.0)
