@@ -111,9 +111,12 @@ def load_run(run_dir: Path) -> RunData:
     metrics, sft = run_dir / "metrics.jsonl", run_dir / "sft_metrics.jsonl"
     data.grpo = _by_step(read_jsonl(metrics, data.problems, "GRPO curves"), metrics, "grpo", data.problems)
     data.sft = _by_step(read_jsonl(sft, data.problems, "SFT curves"), sft, "sft", data.problems)
-    for split, name in (("train", "traces.jsonl"), ("val", "val_traces.jsonl")):
-        rows = read_jsonl(run_dir / name, data.problems, "trajectories to browse") if split == "train" or (run_dir / name).is_file() else []
-        data.traces += [{**{k: row[k] for k in _TRACE_FIELDS if k in row}, "split": split} for _, row in rows]
+    def browsed(path: Path, split: str) -> list[dict]:
+        return [{**{k: row[k] for k in _TRACE_FIELDS if k in row}, "split": split} for _, row in read_jsonl(path, data.problems, "trajectories to browse")]
+
+    data.traces = browsed(run_dir / "traces.jsonl", "train")
+    if (run_dir / "val_traces.jsonl").is_file():  # only runs that validate write it: its absence is no problem
+        data.traces += browsed(run_dir / "val_traces.jsonl", "val")
     if (run_dir / "config.yaml").is_file():
         data.config = (run_dir / "config.yaml").read_text(errors="replace")
     return data
