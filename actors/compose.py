@@ -278,8 +278,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     ask |= {f"sandbox-pool-{i}": pool.ready for i, pool in enumerate(sandbox_pools)}
     ask |= {name: actor.__ray_ready__ for name, actor in actors.items() if name not in ask}
     try:
-        results = wait_started({name: method.remote() for name, method in ask.items()}, restartable={name: (actors[name], ask[name]) for name in ask},
-                               restart_wait_s=max(RESTART_WAIT_S, r.engine_start_timeout_s))
+        results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, r.engine_start_timeout_s))
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
         graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
     except BaseException:  # nothing of a run that failed to start is left running
@@ -297,12 +296,12 @@ def run_namespace(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:6]}"
 
 
-def wait_started(ready: dict, restartable: dict | None = None, restart_wait_s: float = RESTART_WAIT_S) -> dict:
-    """{role name: ready ref} -> {role name: result}; the first actor to fail raises one line naming
-    its role and cause (the full remote traceback stays on the exception's __cause__).
-    `restartable`: {role name: (actor, its ready method)} of actors Ray restarts: one whose process
-    dies while starting is waited for and asked again, until its restarts are used up."""
-    pending = {ref: name for name, ref in ready.items()}
+def wait_started(calls: dict, restart_wait_s: float = RESTART_WAIT_S) -> dict:
+    """{role name: (actor, its ready method)} -> {role name: result}; the first actor to fail raises
+    one line naming its role and cause (the full remote traceback stays on the exception's
+    __cause__). One whose process dies while starting is waited for (Ray restarts it) and asked
+    again, until its restarts are used up."""
+    pending = {method.remote(): name for name, (_, method) in calls.items()}
     results = {}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
@@ -310,9 +309,10 @@ def wait_started(ready: dict, restartable: dict | None = None, restart_wait_s: f
         try:
             results[name] = ray.get(done[0])
         except ray.exceptions.RayActorError as exc:
-            if name in (restartable or {}) and wait_until_alive(restartable[name][0], restart_wait_s):
+            actor, method = calls[name]
+            if wait_until_alive(actor, restart_wait_s):
                 log.warning("%s died while starting (%s); Ray restarted it, waiting for it again", name, one_line(exc))
-                pending[restartable[name][1].remote()] = name
+                pending[method.remote()] = name
                 continue
             raise ActorStartError(f"{name} failed to start: {start_failure(exc)}") from exc
         except ray.exceptions.RayError as exc:

@@ -217,10 +217,10 @@ def test_an_actor_that_dies_while_the_graph_starts_is_waited_for_and_asked_again
             return os.getpid()
 
     actor = DiesOnce.options(max_restarts=1).remote(str(tmp_path / "died"))
-    assert wait_started({"sandbox-pool-0": actor.ready.remote()}, restartable={"sandbox-pool-0": (actor, actor.ready)})["sandbox-pool-0"] > 0
+    assert wait_started({"sandbox-pool-0": (actor, actor.ready)})["sandbox-pool-0"] > 0
     mortal = DiesOnce.options(max_restarts=0).remote(str(tmp_path / "dies-for-good"))
     with pytest.raises(ActorStartError, match="^reward-worker-0 failed to start"):
-        wait_started({"reward-worker-0": mortal.ready.remote()}, restartable={"reward-worker-0": (mortal, mortal.ready)})
+        wait_started({"reward-worker-0": (mortal, mortal.ready)})
 
 
 def test_a_killed_sft_trainer_is_re_formed_from_its_last_checkpoint(ray_cluster, tmp_path, caplog):
