@@ -27,8 +27,9 @@ from raytool.types import Trajectory
 log = logging.getLogger(__name__)
 
 
-def evaluate(graph: Graph, rows: list[PromptRow], ecfg: EvalConfig, prefix: str = "val", progress: str | None = "validation") -> tuple[dict, list[Trajectory]]:
-    """(metrics, the trajectories) of `ecfg.n` samples per row (the first `ecfg.max_prompts` rows)."""
+def evaluate(graph: Graph, rows: list[PromptRow], ecfg: EvalConfig, prefix: str = "val", progress: str | None = "validation") -> tuple[dict, list[tuple[str, Trajectory]]]:
+    """(metrics, (data source, trajectory) of each sample) of `ecfg.n` samples per row (the first
+    `ecfg.max_prompts` rows)."""
     rows = rows[: ecfg.max_prompts] if ecfg.max_prompts else rows
     if not rows:
         raise ValueError("validation needs prompts: the validation set is empty (data.val_files / data.val_size)")
@@ -44,7 +45,7 @@ def evaluate(graph: Graph, rows: list[PromptRow], ecfg: EvalConfig, prefix: str 
                 answer=normalize_answer(answer) if answer is not None else None, num_turns=t.num_turns, tool_calls=t.tool_calls,
                 tool_errors=t.tool_errors, response_length=len(t.response_ids),
             ))
-            trajectories.append(t)
+            trajectories.append((row.data_source, t))
     return summarize(samples, ecfg.n), trajectories
 
 

@@ -164,14 +164,13 @@ def validate(graph: Graph, cfg: RunConfig, task: Task, step: int, tracker: Track
     """Validation metrics at `step` (also logged as a table); the first logging.val_trace_samples
     trajectories of each data source go to `tracker`'s val_traces.jsonl."""
     start = time.perf_counter()
-    rows = task.val[: cfg.eval.max_prompts] if cfg.eval.max_prompts else task.val
-    metrics, trajectories = evaluate(graph, rows, cfg.eval, prefix=f"val{step}", progress="validation" if cfg.logging.progress else None)
+    metrics, trajectories = evaluate(graph, task.val, cfg.eval, prefix=f"val{step}", progress="validation" if cfg.logging.progress else None)
     metrics["timing/validation_s"] = time.perf_counter() - start
     log.info("validation at step %d:\n%s", step, eval_table(metrics, cfg.eval.n))
     if tracker is not None and cfg.logging.val_trace_samples:
         per_source: dict[str, list] = {}
-        for i, t in enumerate(trajectories):  # evaluate keeps row order, eval.n trajectories per row
-            kept = per_source.setdefault(rows[i // cfg.eval.n].data_source, [])
+        for source, t in trajectories:
+            kept = per_source.setdefault(source, [])
             if len(kept) < cfg.logging.val_trace_samples:
                 kept.append(t)
         traced = [(source, t) for source, kept in per_source.items() for t in kept]
