@@ -375,8 +375,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
                      checkpoint, state.step, len(state.redo), len(buffered))
         elif cfg.trainer.sft_warmup_steps:
             run_sft_warmup(graph, cfg, warmup, tracker)
-            if kl_on:  # the KL reference is the cold-started policy
-                graph.trainer.snapshot_reference()
+            graph.trainer.start_rl(snapshot_reference=kl_on)  # the KL reference is the cold-started policy
             state.version += 1
             graph.sync_weights(state.version)
         if cfg.eval.before_train and task.val and state.step == 0:

@@ -51,7 +51,7 @@ class TrainerWorker:
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.init_process_group(device.dist_backend, init_method=init_method, rank=self.rank, world_size=self.world_size)
+            dist.init_process_group(device.process_group_backend, init_method=init_method, rank=self.rank, world_size=self.world_size)
         local = "cuda" if device.kind == "cuda" else device.kind
         self.trainer = Trainer(self.cfg, self.model_path, device=local, rank=self.rank, world_size=self.world_size)
 
@@ -72,8 +72,8 @@ class TrainerWorker:
     def sft_val_loss(self, examples: list[SFTExample]) -> float:
         return self.trainer.sft_val_loss(examples)
 
-    def snapshot_reference(self) -> None:
-        self.trainer.snapshot_reference()
+    def start_rl(self, snapshot_reference: bool) -> None:
+        self.trainer.start_rl(snapshot_reference=snapshot_reference)
 
     def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float, attempt: int = 0) -> dict:
         """Rank 0 streams; the other ranks take part in gathering full tensors from their shards."""
@@ -263,8 +263,9 @@ class TrainerGroup:
     def sft_val_loss(self, examples: list[SFTExample]) -> float:
         return self.gather([w.sft_val_loss.remote(part) for w, part in zip(self.workers, self._slices(examples))])[0]
 
-    def snapshot_reference(self) -> None:
-        self.gather([w.snapshot_reference.remote() for w in self.workers])
+    def start_rl(self, snapshot_reference: bool) -> None:
+        """Between the in-run SFT warm-up and GRPO: a fresh optimizer, the KL reference frozen if asked."""
+        self.gather([w.start_rl.remote(snapshot_reference) for w in self.workers])
 
     def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float = 120.0, attempt: int = 0) -> list:
         """Object refs of the sending calls (the receivers must be listening concurrently)."""

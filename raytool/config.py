@@ -208,6 +208,7 @@ class TrainerConfig(_Section):
     num_gpus: float = 0.0  # accelerators (cluster.accelerator: GPU or NPU) each trainer worker reserves
     seed: int = 0
     sft_warmup_steps: int = 12  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
+    fresh_rl_optimizer: bool = True  # GRPO starts from a fresh AdamW state after the warm-up (false: keep SFT's moments)
     save_every: int = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
     save_final: bool = True  # write a resumable checkpoint and an HF export at the end of the run
     keep_checkpoints: int = 0  # after each save, delete all but the newest this many checkpoints (0: keep all)

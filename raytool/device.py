@@ -18,6 +18,19 @@ class DeviceInfo:
     dist_backend: str  # "nccl" | "hccl" | "gloo"
     ray_resource: str | None  # "GPU" | "NPU" | None
 
+    @property
+    def process_group_backend(self) -> str:
+        """The trainer's process group: the accelerator's backend for its tensors and gloo for CPU
+        tensors (offloaded parameters and gradients, host-side metrics), which NCCL and HCCL
+        cannot reduce."""
+        return process_group_backend(self.kind)
+
+
+def process_group_backend(kind: str) -> str:
+    """"gloo" on CPUs; "cpu:gloo,cuda:nccl" / "cpu:gloo,npu:hccl" on accelerators."""
+    accelerator = {"cuda": "nccl", "npu": "hccl"}.get(kind)
+    return f"cpu:gloo,{kind}:{accelerator}" if accelerator else "gloo"
+
 
 def detect() -> DeviceInfo:
     import torch

@@ -149,6 +149,34 @@ def test_kl_to_the_reference_is_zero_then_grows(tiny_model_path):
     assert first["actor/entropy"] > 0
 
 
+@pytest.mark.parametrize("fresh", [True, False])
+def test_grpo_starts_from_a_fresh_optimizer_after_the_warm_up(tiny_model_path, fresh):
+    """After SFT steps, start_rl drops AdamW's SFT moments (trainer.fresh_rl_optimizer, on by
+    default): the first RL step then equals one taken by a trainer that never had them; and it
+    freezes the warmed-up weights as the KL reference (KL 0 at the first RL step)."""
+    from raytool.types import SFTExample
+
+    sft = [SFTExample(input_ids=[1, 5, 6, 7, 8], loss_mask=[0, 0, 1, 1, 1]), SFTExample(input_ids=[1, 9, 10, 11], loss_mask=[0, 1, 1, 1])]
+    overrides = ["algorithm.kl_loss_coef=0.1", "trainer.lr=1e-2", f"trainer.fresh_rl_optimizer={str(fresh).lower()}"]
+    trainer = _trainer(tiny_model_path, *overrides)
+    for _ in range(3):
+        trainer.sft_step(sft, lr=1e-2)
+    assert trainer.optimizer.state
+    trainer.start_rl(snapshot_reference=True)
+    assert bool(trainer.optimizer.state) is not fresh
+    # the same warmed-up weights in a trainer with no optimizer history
+    twin = _trainer(tiny_model_path, *overrides)
+    with torch.no_grad():
+        for p, q in zip(twin.policy.parameters(), trainer.policy.parameters()):
+            p.copy_(q)
+    twin.start_rl(snapshot_reference=True)
+    metrics = trainer.rl_step(BATCH)
+    twin.rl_step(BATCH)
+    assert metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    same = all(torch.equal(p, q) for p, q in zip(trainer.policy.parameters(), twin.policy.parameters()))
+    assert same is fresh
+
+
 def test_lora_trains_adapters_and_syncs_merged_weights(tiny_model_path):
     trainer = _trainer(tiny_model_path, "trainer.lora_rank=4", "trainer.lr=1e-2")
     base = {n: w.clone() for n, w in trainer.named_weights()}
@@ -210,6 +238,45 @@ def test_two_fsdp_ranks_compute_the_single_process_gradient(tiny_model_path, tmp
     exported = dict(AutoModelForCausalLM.from_pretrained(export_checkpoint(str(tmp_path / "two.pt.ckpt"), tmp_path / "hf")).named_parameters())
     for name, w in two["weights"].items():
         assert torch.equal(exported[name], w), name
+
+
+def _torchrun(script: str, *args: str) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(Path(__file__).parent / "helpers" / script), *args],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, capture_output=True)
+
+
+@pytest.mark.integration
+def test_only_rank_0_reads_the_checkpoint_and_the_others_hold_their_shard(tiny_model_path, tmp_path):
+    """2 gloo ranks building the trainer: rank 1 builds on the meta device and receives its shards
+    from rank 0, so its memory grows by about half the fp32 model, not the whole; the weights (and
+    the KL reference's) equal transformers' own fp32 loading bit for bit, tied weights and rotary
+    buffers included; with LoRA and activation checkpointing too."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=8,
+                                         num_key_value_heads=4, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=True))
+    fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
+    model.save_pretrained(tmp_path / "model")
+    del model
+    runs = {"big": (str(tmp_path / "model"), []), "lora": (tiny_model_path, ["trainer.lora_rank=4", "trainer.activation_checkpointing=true"])}
+    for name, (path, overrides) in runs.items():
+        _torchrun("rank0_load.py", path, str(tmp_path / name), *overrides)
+        ranks = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
+        assert ranks[0]["checked"] > 0 and ranks[0]["mismatched"] == [] and ranks[0]["reference_mismatched"] == [], name
+        assert all(r["buffers_equal"] for r in ranks), name
+    big = [json.loads((tmp_path / f"big.rank{r}.json").read_text()) for r in (0, 1)]
+    growth = [r["peak"] - r["rss_before"] for r in big]
+    assert growth[0] > fp32_bytes  # rank 0 reads it all (the measurement sees a full load)
+    assert growth[1] < 0.65 * fp32_bytes, f"rank 1 grew by {growth[1] / fp32_bytes:.2f}x the fp32 model"
 
 
 def _grads(trainer, batch):

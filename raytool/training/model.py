@@ -82,11 +82,18 @@ class PolicyModel(nn.Module):
 
 
 def load_lm(model_path: str, *, attn_implementation: str, activation_checkpointing: bool, lora_rank: int = 0,
-            lora_alpha: int = 16, lora_target_modules: list[str] | None = None) -> nn.Module:
-    """The HF model in fp32 (the master weights), with LoRA adapters and activation checkpointing if asked."""
-    from transformers import AutoModelForCausalLM
+            lora_alpha: int = 16, lora_target_modules: list[str] | None = None, empty: bool = False) -> nn.Module:
+    """The HF model in fp32 (the master weights), with LoRA adapters and activation checkpointing if
+    asked. empty=True: the same model with its parameters on the meta device (nothing read, nothing
+    allocated), for a rank that receives its shards from rank 0 (`load_sharded`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn_implementation)
+    if empty:
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32,
+                                                  attn_implementation=attn_implementation)
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn_implementation)
     lm.config.use_cache = False
     if lora_rank:
         lm = with_lora(lm, lora_rank, lora_alpha, lora_target_modules)
@@ -96,6 +103,37 @@ def load_lm(model_path: str, *, attn_implementation: str, activation_checkpointi
             lm.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need an input that requires grad
     lm.train()
     return lm
+
+
+def load_sharded(model_path: str, compute_dtype: torch.dtype, cpu_offload: bool, device: torch.device, **lm_options) -> PolicyModel:
+    """The policy, FSDP2-sharded over the current process group, read from disk by rank 0 alone.
+
+    Rank 0 loads the checkpoint; every other rank builds the model on the meta device, so its host
+    memory never holds more than its own shard and the one tensor being broadcast. After sharding,
+    rank 0 broadcasts each full tensor and every rank keeps its shard of it. Buffers (rotary
+    frequencies, which no checkpoint holds) are broadcast from rank 0 as well. One rank: loaded
+    and sharded in place."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    broadcast = dist.get_world_size() > 1
+    source = not broadcast or dist.get_rank() == 0
+    policy = PolicyModel(load_lm(model_path, empty=not source, **lm_options))
+    full = policy.state_dict() if broadcast and source else {}  # holds the full tensors while sharding frees the module's
+    shard(policy, compute_dtype, cpu_offload, device)
+    if not broadcast:
+        return policy
+    if not source:  # allocate the shards (FSDP2's to_empty keeps tied weights tied) and the buffers
+        policy.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    for module in policy.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                if buffer.device != device:
+                    buffer = module._buffers[name] = torch.empty_like(buffer, device=device)
+                dist.broadcast(buffer, src=0)
+    return policy
 
 
 def with_lora(lm: nn.Module, rank: int, alpha: int, target_modules: list[str] | None) -> nn.Module:

@@ -34,7 +34,7 @@ from raytool.config import RunConfig
 from raytool import device as device_info
 from raytool import storage
 from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right
-from raytool.training.model import DTYPES, PolicyModel, load_lm, merged_named_weights, shard
+from raytool.training.model import DTYPES, PolicyModel, load_lm, load_sharded, merged_named_weights
 from raytool.types import SFTExample, Trajectory
 
 log = logging.getLogger(__name__)
@@ -109,13 +109,13 @@ class Trainer:
         if t.cpu_offload and self.device.type == "cpu":
             raise ValueError("config key 'trainer.cpu_offload' offloads accelerator memory to the host; on a CPU the weights already are there: set it false")
         self.packed = t.packing is True or (t.packing == "auto" and cfg.model.attn_implementation.startswith("flash_attention"))
-        self.lm = load_lm(model_path, attn_implementation=cfg.model.attn_implementation, activation_checkpointing=t.activation_checkpointing,
-                          lora_rank=t.lora_rank, lora_alpha=t.lora_alpha, lora_target_modules=list(t.lora_target_modules))
-        self.pad_id = self.lm.config.pad_token_id or 0
         self.sharded = world_size > 1 or self.dtype != torch.float32 or t.cpu_offload
-        self.policy = self._place(PolicyModel(self.lm))
+        self.policy = self._load(activation_checkpointing=t.activation_checkpointing, lora_rank=t.lora_rank, lora_alpha=t.lora_alpha,
+                                 lora_target_modules=list(t.lora_target_modules))
+        self.lm = self.policy.lm
+        self.pad_id = self.lm.config.pad_token_id or 0
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = self._new_optimizer()
         c, asynchronous = cfg.algorithm.rollout_correction, cfg.async_.max_staleness > 0
         # auto: truncated token-level importance weights in asynchronous mode, none in synchronous mode
         self.rollout_is = ("token" if asynchronous else None) if c.rollout_is == "auto" else c.rollout_is
@@ -123,15 +123,16 @@ class Trainer:
         self.step = 0  # optimizer steps taken
         self.rl_updates = 0  # optimizer steps of the RL phase (drive its learning-rate schedule)
 
-    def _place(self, model: PolicyModel) -> PolicyModel:
-        """Onto the device: sharded, FSDP2 moves one layer at a time (the fp32 model is loaded in
-        host memory and never whole on the accelerator); otherwise as a whole."""
+    def _load(self, **lm_options) -> PolicyModel:
+        """The model at `model_path`, on the device. Sharded: rank 0 alone reads it and FSDP2 moves
+        one layer at a time (the fp32 model is never whole on the accelerator, nor on any other
+        rank's host); otherwise loaded and moved as a whole."""
+        lm_options["attn_implementation"] = self.cfg.model.attn_implementation
         if not self.sharded:
-            return model.to(self.device)
+            return PolicyModel(load_lm(self.model_path, **lm_options)).to(self.device)
         if not dist.is_initialized():
-            _init_single_process_group({"cpu": "gloo", "cuda": "nccl"}.get(self.device.type, "hccl"))
-        shard(model, self.dtype, self.cfg.trainer.cpu_offload, self.device)
-        return model
+            _init_single_process_group(device_info.process_group_backend(self.device.type))
+        return load_sharded(self.model_path, self.dtype, self.cfg.trainer.cpu_offload, self.device, **lm_options)
 
     # -- log-probs ---------------------------------------------------------------------------------
 
@@ -175,14 +176,20 @@ class Trainer:
             if self.cfg.trainer.lora_rank:
                 self.reference = _AdaptersOff(self.policy)
             else:
-                lm = load_lm(self.model_path, attn_implementation=self.cfg.model.attn_implementation, activation_checkpointing=False)
-                self.reference = self._place(PolicyModel(lm))
+                self.reference = self._load(activation_checkpointing=False)
                 self.reference.requires_grad_(False)
         return self.reference
 
-    def snapshot_reference(self) -> None:
-        """Freeze the current weights as the KL reference (after the SFT warm-up: the cold-started
-        policy is what RL should stay close to). No-op with LoRA (the reference is the base model)."""
+    def start_rl(self, *, snapshot_reference: bool) -> None:
+        """After the in-run SFT warm-up: GRPO starts from a fresh AdamW state unless
+        trainer.fresh_rl_optimizer is false (SFT's momentum and second moments would otherwise
+        steer and scale the first RL updates), and with snapshot_reference the current weights
+        become the KL reference (the cold-started policy is what RL should stay close to; a no-op
+        with LoRA, whose reference is the base model)."""
+        if self.cfg.trainer.fresh_rl_optimizer:
+            self.optimizer = self._new_optimizer()
+        if not snapshot_reference:
+            return
         reference = self._reference()
         if isinstance(reference, PolicyModel):
             with torch.no_grad():
@@ -198,6 +205,9 @@ class Trainer:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.tolist()
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.params, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay)
 
     def _optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
