@@ -139,6 +139,7 @@ class TrainerGroup:
     def __init__(self, cfg: RunConfig, model_path: str, namespace: str | None = None):
         """Workers are named `trainer-<rank>` in `namespace` (None: anonymous)."""
         t, c = cfg.trainer, cfg.cluster
+        self.cfg = cfg
         self.heartbeat_s = c.heartbeat_s
         bundle = placement.bundle(cfg, "trainer worker")  # what the driver checked the cluster can hold
         self.pg = None
@@ -243,7 +244,7 @@ class TrainerGroup:
         """Start one update on `batch` -> the workers' result refs (each rank's metrics, the same on
         every rank). Each rank fetches only its balanced share of the trajectories."""
         rewards, groups, offsets = batch.rewards, batch.group_index, batch.offsets
-        shares = split_across_ranks(batch.lengths(), len(self.workers))
+        shares = split_across_ranks(batch.lengths(), len(self.workers), self.cfg.trainer.sequence_parallel_size)
         return [
             w.rl_step.remote([(batch.groups[g].ref, g, positions) for g, positions in sorted(share.items())], rewards, groups, offsets)
             for w, share in zip(self.workers, shares)
@@ -253,9 +254,12 @@ class TrainerGroup:
         return self.gather(self.rl_step_refs(batch))[0]
 
     def _slices(self, examples: list[SFTExample]) -> list:
-        """Each rank's share of an SFT batch, in the object store (a rank fetches only its own)."""
-        n = len(self.workers)
-        return [ray.put(examples[rank::n]) for rank in range(n)]
+        """Each rank's share of an SFT batch, in the object store (a rank fetches only its own; the
+        ranks of a sequence-parallel group share one)."""
+        sp = self.cfg.trainer.sequence_parallel_size
+        dp = len(self.workers) // sp
+        parts = [ray.put(examples[k::dp]) for k in range(dp)]
+        return [parts[rank // sp] for rank in range(len(self.workers))]
 
     def sft_step(self, examples: list[SFTExample], lr: float) -> dict:
         return self.gather([w.sft_step.remote(part, lr) for w, part in zip(self.workers, self._slices(examples))])[0]

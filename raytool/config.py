@@ -204,6 +204,7 @@ class TrainerConfig(_Section):
     lora_alpha: int = 16  # LoRA scaling numerator
     lora_target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])  # module names that get adapters
     num_workers: int = 1  # TrainerWorker actors (data parallel, FSDP2 when > 1)
+    sequence_parallel_size: int = 1  # Ulysses SP: each sequence split over this many consecutive workers (it divides num_workers and the attention heads)
     num_cpus: float = 1.0  # Ray CPUs each trainer worker reserves
     num_gpus: float = 0.0  # accelerators (cluster.accelerator: GPU or NPU) each trainer worker reserves
     seed: int = 0
@@ -412,6 +413,13 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'trainer.lora_rank': LoRA runs on one trainer worker (trainer.num_workers=1), got {cfg.trainer.num_workers} workers")
     if cfg.data.task == "files" and not cfg.data.train_files:
         raise ConfigError(f"{source}: config key 'data.train_files': data.task=files needs prompt files (raytool preprocess writes them)")
+    sp = cfg.trainer.sequence_parallel_size
+    if sp < 1 or cfg.trainer.num_workers % sp:
+        raise ConfigError(f"{source}: config key 'trainer.sequence_parallel_size' is {sp}: it must be >= 1 and divide trainer.num_workers "
+                          f"({cfg.trainer.num_workers}), each group of {sp} workers sharing its sequences")
+    if sp > 1 and cfg.model.attn_implementation.startswith("flash_attention"):
+        raise ConfigError(f"{source}: config key 'trainer.sequence_parallel_size' > 1 runs attention in PyTorch SDPA; model.attn_implementation "
+                          f"{cfg.model.attn_implementation} with sequence parallelism is not supported yet: set model.attn_implementation=sdpa")
     if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:
         raise ConfigError(f"{source}: config key 'trainer.total_steps'/'trainer.sft_warmup_steps' must be >= 0")
     validate_async(cfg, source)

@@ -112,11 +112,15 @@ def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: 
     )
 
 
-def split_across_ranks(lengths: list[list[int]], world_size: int) -> list[dict[int, list[int]]]:
+def split_across_ranks(lengths: list[list[int]], world_size: int, sequence_parallel: int = 1) -> list[dict[int, list[int]]]:
     """Balance a batch over data-parallel ranks by tokens: `lengths[g][i]` is the length of
     trajectory i of group g. Returns, per rank, {group: [trajectory positions]} (a group may be
     split: advantages are computed from the whole batch's rewards, not per rank). Longest first,
-    each to the rank with the fewest tokens so far (LPT scheduling)."""
+    each to the rank with the fewest tokens so far (LPT scheduling). With sequence parallelism the
+    `sequence_parallel` consecutive ranks of an SP group get the same share."""
+    if sequence_parallel > 1:
+        shares = split_across_ranks(lengths, world_size // sequence_parallel)
+        return [shares[rank // sequence_parallel] for rank in range(world_size)]
     items = sorted(((n, g, i) for g, group in enumerate(lengths) for i, n in enumerate(group)), key=lambda x: (-x[0], x[1], x[2]))
     load = [0] * world_size
     out: list[dict[int, list[int]]] = [{} for _ in range(world_size)]

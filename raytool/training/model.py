@@ -36,11 +36,14 @@ def _chunk_logprobs(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Te
 
 
 class PolicyModel(nn.Module):
-    """`lm` is an HF causal LM (optionally a peft model around one)."""
+    """`lm` is an HF causal LM (optionally a peft model around one). With `sp_group` (Ulysses
+    sequence parallelism, see raytool.training.sequence_parallel) its attention layers must be
+    built with that module's ATTENTION implementation."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, sp_group=None):
         super().__init__()
         self.lm = lm
+        self.sp_group = sp_group
 
     def _parts(self):
         base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
@@ -65,6 +68,13 @@ class PolicyModel(nn.Module):
         a later pad, and SDPA takes its causal fast path) or packed with position_ids restarting
         at 0 per sequence (a varlen kernel keeps them apart)."""
         trunk, head = self._parts()
+        slicing = None
+        if self.sp_group is not None:  # this rank runs its slice of the sequence; `select` becomes its own positions
+            from raytool.training import sequence_parallel
+
+            slicing = sequence_parallel.Slicing(input_ids, select, position_ids, self.lm.config.pad_token_id or 0, self.sp_group)
+            sequence_parallel.set_micro_batch(self.sp_group, slicing.positions, packed=position_ids is not None)
+            input_ids, position_ids, select, labels = slicing.input_ids, slicing.local_positions, slicing.local_select, labels[slicing.mine]
         hidden = trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, select)
         inv_t = 1.0 / temperature if temperature > 0 else 1.0
@@ -78,7 +88,11 @@ class PolicyModel(nn.Module):
             logps.append(lp)
             if ent is not None:
                 entropies.append(ent)
-        return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+        logp = torch.cat(logps) if logps else hidden[:0, 0].float()  # empty, but on the graph: backward still runs the collectives
+        entropy = (torch.cat(entropies) if entropies else torch.zeros_like(logp)) if with_entropy else None
+        if slicing is not None:
+            logp, entropy = slicing.gather(logp), (slicing.gather(entropy) if entropy is not None else None)
+        return logp, entropy
 
 
 def load_lm(model_path: str, *, attn_implementation: str, activation_checkpointing: bool, lora_rank: int = 0,
@@ -105,7 +119,8 @@ def load_lm(model_path: str, *, attn_implementation: str, activation_checkpointi
     return lm
 
 
-def load_sharded(model_path: str, compute_dtype: torch.dtype, cpu_offload: bool, device: torch.device, **lm_options) -> PolicyModel:
+def load_sharded(model_path: str, compute_dtype: torch.dtype, cpu_offload: bool, device: torch.device, *, sp_group=None,
+                 **lm_options) -> PolicyModel:
     """The policy, FSDP2-sharded over the current process group, read from disk by rank 0 alone.
 
     Rank 0 loads the checkpoint; every other rank builds the model on the meta device, so its host
@@ -118,7 +133,7 @@ def load_sharded(model_path: str, compute_dtype: torch.dtype, cpu_offload: bool,
 
     broadcast = dist.get_world_size() > 1
     source = not broadcast or dist.get_rank() == 0
-    policy = PolicyModel(load_lm(model_path, empty=not source, **lm_options))
+    policy = PolicyModel(load_lm(model_path, empty=not source, **lm_options), sp_group)
     full = policy.state_dict() if broadcast and source else {}  # holds the full tensors while sharding frees the module's
     shard(policy, compute_dtype, cpu_offload, device)
     if not broadcast:

@@ -110,6 +110,7 @@ class Trainer:
             raise ValueError("config key 'trainer.cpu_offload' offloads accelerator memory to the host; on a CPU the weights already are there: set it false")
         self.packed = t.packing is True or (t.packing == "auto" and cfg.model.attn_implementation.startswith("flash_attention"))
         self.sharded = world_size > 1 or self.dtype != torch.float32 or t.cpu_offload
+        self.sp_group, self.dp_group, self.dp_size = self._sequence_parallel_groups(t.sequence_parallel_size)
         self.policy = self._load(activation_checkpointing=t.activation_checkpointing, lora_rank=t.lora_rank, lora_alpha=t.lora_alpha,
                                  lora_target_modules=list(t.lora_target_modules))
         self.lm = self.policy.lm
@@ -123,16 +124,46 @@ class Trainer:
         self.step = 0  # optimizer steps taken
         self.rl_updates = 0  # optimizer steps of the RL phase (drive its learning-rate schedule)
 
+    def _sequence_parallel_groups(self, sp: int):
+        """(SP group or None, data-parallel group, its size). Ranks r and r' share sequences when
+        r // sp == r' // sp; the batch is split over the sp-th ranks (the data-parallel group of
+        ranks with the same r % sp), and every batch-level sum runs over that group alone."""
+        if sp == 1:
+            return None, None, self.world_size
+        from transformers import AutoConfig
+
+        from raytool.training import sequence_parallel
+
+        sequence_parallel.check_heads(AutoConfig.from_pretrained(self.model_path), sp)
+        if not dist.is_initialized() or self.world_size % sp:
+            raise ValueError(f"config key 'trainer.sequence_parallel_size' is {sp}: it needs a process group of a multiple of {sp} ranks")
+        sequence_parallel.register_attention()
+        sp_group = dp_group = None
+        for first in range(0, self.world_size, sp):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(first, first + sp)))
+            if first <= self.rank < first + sp:
+                sp_group = group
+        for offset in range(sp):
+            group = dist.new_group(list(range(offset, self.world_size, sp)))
+            if self.rank % sp == offset:
+                dp_group = group
+        return sp_group, dp_group, self.world_size // sp
+
     def _load(self, **lm_options) -> PolicyModel:
         """The model at `model_path`, on the device. Sharded: rank 0 alone reads it and FSDP2 moves
         one layer at a time (the fp32 model is never whole on the accelerator, nor on any other
         rank's host); otherwise loaded and moved as a whole."""
-        lm_options["attn_implementation"] = self.cfg.model.attn_implementation
+        if self.sp_group is not None:
+            from raytool.training.sequence_parallel import ATTENTION
+
+            lm_options["attn_implementation"] = ATTENTION
+        else:
+            lm_options["attn_implementation"] = self.cfg.model.attn_implementation
         if not self.sharded:
             return PolicyModel(load_lm(self.model_path, **lm_options)).to(self.device)
         if not dist.is_initialized():
             _init_single_process_group(device_info.process_group_backend(self.device.type))
-        return load_sharded(self.model_path, self.dtype, self.cfg.trainer.cpu_offload, self.device, **lm_options)
+        return load_sharded(self.model_path, self.dtype, self.cfg.trainer.cpu_offload, self.device, sp_group=self.sp_group, **lm_options)
 
     # -- log-probs ---------------------------------------------------------------------------------
 
@@ -199,11 +230,11 @@ class Trainer:
     # -- the optimizer -------------------------------------------------------------------------------
 
     def _global_sums(self, values: list[float]) -> list[float]:
-        """Each value summed over the ranks, in one all-reduce."""
-        if self.world_size == 1:
+        """Each value summed over the data-parallel ranks, in one all-reduce."""
+        if self.dp_size == 1:
             return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.dp_group)
         return t.tolist()
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
@@ -257,8 +288,8 @@ class Trainer:
             kl = torch.zeros(len(batch_rewards), dtype=torch.float64, device=self.device)
             for i, x in zip(index, seqs):
                 kl[i] = float((kl_penalty(torch.tensor(x.old), torch.tensor(x.ref), a.kl_type) * torch.tensor(x.mask, dtype=torch.float32)).sum())
-            if self.world_size > 1:
-                dist.all_reduce(kl)
+            if self.dp_size > 1:
+                dist.all_reduce(kl, group=self.dp_group)
             rewards = rewards - a.kl_reward_coef * kl.cpu().float()
             metrics["actor/reward_kl_penalty"] = float(kl.mean())
         adv = get_adv_estimator(a.adv_estimator)(rewards, batch_groups, norm_by_std=a.norm_adv_by_std)
@@ -345,8 +376,8 @@ class Trainer:
             return {}
         names = sorted(sums)
         stacked = torch.stack([sums[n] for n in names])
-        if self.world_size > 1:
-            dist.all_reduce(stacked)
+        if self.dp_size > 1:
+            dist.all_reduce(stacked, group=self.dp_group)
         out = {n: float(v[0] / v[1].clamp(min=1e-12)) for n, v in zip(names, stacked)}
         a = self.cfg.algorithm
         if "actor/pg_loss" in sums:

@@ -4,7 +4,7 @@
     python tests/helpers/fsdp_step.py MODEL OUT                        # one process
 
 Writes OUT (torch.save): the full gradient of every parameter as the optimizer sees it, the
-step's metrics and the weights after it; and a resumable checkpoint in OUT.ckpt. Each rank trains on its share of the batch, as TrainerGroup hands it out.
+step's metrics, the whole batch's log-probs before it and the weights after it; and a resumable checkpoint in OUT.ckpt. Each rank trains on its share of the batch, as TrainerGroup hands it out.
 """
 
 import os
@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from raytool.config import load_config
 from raytool.training import Trainer
+from raytool.training.trainer import _Seq
 from raytool.training.batching import split_across_ranks
 from raytool.types import Trajectory
 
@@ -41,7 +42,7 @@ def main(model: str, out: str) -> None:
     rewards = [t.reward for g in groups for t in g]
     group_ids = [i for i, g in enumerate(groups) for _ in g]
     offsets = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
-    share = split_across_ranks([[len(t.response_ids) + 1 for t in g] for g in groups], world)[rank]
+    share = split_across_ranks([[len(t.response_ids) + 1 for t in g] for g in groups], world, cfg.trainer.sequence_parallel_size)[rank]
     own = [groups[g][i] for g, positions in sorted(share.items()) for i in positions]
     index = [offsets[g] + i for g, positions in sorted(share.items()) for i in positions]
     grads = {}
@@ -54,11 +55,15 @@ def main(model: str, out: str) -> None:
         return step(*args, **kwargs)
 
     trainer.optimizer.step = capture
+    everything = [t for g in groups for t in g]  # the log-probs of the whole batch, before the step (a collective: every rank)
+    with torch.no_grad():
+        logprobs, _ = trainer._logprobs(trainer.policy, [_Seq(ids=t.prompt_ids + t.response_ids, mask=[0] * (len(t.prompt_ids) - 1) + t.response_mask)
+                                                         for t in everything], temperature=1.0)
     metrics = trainer.rl_step(own, rewards, group_ids, index)
     weights = {name: w.clone() for name, w in trainer.named_weights()}  # a collective: every rank
     trainer.save_checkpoint(out + ".ckpt")
     if rank == 0:
-        torch.save({"grads": grads, "metrics": metrics, "weights": weights}, out)
+        torch.save({"grads": grads, "metrics": metrics, "weights": weights, "logprobs": logprobs}, out)
     if world > 1:
         dist.destroy_process_group()
 
