@@ -37,7 +37,7 @@ from raytool.device import engine_dtype
 from raytool import placement
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
-from raytool.streaming import GroupFailed
+from raytool.streaming import GroupFailed, group_failure
 from raytool.weightsync import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -94,18 +94,31 @@ class Graph:
                 n: int | None = None, sampling: dict | None = None) -> tuple[list[dict], list]:
         """Roll out every prompt row n times (rollout.n by default); returns (per-trajectory stats,
         with the index of their group, and one trajectories ref per row). The trajectories stay in
-        the object store until someone asks. `progress`: the label of a progress bar on stderr (None: no bar)."""
+        the object store until someone asks. `progress`: the label of a progress bar on stderr (None: no bar).
+        A group hit by an infrastructure failure (its agent worker died, a sandbox or engine failed)
+        is rolled out again with the same seeds, up to rollout.max_group_retries times; a group
+        whose worker still dies is an error naming it, one whose infrastructure still fails is kept."""
         refs = [self.submit_group(row, f"{prefix}{i}", n, sampling) for i, row in enumerate(rows)]
-        stats_refs = [s for _, s in refs]
         n = n or self.cfg.rollout.n
+        stats: list = [None] * len(rows)
+        attempts = [0] * len(rows)
+        pending = {stats_ref: i for i, (_, stats_ref) in enumerate(refs)}
         with tqdm(total=len(refs) * n, desc=progress, unit="traj", disable=progress is None, leave=False) as bar:
-            pending = list(stats_refs)
             while pending:
-                ready, pending = ray.wait(pending, num_returns=1)
-                bar.update(n * len(ready))
-        stats = ray.get(stats_refs)
-        for ref in stats_refs:
-            self._group_worker.pop(ref, None)
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                i = pending.pop(ready[0])
+                result = self.group_result(ready[0])
+                cause = group_failure(result)
+                if cause and attempts[i] < self.cfg.rollout.max_group_retries:
+                    attempts[i] += 1
+                    log.warning("group %s%d: %s; rolling it out again (attempt %d)", prefix, i, cause, attempts[i] + 1)
+                    refs[i] = self.submit_group(rows[i], f"{prefix}{i}", n, sampling, attempt=attempts[i])
+                    pending[refs[i][1]] = i
+                    continue
+                if isinstance(result, GroupFailed):
+                    raise RaytoolError(f"group {prefix}{i} failed {attempts[i] + 1} times (rollout.max_group_retries={self.cfg.rollout.max_group_retries}): {cause}")
+                stats[i] = result
+                bar.update(n)
         for g, group in enumerate(stats):
             for x in group:
                 x["group"] = g
@@ -237,6 +250,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     model_path = model_path or resolve_model(cfg.model.path)
     cfg = with_engine_dtype(with_tool_sandbox_settings(cfg))
     wait_for_resources(cfg, skip={"trainer worker"} if not with_trainer else set())
+    if with_trainer:
+        check_memory(cfg, model_path)
     ns = namespace or cfg.cluster.namespace or run_namespace("raytool")
     log.info("actors in Ray namespace %s", ns)
     light = cfg.cluster.light_actor_cpus
@@ -337,6 +352,27 @@ def wait_for_resources(cfg: RunConfig, skip: set[str] = frozenset(), only: set[s
                 raise
             log.info("waiting for the cluster to grow: %s", exc)
         time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+
+
+def check_memory(cfg: RunConfig, model_path: str) -> None:
+    """`raytool plan`'s check against the cluster Ray reports, before any actor starts: one line
+    naming the config key when the run cannot fit. Accelerator memory is known only from the
+    driver's own accelerator (Ray does not report it); host memory is the smallest node's memory
+    and object store as Ray counts them."""
+    from raytool.planner import GiB, Cluster, plan
+
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    gpus = max((int(node.get(cfg.cluster.accelerator, 0)) for node in nodes), default=0)
+    here = Cluster.this_machine()
+    host = min((node.get("memory", 0.0) + node.get("object_store_memory", 0.0) for node in nodes), default=0.0) / GiB
+    cluster = Cluster(len(nodes), gpus, here.gpu_memory_gb if gpus and here.gpus_per_node else 0.0, host)
+    try:
+        result = plan(cfg, cluster, model_path)
+    except FileNotFoundError as exc:
+        log.info("memory not planned: %s", exc)
+        return
+    if result.problems:
+        raise RaytoolError(f"the run does not fit ({'; '.join(result.problems)}); `raytool plan` shows each part")
 
 
 def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:

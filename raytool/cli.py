@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write an HTML page of a run: its curves and a browser over its traced trajectories")
     report.add_argument("run_dir", help="the run directory (metrics.jsonl, sft_metrics.jsonl, traces.jsonl)")
     report.add_argument("--output", help="the folder for report.html and the plots' PNG files (default: RUN_DIR/report)")
+    plan = sub.add_parser("plan", help="predict the accelerator and host memory each role needs, and whether it fits a cluster")
+    _config_args(plan)
+    plan.add_argument("--nodes", type=int, help="nodes in the cluster (default: 1)")
+    plan.add_argument("--gpus-per-node", type=int, help="accelerators per node (default: this machine's)")
+    plan.add_argument("--gpu-memory-gb", type=float, help="memory of one accelerator, GiB (default: this machine's)")
+    plan.add_argument("--host-memory-gb", type=float, help="host memory of one node, GiB (default: this machine's)")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object as the last line")
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
     sandbox = sub.add_parser("sandbox", help="sandbox services")
@@ -144,6 +151,23 @@ def _config_path(args, resume: str | Path | None) -> str | Path | None:
     return None
 
 
+def _plan(cfg, args) -> int:
+    from raytool.planner import Cluster, plan, table
+
+    here = Cluster.this_machine()
+    cluster = Cluster(nodes=args.nodes or 1, gpus_per_node=here.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node,
+                      gpu_memory_gb=args.gpu_memory_gb or here.gpu_memory_gb, host_memory_gb=args.host_memory_gb or here.host_memory_gb)
+    try:
+        result = plan(cfg, cluster)
+    except FileNotFoundError as exc:
+        print(f"raytool: {exc}", file=sys.stderr)
+        return 2
+    print(table(result))
+    if args.json:
+        print(json.dumps(result.to_json()))
+    return 0 if not result.problems else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come after flags too (`raytool bench rollout --json rollout.n=2`), which
@@ -178,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(to_yaml(cfg), end="")
         return 0
+    if args.command == "plan":
+        return _plan(cfg, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -261,3 +261,35 @@ def test_a_killed_sft_trainer_is_re_formed_from_its_last_checkpoint(ray_cluster,
     assert len(lines) == 1 and "trainer-0 died" in lines[0] and "checkpoints/step_" in lines[0], lines
     steps = [json.loads(line)["step"] for line in (run_dir / "sft_metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 11))
+
+
+def test_validation_rolls_out_again_a_group_whose_agent_worker_died(ray_cluster, tmp_path):
+    """Graph.rollout (validation, `raytool eval`) retries a group whose agent worker died, as the
+    training stream does, on the restarted worker with the same group key; a worker that dies on
+    every attempt is one line naming the group."""
+    import ray
+
+    from actors.compose import Graph
+    from raytool.data.prompts import PromptRow
+    from raytool.errors import RaytoolError
+
+    @ray.remote(max_restarts=1)
+    class DiesFirst:
+        def __init__(self, marker: str, always: bool):
+            self.marker, self.always = marker, always
+
+        @ray.method(num_returns=2)
+        def run_group(self, messages, ground_truth, group_id, n, agent_name, extra, sampling, attempt):
+            if self.always or not os.path.exists(self.marker):
+                Path(self.marker).touch()
+                os._exit(1)
+            return [group_id] * n, [{"reward": 1.0, "attempt": attempt}] * n
+
+    row = PromptRow(prompt=[{"role": "user", "content": "1+1?"}], ground_truth="2", data_source="t")
+    cfg = load_config(None, ["rollout.max_group_retries=1"])
+    graph = Graph(cfg, "", {}, None, [], [], [DiesFirst.remote(str(tmp_path / "died"), False)], None)
+    stats, refs = graph.rollout([row], "val", n=2)
+    assert [x["attempt"] for x in stats] == [1, 1] and ray.get(refs[0]) == ["val0", "val0"]
+    graph = Graph(cfg, "", {}, None, [], [], [DiesFirst.remote(str(tmp_path / "always"), True)], None)
+    with pytest.raises(RaytoolError, match=r"group val0 failed 2 times \(rollout.max_group_retries=1\): agent worker: "):
+        graph.rollout([row], "val", n=2)

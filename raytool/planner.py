@@ -1,0 +1,321 @@
+"""`raytool plan`: the memory a run needs, per role, before any actor starts.
+
+From the model's architecture (its config.json; for the recipes' models, a table when the
+checkpoint is not on this machine) and the config, it predicts for one trainer worker and one
+rollout server the accelerator and host memory, part by part, and checks them against a cluster
+shape (nodes, accelerators per node, accelerator and host memory). When something does not fit
+it says in one line which config key to change.
+
+The model (bytes; P parameters, P_t of them trained, W trainer workers, SP sequence-parallel
+size, T = trainer.micro_batch_tokens / SP tokens on a rank, c the compute dtype's size):
+- trainer states: fp32 masters 4P, gradients 4P_t, AdamW moments 8P_t, sharded over W (on the
+  host with trainer.cpu_offload).
+- FSDP2 unsharded copies: the root (embeddings, head) in the compute dtype while it runs, and
+  two decoder layers (the running one and the prefetched one) in the compute dtype, plus their
+  fp32 gradients before the reduce-scatter.
+- activations: per decoder layer and token, what backward keeps (normed inputs, q/k/v, rotary q/k,
+  attention output, the MLP's gate/up/activation/product: 5h + 3q + 3kv + 4I values of c bytes);
+  with activation checkpointing only each layer's input (h values), plus one layer's full set
+  while it is recomputed.
+- the LM head: one chunk of trainer.logprob_chunk_tokens x vocabulary fp32 logits, their softmax
+  and their gradient.
+- rank 0 reads the fp32 checkpoint into host memory while loading (4P); the other ranks only
+  their shards.
+- a rollout server: weights 2P/TP (model.dtype), KV cache 2 x layers x kv x 2 bytes per token
+  per TP rank, in gpu_memory_utilization of each accelerator.
+- fixed costs: an accelerator's context and allocator slack (1 GiB), a process's Python, torch
+  and transformers (0.5 GiB of host memory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from raytool.config import RunConfig
+
+GiB = 1024**3
+ACCELERATOR_RESERVE = 1 * GiB  # CUDA/CANN context, cuBLAS workspace, allocator slack
+PROCESS_BASE = 0.5 * GiB  # a trainer or engine process's interpreter, torch and transformers
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    source: str = ""  # where these figures come from
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + bias
+
+    def root_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def params(self) -> int:
+        return self.root_params() + self.layers * self.layer_params()
+
+    def lora_params(self, rank: int) -> int:
+        """Adapters on every linear layer of the decoder (peft's all-linear): r x (in + out) each."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+        return self.layers * rank * per_layer
+
+
+# The recipes' models, for planning on a machine that does not hold their checkpoints (their
+# config.json figures). A local checkpoint's own config.json always wins.
+KNOWN = {
+    "Qwen2.5-32B-Instruct": dict(hidden=5120, layers=64, heads=40, kv_heads=8, head_dim=128, intermediate=27648, vocab=152064, tied=False, qkv_bias=True),
+    "Qwen2.5-7B-Instruct": dict(hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False, qkv_bias=True),
+    "Qwen2.5-1.5B-Instruct": dict(hidden=1536, layers=28, heads=12, kv_heads=2, head_dim=128, intermediate=8960, vocab=151936, tied=True, qkv_bias=True),
+    "Qwen3-4B": dict(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936, tied=True),
+    "Qwen3-4B-Instruct-2507": dict(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936, tied=True),
+}
+
+
+def architecture(model_path: str) -> Architecture:
+    """From the checkpoint's config.json (a built-in name is resolved, and built, first), else from KNOWN by directory name."""
+    from raytool.models import BUILTIN, resolve_model
+
+    path = Path(resolve_model(model_path)) if model_path in BUILTIN else Path(model_path).expanduser()
+    if (path / "config.json").is_file():
+        c = json.loads((path / "config.json").read_text())
+        c = c.get("text_config", c)
+        heads = c["num_attention_heads"]
+        return Architecture(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads", heads),
+                            head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate=c["intermediate_size"], vocab=c["vocab_size"],
+                            tied=bool(c.get("tie_word_embeddings", False)), qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
+                            source=str(path / "config.json"))
+    name = path.name
+    if name in KNOWN:
+        return Architecture(**KNOWN[name], source=f"raytool's table for {name} (no config.json at {model_path})")
+    raise FileNotFoundError(f"model.path '{model_path}': no config.json there, and raytool knows no architecture named '{name}' "
+                            f"(known: {', '.join(sorted(KNOWN))}); plan on a machine that holds the checkpoint")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int  # accelerators per node (0: CPU only)
+    gpu_memory_gb: float
+    host_memory_gb: float
+
+    @classmethod
+    def this_machine(cls) -> "Cluster":
+        """This node: its accelerators as torch sees them, its physical memory."""
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return cls(1, torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / GiB, host)
+        except ImportError:
+            pass
+        return cls(1, 0, 0.0, host)
+
+
+@dataclass
+class RoleMemory:
+    role: str
+    count: int
+    accelerator: dict[str, float] = field(default_factory=dict)  # part -> bytes, on one accelerator (empty on CPU runs)
+    host: dict[str, float] = field(default_factory=dict)  # part -> bytes, in its process's host memory
+    kv_tokens: int | None = None  # a rollout server on accelerators: tokens its KV cache holds
+
+    @property
+    def accelerator_total(self) -> float:
+        return sum(self.accelerator.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+
+@dataclass
+class Plan:
+    model: str
+    architecture: Architecture
+    params: int
+    trained_params: int
+    cluster: Cluster
+    roles: list[RoleMemory]
+    problems: list[str]  # one line each: what does not fit and the key to change
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["fits"] = not self.problems
+        return out
+
+
+def _bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def trainer_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool) -> RoleMemory:
+    """One trainer worker; `on_accelerator`: its compute memory is an accelerator's (else all host memory)."""
+    t = cfg.trainer
+    world, sp = t.num_workers, t.sequence_parallel_size
+    p = arch.params()
+    trained = arch.lora_params(t.lora_rank) if t.lora_rank else p
+    if t.compute_dtype != "auto":
+        c = _bytes(t.compute_dtype)
+    else:  # as raytool.training.trainer.compute_dtype decides it (on a CPU: this machine's)
+        from raytool.device import cpu_bf16_support
+
+        c = 2 if on_accelerator or cpu_bf16_support()[0] else 4
+    tokens = -(-t.micro_batch_tokens // sp)
+    h, q, kv, i = arch.hidden, arch.q_dim, arch.kv_dim, arch.intermediate
+    full_layer = (5 * h + 3 * q + 3 * kv + 4 * i) * c * tokens
+    states = {"fp32 master weights": 4 * p / world, "fp32 gradients": 4 * trained / world, "AdamW moments": 8 * trained / world}
+    compute = {
+        "unsharded root (embeddings, head)": arch.root_params() * c,
+        "unsharded layers (running + prefetched)": 2 * arch.layer_params() * c,
+        "unsharded layer gradients (fp32, before reduce-scatter)": 2 * arch.layer_params() * 4 * (trained / p),
+    }
+    if t.activation_checkpointing:
+        compute["activations (checkpointed layer inputs)"] = arch.layers * h * c * tokens
+        compute["activations (one layer recomputed)"] = full_layer
+    else:
+        compute["activations"] = arch.layers * full_layer
+    chunk = min(t.logprob_chunk_tokens, tokens)
+    compute["LM head chunk (logits, softmax, gradient)"] = 3 * chunk * arch.vocab * 4
+    role = RoleMemory("trainer worker", world)
+    if on_accelerator:
+        (role.host if t.cpu_offload else role.accelerator).update(states)
+        role.accelerator.update(compute)
+        role.accelerator["context and allocator slack"] = ACCELERATOR_RESERVE
+    else:
+        role.host.update(states)
+        role.host.update(compute)
+    role.host["process (Python, torch, transformers)"] = PROCESS_BASE
+    return role
+
+
+def loading_peak(arch: Architecture) -> float:
+    """Rank 0's extra host memory while it reads the fp32 checkpoint and broadcasts it."""
+    return 4 * arch.params()
+
+
+def server_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool, gpu_memory: float) -> RoleMemory:
+    r = cfg.rollout
+    tp = r.tensor_parallel_size
+    weight_bytes = _bytes(cfg.model.dtype) if cfg.model.dtype != "auto" else 2
+    role = RoleMemory("rollout server", r.num_servers)
+    weights = arch.params() * weight_bytes / tp
+    if on_accelerator:
+        role.accelerator["weights (per TP rank)"] = weights
+        role.accelerator["KV cache and activations (the rest of gpu_memory_utilization)"] = max(0.0, r.gpu_memory_utilization * gpu_memory - weights)
+        role.host["process (Python, torch, vLLM)"] = PROCESS_BASE * tp
+    else:
+        role.host["weights"] = weights
+        role.host["KV cache (rollout.cpu_kv_cache_gb)"] = r.cpu_kv_cache_gb * GiB
+        role.host["process (Python, torch, vLLM)"] = PROCESS_BASE
+    return role
+
+
+def kv_bytes_per_token(arch: Architecture, tp: int) -> float:
+    return 2 * arch.layers * arch.kv_dim * 2 / tp
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f} GiB"
+
+
+def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None) -> Plan:
+    """`model_path`: where the checkpoint is, when not cfg.model.path itself. A cluster whose
+    accelerator memory is 0 (not known) is checked for host memory alone."""
+    arch = architecture(model_path or cfg.model.path)
+    t, r = cfg.trainer, cfg.rollout
+    trainer_acc = t.num_gpus > 0 and cluster.gpus_per_node > 0
+    server_acc = r.num_gpus > 0 and cluster.gpus_per_node > 0
+    gpu = cluster.gpu_memory_gb * GiB
+    known = gpu > 0
+    trainer = trainer_memory(cfg, arch, trainer_acc)
+    server = server_memory(cfg, arch, server_acc, gpu)
+    problems: list[str] = []
+    p = arch.params()
+    if trainer_acc and known:
+        budget = gpu
+        if t.num_gpus < 1 and r.num_gpus < 1:  # one accelerator shared by an engine and the trainer
+            budget = gpu * (1 - r.gpu_memory_utilization)
+        need = trainer.accelerator_total
+        if need > budget:
+            problems.append(f"a trainer worker needs {_gib(need)} of accelerator memory but has {_gib(budget)}: "
+                            f"{_trainer_advice(cfg, trainer)}")
+    if server_acc and known:
+        avail = r.gpu_memory_utilization * gpu
+        weights = server.accelerator["weights (per TP rank)"]
+        kv_tokens = (avail - weights - ACCELERATOR_RESERVE) / kv_bytes_per_token(arch, r.tensor_parallel_size)
+        longest = r.max_model_len or 0
+        if kv_tokens < max(longest, 1):
+            problems.append(f"a rollout server's KV cache holds {max(0, int(kv_tokens))} tokens (weights {_gib(weights)} per TP rank in "
+                            f"{_gib(avail)}), less than one {longest}-token sequence: raise rollout.tensor_parallel_size or "
+                            f"rollout.gpu_memory_utilization, or lower rollout.max_model_len")
+        server.kv_tokens = max(0, int(kv_tokens))
+    # host memory of the busiest node: its share of trainer workers (+ rank 0's loading) and servers
+    nodes = max(cluster.nodes, 1)
+    trainers_per_node = -(-t.num_workers // nodes)
+    servers_per_node = -(-r.num_servers // nodes)
+    host_need = trainers_per_node * trainer.host_total + loading_peak(arch) + servers_per_node * server.host_total
+    if host_need > cluster.host_memory_gb * GiB:
+        advice = ("trainer.num_workers over more nodes, or trainer.cpu_offload=false" if t.cpu_offload
+                  else "trainer.activation_checkpointing=true or a lower trainer.micro_batch_tokens" if not trainer_acc and not t.activation_checkpointing
+                  else "fewer workers per node (more nodes) or a smaller model")
+        problems.append(f"a node needs {_gib(host_need)} of host memory ({trainers_per_node} trainer workers, rank 0 loading the fp32 "
+                        f"checkpoint {_gib(loading_peak(arch))}, {servers_per_node} rollout servers) but has {_gib(cluster.host_memory_gb * GiB)}: {advice}")
+    if t.sequence_parallel_size > 1 and arch.heads % t.sequence_parallel_size:
+        problems.append(f"config key 'trainer.sequence_parallel_size' is {t.sequence_parallel_size}, which does not divide the model's {arch.heads} attention heads")
+    return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, [trainer, server], problems)
+
+
+def _trainer_advice(cfg: RunConfig, role: RoleMemory) -> str:
+    """The config key that frees the most of the largest part."""
+    t = cfg.trainer
+    biggest = max(role.accelerator, key=role.accelerator.get)
+    if biggest.startswith("activations") or biggest.startswith("LM head"):
+        if not t.activation_checkpointing:
+            return f"its largest part is {biggest} ({_gib(role.accelerator[biggest])}): set trainer.activation_checkpointing=true"
+        return (f"its largest part is {biggest} ({_gib(role.accelerator[biggest])}): lower trainer.micro_batch_tokens or raise "
+                f"trainer.sequence_parallel_size")
+    if not t.cpu_offload:
+        return f"its largest part is {biggest} ({_gib(role.accelerator[biggest])}): set trainer.cpu_offload=true or raise trainer.num_workers"
+    return f"its largest part is {biggest} ({_gib(role.accelerator[biggest])}): raise trainer.num_workers"
+
+
+def table(result: Plan) -> str:
+    a, c = result.architecture, result.cluster
+    lines = [f"model {result.model}: {result.params / 1e9:.3f}B parameters ({result.trained_params / 1e9:.3f}B trained), "
+             f"{a.layers} layers, hidden {a.hidden}, {a.heads}/{a.kv_heads} heads, vocabulary {a.vocab} [{a.source}]",
+             f"cluster: {c.nodes} node(s) x {c.gpus_per_node} accelerator(s) of {c.gpu_memory_gb:.0f} GiB, {c.host_memory_gb:.1f} GiB host memory each",
+             ""]
+    for role in result.roles:
+        lines.append(f"{role.role} (x{role.count}):")
+        for where, parts in (("accelerator", role.accelerator), ("host", role.host)):
+            if parts:
+                lines.append(f"  {where}: {_gib(sum(parts.values()))}")
+                lines += [f"    {name:<64} {_gib(v):>11}" for name, v in parts.items()]
+        if role.kv_tokens is not None:
+            lines.append(f"  KV cache capacity: {role.kv_tokens} tokens")
+        if role.role == "trainer worker":
+            lines.append(f"  rank 0 while loading: + {_gib(loading_peak(a))} host (it reads the fp32 checkpoint; the other ranks receive their shards)")
+    lines.append("")
+    lines += [f"does not fit: {p}" for p in result.problems] or ["fits"]
+    return "\n".join(lines)
