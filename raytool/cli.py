@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     _config_args(bench)
     bench.add_argument("--json", action="store_true", help="also print the result as one JSON object, the last line of stdout")
+    bench.add_argument("--link-mbit", type=float, help="weight-sync only: the sender and 4 receivers on simulated nodes (network "
+                                                        "namespaces, as root), each behind one link of this many Mbit/s")
     return parser
 
 
@@ -216,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
             serve(args.host, args.port, sandbox_backend_options(local), max_concurrency=cfg.sandbox.max_concurrency)
             return 0
         if args.command == "bench":
-            table, result = BENCHES[args.name](cfg)
+            if args.link_mbit is not None:
+                if args.name != "weight-sync":
+                    raise ConfigError(f"--link-mbit is for `raytool bench weight-sync`, not {args.name}")
+                from raytool.bench.weight_sync import linked_bench
+
+                table, result = linked_bench(cfg, args.link_mbit)
+            else:
+                table, result = BENCHES[args.name](cfg)
             print(table)
             if args.json:
                 print(json.dumps(result))

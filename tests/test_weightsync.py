@@ -340,3 +340,21 @@ def test_cuda_ipc_publishes_a_tensor_set_to_another_process():
         device, t = got[name]
         assert device == "cuda" and t.dtype == w.dtype and torch.equal(t, w.cpu()), name
     sender.close()
+
+
+@pytest.mark.skipif(__import__("raytool.bench.netns", fromlist=["available"]).available() is not None, reason="needs root and iproute2")
+def test_the_relay_chain_keeps_fan_out_near_one_link_between_simulated_nodes(tiny_model_path):
+    """The sender and 4 receivers each in a network namespace of its own behind one 200 Mbit/s
+    link: down the relay chain 4 receivers take about as long as 1 (each link carries the weights
+    once), while direct fan-out sends them 4 times through the sender's one link. The namespaces
+    are gone afterwards."""
+    import subprocess
+
+    from raytool.bench.weight_sync import linked
+
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    result = linked(tiny_model_path, 200, 1 << 20, repeats=1)
+    assert result["linked_fanout4_vs_1"] <= 1.3, result
+    assert result["linked_direct4_vs_1"] >= 3.0, result
+    assert 0.1 < result["link_gbps_used"] <= 0.2, result  # one receiver: the link's rate, no more
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before

@@ -268,3 +268,109 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
         f"\nsync start to a live vLLM engine answering on the new weights: {result['seconds_to_live_engine']} s"
     )
     return table, result
+
+
+# --- simulated nodes: one shaped link each ------------------------------------------------------
+
+LINKED_REPEATS = 3
+
+
+def _linked_receiver(rank: int, ns: str, host: str, commands, results) -> None:
+    """A receiver on its own simulated node: it binds its node's address and relays down the chain from there."""
+    from raytool.bench import netns
+    from raytool.weightsync import WeightReceiver
+
+    netns.enter(ns)
+    receiver = WeightReceiver(host)
+    results.put((rank, receiver.address))
+    while (version := commands.get()) is not None:
+        tensors = sum(len(bucket) for bucket in receiver.receive(version, TIMEOUT_S))
+        results.put((time.perf_counter(), tensors))
+    receiver.close()
+
+
+def _linked_sender(ns: str, model_dir: str, bucket_bytes: int, commands, results) -> None:
+    """The trainer's node: sends the checkpoint's tensors when told (addresses, fan-out, version)."""
+    from raytool.bench import netns
+    from raytool.weightsync import WeightSender
+
+    netns.enter(ns)
+    state = _load_state_dict(model_dir)
+    senders: dict = {}
+    results.put(("ready", sum(t.numel() * t.element_size() for t in state.values())))
+    while (command := commands.get()) is not None:
+        addresses, fanout, version = command
+        key = (tuple(addresses), fanout)
+        if key not in senders:
+            senders[key] = WeightSender(addresses, bucket_bytes, fanout=fanout, ipc=False, send_timeout_s=TIMEOUT_S)
+        start = time.perf_counter()
+        stats = senders[key].send(state.items(), version)
+        results.put((start, stats["buckets"]))
+    for sender in senders.values():
+        sender.close()
+
+
+def linked(model_dir: str, mbit: float, bucket_bytes: int, repeats: int = LINKED_REPEATS) -> dict:
+    """Weight syncs between simulated nodes (raytool.bench.netns): the sender on one, each of
+    RECEIVERS receivers on another, every node behind its own `mbit` link. Seconds (best of
+    `repeats`, interleaved) to 1 receiver, to 4 down the relay chain, and to 4 by direct fan-out."""
+    from raytool.bench import netns
+
+    ctx = mp.get_context("spawn")
+    with netns.Nodes(RECEIVERS + 1, mbit) as nodes:
+        results, sender_results, sender_commands = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        commands = [ctx.Queue() for _ in range(RECEIVERS)]
+        procs = [ctx.Process(target=_linked_sender, args=(nodes.names[0], model_dir, bucket_bytes, sender_commands, sender_results), daemon=True)]
+        procs += [ctx.Process(target=_linked_receiver, args=(i, nodes.names[i + 1], nodes.addresses[i + 1], commands[i], results), daemon=True)
+                  for i in range(RECEIVERS)]
+        for p in procs:
+            p.start()
+        try:
+            ready = sorted(results.get(timeout=TIMEOUT_S) for _ in range(RECEIVERS))  # (rank, address): the chain follows the nodes
+            addresses = [a for _, a in ready]
+            order = {a: i for i, a in ready}
+            _, total = sender_results.get(timeout=TIMEOUT_S)
+            paths = {"1": (addresses[:1], "chain"), "4": (addresses, "chain"), "direct4": (addresses, "direct")}
+            times: dict[str, list[float]] = {k: [] for k in paths}
+            version = 0
+            for _ in range(repeats + 1):  # the first round warms connections up and is not counted
+                for key, (targets, fanout) in paths.items():
+                    version += 1
+                    for a in targets:
+                        commands[order[a]].put(version)
+                    time.sleep(0.05)
+                    sender_commands.put((targets, fanout, version))
+                    start, buckets = sender_results.get(timeout=TIMEOUT_S)
+                    done = [results.get(timeout=TIMEOUT_S) for _ in targets]
+                    if version > len(paths):
+                        times[key].append(max(t for t, _ in done) - start)
+        finally:
+            sender_commands.put(None)
+            for c in commands:
+                c.put(None)
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    best = {k: min(v) for k, v in times.items()}
+    return {
+        "link_mbit": mbit, "bytes": total, "buckets": buckets, "link_gbps_used": round(total * 8 / 1e9 / best["1"], 3),
+        "linked_fanout4_vs_1": round(best["4"] / best["1"], 3), "linked_direct4_vs_1": round(best["direct4"] / best["1"], 3),
+        "seconds": {f"linked_{k}": round(v, 3) for k, v in best.items()},
+    }
+
+
+def linked_bench(cfg: RunConfig, mbit: float) -> tuple[str, dict]:
+    """`raytool bench weight-sync --link-mbit M`: the relay chain against direct fan-out between simulated nodes."""
+    from raytool.models import resolve_model
+
+    result = {"model": cfg.model.path, "bucket_mb": cfg.trainer.weight_sync_bucket_mb,
+              **linked(resolve_model(cfg.model.path), mbit, cfg.trainer.weight_sync_bucket_mb << 20)}
+    s = result["seconds"]
+    rows = [("path", "receivers", "seconds", "vs 1"), ("chain", 1, s["linked_1"], 1.0), ("chain", 4, s["linked_4"], result["linked_fanout4_vs_1"]),
+            ("direct", 4, s["linked_direct4"], result["linked_direct4_vs_1"])]
+    table = "\n".join(f"{a!s:<10}{b!s:>10}{c!s:>10}{d!s:>8}" for a, b, c, d in rows)
+    table += (f"\n\n{cfg.model.path}: {result['bytes'] / 1e9:.3f} GB in {result['buckets']} buckets of {result['bucket_mb']} MiB; "
+              f"each node (sender, 4 receivers) behind one {mbit:g} Mbit/s link; one receiver took "
+              f"{result['link_gbps_used']} Gbit/s of it")
+    return table, result
