@@ -242,8 +242,8 @@ def test_two_fsdp_ranks_compute_the_single_process_gradient(tiny_model_path, tmp
 
 @pytest.mark.integration
 def test_ulysses_sequence_parallelism_computes_the_single_process_update(tiny_model_path, tmp_path):
-    """SP 2 over 2 gloo ranks (padded micro-batches; packed ones with activation checkpointing)
-    and SP 2 x data-parallel 2 over 4 ranks, vs one process without SP, all in fp32: the same
+    """SP 2 over 2 gloo ranks (packed micro-batches, activation checkpointing) and SP 2 x
+    data-parallel 2 over 4 ranks (padded micro-batches), vs one process without SP, all in fp32: the same
     log-probs, loss, entropy and gradient of every parameter. The tiny model has 2 query heads and
     1 KV head, so the KV head is repeated for the all-to-all."""
     import os
@@ -256,8 +256,8 @@ def test_ulysses_sequence_parallelism_computes_the_single_process_update(tiny_mo
     script = str(Path(__file__).parent / "helpers" / "fsdp_step.py")
     subprocess.run([sys.executable, script, tiny_model_path, str(tmp_path / "one.pt"), *fp32], check=True, env=env, timeout=300, capture_output=True)
     one = torch.load(tmp_path / "one.pt")
-    runs = {"sp2": (2, []), "sp2-packed-checkpointed": (2, ["trainer.packing=true", "trainer.activation_checkpointing=true"]),
-            "sp2-dp2": (4, ["trainer.num_workers=4"])}
+    runs = {"sp2-packed-checkpointed": (2, ["trainer.packing=true", "trainer.activation_checkpointing=true"]),
+            "sp2-dp2-padded": (4, ["trainer.num_workers=4"])}
     for name, (ranks, extra) in runs.items():
         overrides = [*fp32, "trainer.sequence_parallel_size=2", "trainer.num_workers=2", *extra]
         _torchrun(script, tiny_model_path, str(tmp_path / f"{name}.pt"), *overrides, ranks=ranks)

@@ -22,7 +22,6 @@ figure is the best of `REPEATS`, the raw and sync ones interleaved.
 from __future__ import annotations
 
 import multiprocessing as mp
-import statistics
 import time
 from pathlib import Path
 

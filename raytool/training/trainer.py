@@ -201,7 +201,7 @@ class Trainer:
                 setattr(x, field, grid[row, : len(x.ids) - 1].tolist())
 
     def _reference(self) -> torch.nn.Module:
-        """The KL reference: the weights the run started from, or those `snapshot_reference` froze.
+        """The KL reference: the weights the run started from, or those `start_rl` froze.
         With LoRA it is the base model (the adapters switched off), which costs no memory."""
         if self.reference is None:
             if self.cfg.trainer.lora_rank:
