@@ -9,7 +9,7 @@ it says in one line which config key to change.
 The model (bytes; P parameters, P_t of them trained, W trainer workers, SP sequence-parallel
 size, T = trainer.micro_batch_tokens / SP tokens on a rank, c the compute dtype's size):
 - trainer states: fp32 masters 4P, gradients 4P_t, AdamW moments 8P_t, sharded over W (on the
-  host with trainer.cpu_offload).
+  host with trainer.cpu_offload), and a KL reference's 4P when a KL term is on (not with LoRA).
 - FSDP2 unsharded copies: the root (embeddings, head) in the compute dtype while it runs, and
   two decoder layers (the running one and the prefetched one) in the compute dtype, plus their
   fp32 gradients before the reduce-scatter.
@@ -187,6 +187,9 @@ def trainer_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool) -> 
     h, q, kv, i = arch.hidden, arch.q_dim, arch.kv_dim, arch.intermediate
     full_layer = (2 * (8 + c) * h + c * (3 * q + 2 * kv + 4 * i)) * tokens
     states = {"fp32 master weights": 4 * p / world, "fp32 gradients": 4 * trained / world, "AdamW moments": 8 * trained / world}
+    a = cfg.algorithm
+    if (a.kl_loss_coef > 0 or a.kl_reward_coef > 0) and not t.lora_rank:  # LoRA's reference is the base model, adapters off
+        states["KL reference (fp32, sharded)"] = 4 * p / world
     compute = {
         "unsharded root (embeddings, head)": arch.root_params() * c,
         "unsharded layers (running + prefetched)": 2 * arch.layer_params() * c,
@@ -219,7 +222,12 @@ def loading_peak(arch: Architecture) -> float:
 def server_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool, gpu_memory: float) -> RoleMemory:
     r = cfg.rollout
     tp = r.tensor_parallel_size
-    weight_bytes = _bytes(cfg.model.dtype) if cfg.model.dtype != "auto" else 2
+    if cfg.model.dtype != "auto":
+        weight_bytes = _bytes(cfg.model.dtype)
+    else:  # as raytool.device.engine_dtype decides it (on a CPU: this machine's)
+        from raytool.device import cpu_bf16_support
+
+        weight_bytes = 2 if on_accelerator or cpu_bf16_support()[0] else 4
     role = RoleMemory("rollout server", r.num_servers)
     weights = arch.params() * weight_bytes / tp
     if on_accelerator:

@@ -41,7 +41,9 @@ def test_the_32b_recipe_holds_its_states_on_the_host_and_says_what_to_change_whe
     assert 32.5e9 < result.params < 33.0e9  # Qwen2.5-32B: 32.8B parameters
     trainer = result.roles[0]
     assert trainer.host["AdamW moments"] == pytest.approx(8 * result.params / 16)  # offloaded, sharded over 16 ranks
-    assert "AdamW moments" not in trainer.accelerator
+    assert "AdamW moments" not in trainer.accelerator and "KL reference (fp32, sharded)" not in trainer.host  # the recipe has no KL
+    with_kl = plan(load_config(str(EXAMPLES / "retool_qwen2.5_32b_sandbox_fusion.yaml"), ["algorithm.kl_loss_coef=0.001"]), cluster).roles[0]
+    assert with_kl.host["KL reference (fp32, sharded)"] == pytest.approx(4 * result.params / 16)
     # without offload the states (16 bytes a parameter over 16 ranks = 30.5 GiB) no longer fit 40 GiB next to activations
     small = Cluster(nodes=4, gpus_per_node=8, gpu_memory_gb=40, host_memory_gb=1024)
     problems = plan(load_config(str(EXAMPLES / "retool_qwen2.5_32b_sandbox_fusion.yaml"), ["trainer.cpu_offload=false"]), small).problems
