@@ -354,11 +354,11 @@ def wait_for_resources(cfg: RunConfig, skip: set[str] = frozenset(), only: set[s
         time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
 
 
-def check_memory(cfg: RunConfig, model_path: str) -> None:
+def check_memory(cfg: RunConfig, model_path: str, with_servers: bool = True) -> None:
     """`raytool plan`'s check against the cluster Ray reports, before any actor starts: one line
     naming the config key when the run cannot fit. Accelerator memory is known only from the
     driver's own accelerator (Ray does not report it); host memory is the smallest node's memory
-    and object store as Ray counts them."""
+    and object store as Ray counts them. with_servers=False: the trainer alone (`raytool sft`)."""
     from raytool.planner import GiB, Cluster, plan
 
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
@@ -367,7 +367,7 @@ def check_memory(cfg: RunConfig, model_path: str) -> None:
     host = min((node.get("memory", 0.0) + node.get("object_store_memory", 0.0) for node in nodes), default=0.0) / GiB
     cluster = Cluster(len(nodes), gpus, here.gpu_memory_gb if gpus and here.gpus_per_node else 0.0, host)
     try:
-        result = plan(cfg, cluster, model_path)
+        result = plan(cfg, cluster, model_path, with_servers)
     except FileNotFoundError as exc:
         log.info("memory not planned: %s", exc)
         return

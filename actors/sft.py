@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from actors.compose import run_namespace, wait_for_resources
+from actors.compose import check_memory, run_namespace, wait_for_resources
 from actors.checkpoint import checkpoint_root, read_state, resume_checkpoint, resumed_run_dir, save_checkpoint
 from actors.pipeline import connect, default_run_dir, reforming, run_log
 from actors.trainer import TrainerGroup
@@ -123,5 +123,6 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     with run_log(run_dir):
         connect(address or cfg.cluster.address)
         wait_for_resources(cfg, only={"trainer worker"})
+        check_memory(cfg, model_path, with_servers=False)
         reforming(cfg, run_dir, checkpoint, lambda checkpoint: _train(cfg, run_dir, model_path, train_examples, val_examples, checkpoint))
     return run_dir

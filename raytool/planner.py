@@ -249,13 +249,14 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
-def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None) -> Plan:
+def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_servers: bool = True) -> Plan:
     """`model_path`: where the checkpoint is, when not cfg.model.path itself. A cluster whose
-    accelerator memory is 0 (not known) is checked for host memory alone."""
+    accelerator memory is 0 (not known) is checked for host memory alone. with_servers=False:
+    the trainer alone (`raytool sft`)."""
     arch = architecture(model_path or cfg.model.path)
     t, r = cfg.trainer, cfg.rollout
     trainer_acc = t.num_gpus > 0 and cluster.gpus_per_node > 0
-    server_acc = r.num_gpus > 0 and cluster.gpus_per_node > 0
+    server_acc = with_servers and r.num_gpus > 0 and cluster.gpus_per_node > 0
     gpu = cluster.gpu_memory_gb * GiB
     known = gpu > 0
     trainer = trainer_memory(cfg, arch, trainer_acc)
@@ -264,7 +265,7 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None) -> Pla
     p = arch.params()
     if trainer_acc and known:
         budget = gpu
-        if t.num_gpus < 1 and r.num_gpus < 1:  # one accelerator shared by an engine and the trainer
+        if with_servers and t.num_gpus < 1 and r.num_gpus < 1:  # one accelerator shared by an engine and the trainer
             budget = gpu * (1 - r.gpu_memory_utilization)
         need = trainer.accelerator_total
         if need > budget:
@@ -283,7 +284,7 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None) -> Pla
     # host memory of the busiest node: its share of trainer workers (+ rank 0's loading) and servers
     nodes = max(cluster.nodes, 1)
     trainers_per_node = -(-t.num_workers // nodes)
-    servers_per_node = -(-r.num_servers // nodes)
+    servers_per_node = -(-r.num_servers // nodes) if with_servers else 0
     host_need = trainers_per_node * trainer.host_total + loading_peak(arch) + servers_per_node * server.host_total
     if host_need > cluster.host_memory_gb * GiB:
         advice = ("trainer.num_workers over more nodes, or trainer.cpu_offload=false" if t.cpu_offload
@@ -293,7 +294,8 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None) -> Pla
                         f"checkpoint {_gib(loading_peak(arch))}, {servers_per_node} rollout servers) but has {_gib(cluster.host_memory_gb * GiB)}: {advice}")
     if t.sequence_parallel_size > 1 and arch.heads % t.sequence_parallel_size:
         problems.append(f"config key 'trainer.sequence_parallel_size' is {t.sequence_parallel_size}, which does not divide the model's {arch.heads} attention heads")
-    return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, [trainer, server], problems)
+    roles = [trainer, server] if with_servers else [trainer]
+    return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems)
 
 
 def _trainer_advice(cfg: RunConfig, role: RoleMemory) -> str:

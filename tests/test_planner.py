@@ -73,6 +73,15 @@ def test_sequence_parallelism_divides_activations_and_the_cli_exits_1_when_it_do
                                    r"set trainer.activation_checkpointing=true", out), out
 
 
+def test_sft_plans_the_trainer_alone():
+    """`raytool sft` has no rollout servers: its plan leaves them out of the roles and the node's host memory."""
+    cfg = load_config(None, ["rollout.num_servers=8", "rollout.cpu_kv_cache_gb=4"])
+    cluster = Cluster(nodes=1, gpus_per_node=0, gpu_memory_gb=0, host_memory_gb=12)
+    assert any("8 rollout servers" in p for p in plan(cfg, cluster).problems)
+    alone = plan(cfg, cluster, with_servers=False)
+    assert [r.role for r in alone.roles] == ["trainer worker"] and alone.problems == []
+
+
 def test_an_unknown_model_is_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="raytool knows no architecture named 'Mystery-7B'"):
         architecture(str(tmp_path / "Mystery-7B"))
