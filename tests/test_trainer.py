@@ -321,7 +321,7 @@ def test_only_rank_0_reads_the_checkpoint_and_the_others_hold_their_shard(tiny_m
         assert all(r["buffers_equal"] for r in ranks), name
     big = [json.loads((tmp_path / f"big.rank{r}.json").read_text()) for r in (0, 1)]
     growth = [r["peak"] - r["rss_before"] for r in big]
-    assert growth[0] > fp32_bytes  # rank 0 reads it all (the measurement sees a full load)
+    assert growth[0] > 0.9 * fp32_bytes  # rank 0 reads it all (the measurement sees a full load; 1.5x when nothing else runs)
     assert growth[1] < 0.65 * fp32_bytes, f"rank 1 grew by {growth[1] / fp32_bytes:.2f}x the fp32 model"
 
 
