@@ -15,7 +15,6 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DeviceInfo:
     kind: str  # "cuda" | "npu" | "cpu"
-    dist_backend: str  # "nccl" | "hccl" | "gloo"
     ray_resource: str | None  # "GPU" | "NPU" | None
 
     @property
@@ -36,13 +35,13 @@ def detect() -> DeviceInfo:
     import torch
 
     if torch.cuda.is_available():
-        return DeviceInfo("cuda", "nccl", "GPU")
+        return DeviceInfo("cuda", "GPU")
     if importlib_has("torch_npu"):
         import torch_npu  # noqa: F401  (registers torch.npu)
 
         if torch.npu.is_available():
-            return DeviceInfo("npu", "hccl", "NPU")
-    return DeviceInfo("cpu", "gloo", None)
+            return DeviceInfo("npu", "NPU")
+    return DeviceInfo("cpu", None)
 
 
 def importlib_has(module: str) -> bool:

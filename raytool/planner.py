@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from raytool.config import RunConfig
+from raytool.training.sequence_parallel import check_heads
 
 GiB = 1024**3
 ACCELERATOR_RESERVE = 1 * GiB  # CUDA/CANN context, cuBLAS workspace, allocator slack
@@ -222,12 +223,9 @@ def loading_peak(arch: Architecture) -> float:
 def server_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool, gpu_memory: float) -> RoleMemory:
     r = cfg.rollout
     tp = r.tensor_parallel_size
-    if cfg.model.dtype != "auto":
-        weight_bytes = _bytes(cfg.model.dtype)
-    else:  # as raytool.device.engine_dtype decides it (on a CPU: this machine's)
-        from raytool.device import cpu_bf16_support
+    from raytool.device import engine_dtype
 
-        weight_bytes = 2 if on_accelerator or cpu_bf16_support()[0] else 4
+    weight_bytes = _bytes(engine_dtype(cfg.model.dtype, on_accelerator, engine="hf")[0])  # no vLLM import: its dtype check is the run's
     role = RoleMemory("rollout server", r.num_servers)
     weights = arch.params() * weight_bytes / tp
     if on_accelerator:
@@ -292,8 +290,10 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
                   else "fewer workers per node (more nodes) or a smaller model")
         problems.append(f"a node needs {_gib(host_need)} of host memory ({trainers_per_node} trainer workers, rank 0 loading the fp32 "
                         f"checkpoint {_gib(loading_peak(arch))}, {servers_per_node} rollout servers) but has {_gib(cluster.host_memory_gb * GiB)}: {advice}")
-    if t.sequence_parallel_size > 1 and arch.heads % t.sequence_parallel_size:
-        problems.append(f"config key 'trainer.sequence_parallel_size' is {t.sequence_parallel_size}, which does not divide the model's {arch.heads} attention heads")
+    try:
+        check_heads(arch.heads, t.sequence_parallel_size)
+    except ValueError as exc:
+        problems.append(str(exc))
     roles = [trainer, server] if with_servers else [trainer]
     return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems)
 

@@ -283,7 +283,7 @@ def test_sequence_parallelism_refuses_what_it_cannot_split(tiny_model_path):
     from raytool.training.sequence_parallel import check_heads
 
     with pytest.raises(ValueError, match="is 4, which does not divide the model's 2 attention heads"):
-        check_heads(AutoConfig.from_pretrained(tiny_model_path), 4)
+        check_heads(AutoConfig.from_pretrained(tiny_model_path).num_attention_heads, 4)
 
 
 def _torchrun(script: str, *args: str, ranks: int = 2) -> None:

@@ -27,9 +27,7 @@ def _ip(*args: str) -> None:
 
 
 def _in(ns: str, *cmd: str) -> None:
-    result = subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True)
-    if result.returncode:
-        raise RaytoolError(f"in {ns}: {' '.join(cmd)}: {result.stderr.strip()}")
+    _ip("netns", "exec", ns, *cmd)
 
 
 def enter(ns: str) -> None:

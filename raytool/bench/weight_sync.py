@@ -35,16 +35,21 @@ REPEATS = 7
 TIMEOUT_S = 120.0
 
 
-def _receiver_process(rank: int, commands, results) -> None:
-    """One receiver: a WeightReceiver for syncs and a bare PULL socket for raw transfers."""
+def _receiver_process(rank: int, commands, results, ns: str | None = None, host: str = "127.0.0.1") -> None:
+    """One receiver: a WeightReceiver for syncs and a bare PULL socket for raw transfers, on
+    `host`; with `ns`, in that simulated node's network namespace (raytool.bench.netns)."""
     import zmq
 
     from raytool.weightsync import WeightReceiver
 
-    receiver = WeightReceiver()
+    if ns is not None:
+        from raytool.bench import netns
+
+        netns.enter(ns)
+    receiver = WeightReceiver(host)
     raw = zmq.Context.instance().socket(zmq.PULL)
-    raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
-    results.put((rank, receiver.address, f"tcp://127.0.0.1:{raw_port}"))
+    raw_port = raw.bind_to_random_port(f"tcp://{host}")
+    results.put((rank, receiver.address, f"tcp://{host}:{raw_port}"))
     while (command := commands.get())[0] != "stop":
         kind, arg = command
         if kind == "sync":
@@ -71,13 +76,15 @@ def _load_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 class _Receivers:
-    """RECEIVERS spawned receiver processes and the commands that time them."""
+    """Spawned receiver processes and the commands that time them; with `nodes`, receiver i in
+    namespace nodes[i][0] on address nodes[i][1]."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, nodes: list[tuple[str, str]] | None = None):
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(n)]
-        self.procs = [ctx.Process(target=_receiver_process, args=(i, c, self.results), daemon=True) for i, c in enumerate(self.commands)]
+        self.procs = [ctx.Process(target=_receiver_process, args=(i, c, self.results, *(nodes[i] if nodes else ())), daemon=True)
+                      for i, c in enumerate(self.commands)]
         for p in self.procs:
             p.start()
         ready = sorted(self.results.get(timeout=TIMEOUT_S) for _ in self.procs)
@@ -274,20 +281,6 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
 LINKED_REPEATS = 3
 
 
-def _linked_receiver(rank: int, ns: str, host: str, commands, results) -> None:
-    """A receiver on its own simulated node: it binds its node's address and relays down the chain from there."""
-    from raytool.bench import netns
-    from raytool.weightsync import WeightReceiver
-
-    netns.enter(ns)
-    receiver = WeightReceiver(host)
-    results.put((rank, receiver.address))
-    while (version := commands.get()) is not None:
-        tensors = sum(len(bucket) for bucket in receiver.receive(version, TIMEOUT_S))
-        results.put((time.perf_counter(), tensors))
-    receiver.close()
-
-
 def _linked_sender(ns: str, model_dir: str, bucket_bytes: int, commands, results) -> None:
     """The trainer's node: sends the checkpoint's tensors when told (addresses, fan-out, version)."""
     from raytool.bench import netns
@@ -317,40 +310,31 @@ def linked(model_dir: str, mbit: float, bucket_bytes: int, repeats: int = LINKED
 
     ctx = mp.get_context("spawn")
     with netns.Nodes(RECEIVERS + 1, mbit) as nodes:
-        results, sender_results, sender_commands = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        commands = [ctx.Queue() for _ in range(RECEIVERS)]
-        procs = [ctx.Process(target=_linked_sender, args=(nodes.names[0], model_dir, bucket_bytes, sender_commands, sender_results), daemon=True)]
-        procs += [ctx.Process(target=_linked_receiver, args=(i, nodes.names[i + 1], nodes.addresses[i + 1], commands[i], results), daemon=True)
-                  for i in range(RECEIVERS)]
-        for p in procs:
-            p.start()
+        sender_results, sender_commands = ctx.Queue(), ctx.Queue()
+        sender = ctx.Process(target=_linked_sender, args=(nodes.names[0], model_dir, bucket_bytes, sender_commands, sender_results), daemon=True)
+        sender.start()
+        receivers = _Receivers(RECEIVERS, list(zip(nodes.names[1:], nodes.addresses[1:])))
         try:
-            ready = sorted(results.get(timeout=TIMEOUT_S) for _ in range(RECEIVERS))  # (rank, address): the chain follows the nodes
-            addresses = [a for _, a in ready]
-            order = {a: i for i, a in ready}
+            addresses = receivers.sync_addresses  # in node order: the chain follows the nodes
             _, total = sender_results.get(timeout=TIMEOUT_S)
             paths = {"1": (addresses[:1], "chain"), "4": (addresses, "chain"), "direct4": (addresses, "direct")}
             times: dict[str, list[float]] = {k: [] for k in paths}
             version = 0
             for _ in range(repeats + 1):  # the first round warms connections up and is not counted
                 for key, (targets, fanout) in paths.items():
-                    version += 1
-                    for a in targets:
-                        commands[order[a]].put(version)
+                    receivers.command(targets, "sync", version := version + 1)
                     time.sleep(0.05)
                     sender_commands.put((targets, fanout, version))
                     start, buckets = sender_results.get(timeout=TIMEOUT_S)
-                    done = [results.get(timeout=TIMEOUT_S) for _ in targets]
+                    end, _ = receivers.wait(len(targets))
                     if version > len(paths):
-                        times[key].append(max(t for t, _ in done) - start)
+                        times[key].append(end - start)
         finally:
             sender_commands.put(None)
-            for c in commands:
-                c.put(None)
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
+            receivers.stop()
+            sender.join(10)
+            if sender.is_alive():
+                sender.kill()
     best = {k: min(v) for k, v in times.items()}
     return {
         "link_mbit": mbit, "bytes": total, "buckets": buckets, "link_gbps_used": round(total * 8 / 1e9 / best["1"], 3),

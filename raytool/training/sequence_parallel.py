@@ -40,9 +40,8 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION, ulysses_attention)
 
 
-def check_heads(config, sp: int) -> None:
+def check_heads(heads: int, sp: int) -> None:
     """SP splits the attention heads: refuse, in one line, a model whose head count it does not divide."""
-    heads = config.num_attention_heads
     if heads % sp:
         raise ValueError(f"config key 'trainer.sequence_parallel_size' is {sp}, which does not divide the model's "
                          f"{heads} attention heads (Ulysses SP gives each rank heads/SP of them): pick a divisor of {heads}")

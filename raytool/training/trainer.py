@@ -134,19 +134,13 @@ class Trainer:
 
         from raytool.training import sequence_parallel
 
-        sequence_parallel.check_heads(AutoConfig.from_pretrained(self.model_path), sp)
+        sequence_parallel.check_heads(AutoConfig.from_pretrained(self.model_path).num_attention_heads, sp)
         if not dist.is_initialized() or self.world_size % sp:
             raise ValueError(f"config key 'trainer.sequence_parallel_size' is {sp}: it needs a process group of a multiple of {sp} ranks")
         sequence_parallel.register_attention()
-        sp_group = dp_group = None
-        for first in range(0, self.world_size, sp):  # every rank creates every group, in the same order
-            group = dist.new_group(list(range(first, first + sp)))
-            if first <= self.rank < first + sp:
-                sp_group = group
-        for offset in range(sp):
-            group = dist.new_group(list(range(offset, self.world_size, sp)))
-            if self.rank % sp == offset:
-                dp_group = group
+        # every rank creates every group, in the same order
+        sp_group, _ = dist.new_subgroups_by_enumeration([list(range(first, first + sp)) for first in range(0, self.world_size, sp)])
+        dp_group, _ = dist.new_subgroups_by_enumeration([list(range(offset, self.world_size, sp)) for offset in range(sp)])
         return sp_group, dp_group, self.world_size // sp
 
     def _load(self, **lm_options) -> PolicyModel:
