@@ -203,6 +203,7 @@ class TrainerConfig(_Section):
     lora_rank: int = 0  # LoRA adapters of this rank instead of full fine-tuning (0: off; one trainer worker)
     lora_alpha: int = 16  # LoRA scaling numerator
     lora_target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])  # module names that get adapters
+    load_in_4bit: bool = False  # QLoRA: the frozen base in bitsandbytes NF4 under the LoRA adapters (CUDA GPUs, one worker); weight sync sends it dequantized, adapters merged
     num_workers: int = 1  # TrainerWorker actors (data parallel, FSDP2 when > 1)
     sequence_parallel_size: int = 1  # Ulysses SP: each sequence split over this many consecutive workers (it divides num_workers and the attention heads)
     num_cpus: float = 1.0  # Ray CPUs each trainer worker reserves
@@ -409,6 +410,7 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'algorithm.clip_ratio_c': the dual-clip bound must be > 1 (or null to turn it off), got {cfg.algorithm.clip_ratio_c}")
     if cfg.trainer.cpu_offload and not cfg.trainer.num_gpus:
         raise ConfigError(f"{source}: config key 'trainer.cpu_offload': offloading moves accelerator memory to the host; give the trainer GPUs (trainer.num_gpus) or set it false")
+    validate_4bit(cfg, source)
     if cfg.trainer.lora_rank and cfg.trainer.num_workers > 1:
         raise ConfigError(f"{source}: config key 'trainer.lora_rank': LoRA runs on one trainer worker (trainer.num_workers=1), got {cfg.trainer.num_workers} workers")
     if cfg.data.task == "files" and not cfg.data.train_files:
@@ -452,6 +454,18 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
     if r.overlong_buffer_tokens >= cfg.agent.max_response_tokens:
         raise ConfigError(f"{source}: config key 'reward.overlong_buffer_tokens': must be below agent.max_response_tokens "
                           f"({cfg.agent.max_response_tokens}), got {r.overlong_buffer_tokens}")
+
+
+def validate_4bit(cfg: RunConfig, source: str) -> None:
+    t = cfg.trainer
+    if not t.load_in_4bit:
+        return
+    why = ("trains LoRA adapters on a quantized base: set trainer.lora_rank" if not t.lora_rank else
+           "needs a CUDA GPU (bitsandbytes NF4): give the trainer GPUs (trainer.num_gpus)" if not t.num_gpus else
+           "needs CUDA GPUs (bitsandbytes NF4), not cluster.accelerator NPU" if cfg.cluster.accelerator == "NPU" else
+           "keeps the 4-bit base on the GPU: set trainer.cpu_offload false" if t.cpu_offload else "")
+    if why:
+        raise ConfigError(f"{source}: config key 'trainer.load_in_4bit' {why}, or set it false")
 
 
 def validate_async(cfg: RunConfig, source: str = "config") -> None:

@@ -41,6 +41,7 @@ from raytool.training.sequence_parallel import check_heads
 
 GiB = 1024**3
 ACCELERATOR_RESERVE = 1 * GiB  # CUDA/CANN context, cuBLAS workspace, allocator slack
+NF4_BYTES = 0.5 + 0.127 / 8  # bitsandbytes NF4 with double quantization: 4 bits a weight plus 0.127 bits of block scales
 PROCESS_BASE = 0.4 * GiB  # a trainer or engine process's interpreter, torch and transformers (435 MB resident on this CPU)
 
 
@@ -161,6 +162,7 @@ class Plan:
     cluster: Cluster
     roles: list[RoleMemory]
     problems: list[str]  # one line each: what does not fit and the key to change
+    loading: float = 0.0  # rank 0's extra host memory while it loads the checkpoint
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -188,14 +190,20 @@ def trainer_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool) -> 
     h, q, kv, i = arch.hidden, arch.q_dim, arch.kv_dim, arch.intermediate
     full_layer = (2 * (8 + c) * h + c * (3 * q + 2 * kv + 4 * i)) * tokens
     states = {"fp32 master weights": 4 * p / world, "fp32 gradients": 4 * trained / world, "AdamW moments": 8 * trained / world}
+    if t.load_in_4bit:  # QLoRA, one worker: the base is NF4 (4 bits, double-quantized scales) but for the root, in the compute dtype
+        states = {"NF4 base (decoder linear layers)": arch.layers * arch.layer_params() * NF4_BYTES, "base root (embeddings, head)": arch.root_params() * c,
+                  "fp32 adapters": 4 * trained, "fp32 adapter gradients": 4 * trained, "AdamW moments": 8 * trained}
     a = cfg.algorithm
     if (a.kl_loss_coef > 0 or a.kl_reward_coef > 0) and not t.lora_rank:  # LoRA's reference is the base model, adapters off
         states["KL reference (fp32, sharded)"] = 4 * p / world
-    compute = {
-        "unsharded root (embeddings, head)": arch.root_params() * c,
-        "unsharded layers (running + prefetched)": 2 * arch.layer_params() * c,
-        "unsharded layer gradients (fp32, before reduce-scatter)": 2 * arch.layer_params() * 4 * (trained / p),
-    }
+    if t.load_in_4bit:
+        compute = {"one linear layer dequantized": max(h * i, h * q) * c}
+    else:
+        compute = {
+            "unsharded root (embeddings, head)": arch.root_params() * c,
+            "unsharded layers (running + prefetched)": 2 * arch.layer_params() * c,
+            "unsharded layer gradients (fp32, before reduce-scatter)": 2 * arch.layer_params() * 4 * (trained / p),
+        }
     if t.activation_checkpointing:
         compute["activations (checkpointed layer inputs)"] = arch.layers * h * c * tokens
         compute["activations (one layer recomputed)"] = full_layer
@@ -215,9 +223,10 @@ def trainer_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool) -> 
     return role
 
 
-def loading_peak(arch: Architecture) -> float:
-    """Rank 0's extra host memory while it reads the fp32 checkpoint and broadcasts it."""
-    return 4 * arch.params()
+def loading_peak(arch: Architecture, four_bit: bool = False) -> float:
+    """Rank 0's extra host memory while it reads the fp32 checkpoint and broadcasts it (a 4-bit
+    base goes to the GPU one tensor at a time: the largest, the embeddings in bf16)."""
+    return 2 * arch.vocab * arch.hidden if four_bit else 4 * arch.params()
 
 
 def server_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool, gpu_memory: float) -> RoleMemory:
@@ -283,19 +292,20 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
     nodes = max(cluster.nodes, 1)
     trainers_per_node = -(-t.num_workers // nodes)
     servers_per_node = -(-r.num_servers // nodes) if with_servers else 0
-    host_need = trainers_per_node * trainer.host_total + loading_peak(arch) + servers_per_node * server.host_total
+    loading = loading_peak(arch, t.load_in_4bit)
+    host_need = trainers_per_node * trainer.host_total + loading + servers_per_node * server.host_total
     if host_need > cluster.host_memory_gb * GiB:
         advice = ("trainer.num_workers over more nodes, or trainer.cpu_offload=false" if t.cpu_offload
                   else "trainer.activation_checkpointing=true or a lower trainer.micro_batch_tokens" if not trainer_acc and not t.activation_checkpointing
                   else "fewer workers per node (more nodes) or a smaller model")
         problems.append(f"a node needs {_gib(host_need)} of host memory ({trainers_per_node} trainer workers, rank 0 loading the fp32 "
-                        f"checkpoint {_gib(loading_peak(arch))}, {servers_per_node} rollout servers) but has {_gib(cluster.host_memory_gb * GiB)}: {advice}")
+                        f"checkpoint {_gib(loading)}, {servers_per_node} rollout servers) but has {_gib(cluster.host_memory_gb * GiB)}: {advice}")
     try:
         check_heads(arch.heads, t.sequence_parallel_size)
     except ValueError as exc:
         problems.append(str(exc))
     roles = [trainer, server] if with_servers else [trainer]
-    return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems)
+    return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems, loading)
 
 
 def _trainer_advice(cfg: RunConfig, role: RoleMemory) -> str:
@@ -327,7 +337,7 @@ def table(result: Plan) -> str:
         if role.kv_tokens is not None:
             lines.append(f"  KV cache capacity: {role.kv_tokens} tokens")
         if role.role == "trainer worker":
-            lines.append(f"  rank 0 while loading: + {_gib(loading_peak(a))} host (it reads the fp32 checkpoint; the other ranks receive their shards)")
+            lines.append(f"  rank 0 while loading: + {_gib(result.loading)} host (it reads the checkpoint; any other ranks receive their shards)")
     lines.append("")
     lines += [f"does not fit: {p}" for p in result.problems] or ["fits"]
     return "\n".join(lines)

@@ -85,3 +85,25 @@ def test_the_planner_predicts_the_trainer_peak_on_cuda(tmp_path):
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     predicted = plan(cfg, Cluster(1, 1, total, 64), str(tmp_path / "model")).roles[0].accelerator_total - ACCELERATOR_RESERVE
     assert abs(predicted - measured) / measured < 0.15, (predicted / 2**30, measured / 2**30)
+
+
+def test_qlora_step_and_sync_on_cuda(tiny_model_path):
+    """trainer.load_in_4bit on its real device: an NF4 base on the GPU, fp32 adapters, and weights
+    for the engine dequantized and merged in bf16 that the HF engine loads."""
+    from raytool.config import load_config
+    from raytool.engines.hf import HFEngine
+    from raytool.training import Trainer
+    from raytool.types import Trajectory
+
+    cfg = load_config(None, ["trainer.load_in_4bit=true", "trainer.lora_rank=8", "trainer.num_gpus=1", "trainer.lr=1e-2"])
+    trainer = Trainer(cfg, tiny_model_path, device="cuda")
+    q_proj = trainer.lm.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    assert q_proj.weight.dtype == torch.uint8 and q_proj.weight.device.type == "cuda"
+    batch = [Trajectory(uid=str(i), group_id="g", prompt_ids=[1, 4093, 198], response_ids=[5, 6, 7, 8], response_mask=[1] * 4,
+                        rollout_logprobs=[0.0] * 4, messages=[], ground_truth="", reward=float(i)) for i in range(2)]
+    for _ in range(2):
+        assert trainer.rl_step(batch)["actor/grad_norm"] > 0
+    synced = dict(trainer.named_weights(torch.bfloat16))
+    assert all(w.dtype == torch.bfloat16 and w.device.type == "cuda" for w in synced.values())
+    engine = HFEngine(tiny_model_path, dtype="bfloat16", device="cuda")
+    engine.load_weights(synced.items())

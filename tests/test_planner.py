@@ -82,6 +82,20 @@ def test_sft_plans_the_trainer_alone():
     assert [r.role for r in alone.roles] == ["trainer worker"] and alone.problems == []
 
 
+def test_qlora_fits_a_7b_model_on_a_24_gb_gpu_where_lora_does_not():
+    """The TRL tutorial's setting: a 7B base in NF4 with LoRA adapters on one 24 GB GPU."""
+    lora = ["model.path=Qwen2.5-7B-Instruct", "trainer.lora_rank=16", "trainer.num_gpus=1", "rollout.num_gpus=1", "trainer.activation_checkpointing=true"]
+    cluster = Cluster(nodes=1, gpus_per_node=2, gpu_memory_gb=24, host_memory_gb=64)
+    plain = plan(load_config(None, lora), cluster, with_servers=False)
+    assert any("trainer worker needs" in p for p in plain.problems)  # fp32 master weights: 30 GB
+    four = plan(load_config(None, [*lora, "trainer.load_in_4bit=true"]), cluster, with_servers=False)
+    assert four.problems == []
+    parts = four.roles[0].accelerator
+    assert parts["NF4 base (decoder linear layers)"] == pytest.approx(28 * four.architecture.layer_params() * (0.5 + 0.127 / 8))
+    assert 3.5 * GiB < parts["NF4 base (decoder linear layers)"] + parts["base root (embeddings, head)"] < 5.5 * GiB
+    assert four.loading < plain.loading / 20  # loaded onto the GPU tensor by tensor, not as an fp32 copy on the host
+
+
 def test_an_unknown_model_is_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="raytool knows no architecture named 'Mystery-7B'"):
         architecture(str(tmp_path / "Mystery-7B"))

@@ -191,6 +191,76 @@ def test_lora_trains_adapters_and_syncs_merged_weights(tiny_model_path):
     assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"])  # no adapter: untouched
 
 
+def test_4bit_is_refused_where_it_cannot_run(tiny_model_path):
+    from raytool.config import ConfigError
+
+    for overrides, why in [([], "set trainer.lora_rank"), (["trainer.lora_rank=8"], "trainer.num_gpus"),
+                           (["trainer.lora_rank=8", "trainer.num_gpus=1", "cluster.accelerator=NPU"], "not cluster.accelerator NPU")]:
+        with pytest.raises(ConfigError, match=f"config key 'trainer.load_in_4bit' .*{why}"):
+            load_config(None, ["trainer.load_in_4bit=true", *overrides])
+    with pytest.raises(ValueError, match="config key 'trainer.load_in_4bit' needs a CUDA GPU.*runs on cpu: set it false"):
+        _trainer(tiny_model_path, "trainer.load_in_4bit=true", "trainer.lora_rank=4", "trainer.num_gpus=1")
+
+
+def test_qlora_trains_adapters_on_an_nf4_base_and_syncs_it_dequantized_and_merged(tiny_model_path, tmp_path, monkeypatch, process_group_cleanup):
+    """bitsandbytes runs NF4 on a CPU too (slowly), which lets this check the whole QLoRA path here;
+    raytool itself refuses 4-bit on a CPU (the test above)."""
+    from bitsandbytes.functional import dequantize_4bit
+    from transformers import AutoModelForCausalLM
+
+    from raytool.training import trainer as trainer_module
+    from raytool.training.export import export_checkpoint
+
+    monkeypatch.setattr(trainer_module, "check_4bit", lambda device: None)
+    options = ("trainer.load_in_4bit=true", "trainer.num_gpus=1", "trainer.lora_rank=4", "trainer.lr=1e-2", "trainer.compute_dtype=bfloat16",
+               "trainer.activation_checkpointing=true")
+    trainer = _trainer(tiny_model_path, *options)
+    q_proj = trainer.lm.get_base_model().model.layers[0].self_attn.q_proj
+    assert q_proj.base_layer.weight.dtype == torch.uint8 and q_proj.base_layer.weight.quant_state.quant_type == "nf4"
+    assert {n for n, p in trainer.lm.named_parameters() if p.requires_grad} == {n for n, _ in trainer.lm.named_parameters() if "lora_" in n}
+    assert {p.dtype for p in trainer.params} == {torch.float32}
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    hf_names = {n for n, _ in hf.named_parameters()}
+    for _ in range(2):  # lora_B starts at 0: the second step moves the merged weights
+        metrics = trainer.rl_step(BATCH)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+
+    synced = dict(trainer.named_weights(torch.bfloat16))  # what weight sync sends the engine
+    assert synced.keys() == hf_names and all(w.dtype == torch.bfloat16 for w in synced.values())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    base = dequantize_4bit(q_proj.base_layer.weight.data, q_proj.base_layer.weight.quant_state).float()
+    delta = (q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight) * q_proj.scaling["default"]
+    assert delta.abs().max() > 0
+    assert torch.equal(synced[name], (base + delta).to(torch.bfloat16))
+    original = hf.get_parameter(name).detach()
+    assert float((base - original).norm() / original.norm()) < 0.15  # NF4 stands for the weight (about 10% error at 4 bits)
+
+    # The engine's model with the synced weights computes what the trainer's 4-bit model + adapters do.
+    engine = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    engine.load_state_dict(synced, strict=False)
+    ids = torch.tensor([[1, 5, 9, 13, 7, 3, 22, 8]])
+    with torch.no_grad():
+        ours = trainer.lm(input_ids=ids).logits.float()
+        theirs = engine(input_ids=ids).logits.float()
+    assert float((ours - theirs).abs().max()) < 0.05 * float(ours.abs().max())
+
+    # The checkpoint holds the adapters (the base is model_path quantized again); resume and export agree.
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    saved = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "dcp").iterdir())
+    frozen = sum(p.numel() * p.element_size() for p in trainer.policy.parameters() if not p.requires_grad)
+    assert saved < frozen / 10  # adapters, their AdamW moments and DCP's metadata; no base
+    expected = trainer.rl_step(BATCH)
+    resumed = _trainer(tiny_model_path, *options)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    got = resumed.rl_step(BATCH)
+    assert {k: v for k, v in got.items() if not k.startswith("perf/")} == {k: v for k, v in expected.items() if not k.startswith("perf/")}
+    assert all(torch.equal(w, v) for (_, w), (_, v) in zip(resumed.named_weights(), trainer.named_weights()))
+    exported = dict(AutoModelForCausalLM.from_pretrained(export_checkpoint(str(tmp_path / "ckpt"), tmp_path / "hf")).named_parameters())
+    trainer_after_save = _trainer(tiny_model_path, *options)
+    trainer_after_save.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(exported[n], w) for n, w in trainer_after_save.named_weights())
+
+
 def test_checkpoint_resumes_the_exact_same_next_step(tiny_model_path, tmp_path):
     cfg = ("trainer.lr=1e-2", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "trainer.lr_schedule=cosine", "trainer.warmup_steps=1")
     trainer = _trainer(tiny_model_path, *cfg)

@@ -12,7 +12,7 @@ import torch
 
 from raytool import storage
 from raytool.errors import RaytoolError
-from raytool.training.model import PolicyModel, merged_named_weights, with_lora
+from raytool.training.model import DTYPES, PolicyModel, load_lm, merged_named_weights, with_lora
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
     if not meta_file.is_file() or not (ckpt / "dcp").is_dir():
         raise RaytoolError(f"--ckpt {ckpt}: not a raytool checkpoint (expected trainer_meta.json and dcp/ in it: a runs/<run>/checkpoints/step_N directory)")
     meta = json.loads(meta_file.read_text())
+    if meta["trainer"].get("load_in_4bit"):
+        return _export_4bit(ckpt, meta, out)
     # Parameters are allocated empty and filled from the checkpoint (no random init of a big model).
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_meta), dtype=torch.float32)
@@ -47,4 +49,31 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
     weights = {name: w.contiguous() for name, w in merged_named_weights(policy.lm)}
     out = write_hf(weights, hf_meta, out)
     log.info("exported %d tensors from %s to %s", len(weights), ckpt, out)
+    return out
+
+
+def _export_4bit(ckpt: Path, meta: dict, out: str | Path) -> Path:
+    """A QLoRA checkpoint holds the adapters alone: its base is the run's model quantized again
+    (in the dtype the run quantized it in), then dequantized and merged like the weights the
+    rollout engine received."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from raytool.training.trainer import single_process_quiet, trainable_state, write_hf
+
+    t, base = meta["trainer"], meta["model_path"]
+    if not (Path(base) / "config.json").is_file():
+        raise RaytoolError(f"--ckpt {ckpt}: a trainer.load_in_4bit checkpoint holds the LoRA adapters only; its base model {base} "
+                           "(trainer_meta.json's model_path) must be readable here")
+    dtype = torch.bfloat16 if t["compute_dtype"] == "auto" else DTYPES[t["compute_dtype"]]  # auto is bf16 on the GPUs 4-bit runs on
+    lm = load_lm(base, attn_implementation="sdpa", activation_checkpointing=False, lora_rank=t["lora_rank"], lora_alpha=t["lora_alpha"],
+                 lora_target_modules=t["lora_target_modules"], quantized_4bit=(dtype, torch.device("cpu")))
+    policy = PolicyModel(lm)
+    state = {"model": trainable_state(policy, get_model_state_dict(policy))}
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
+    set_model_state_dict(policy, state["model"], options=StateDictOptions(strict=False))
+    weights = {name: w.contiguous() for name, w in merged_named_weights(policy.lm)}  # fp32, as Trainer.export_hf writes them
+    out = write_hf(weights, ckpt / "hf_meta", out)
+    log.info("exported %d tensors (4-bit base dequantized, adapters merged) from %s to %s", len(weights), ckpt, out)
     return out

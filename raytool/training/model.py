@@ -96,13 +96,25 @@ class PolicyModel(nn.Module):
 
 
 def load_lm(model_path: str, *, attn_implementation: str, activation_checkpointing: bool, lora_rank: int = 0,
-            lora_alpha: int = 16, lora_target_modules: list[str] | None = None, empty: bool = False) -> nn.Module:
+            lora_alpha: int = 16, lora_target_modules: list[str] | None = None, empty: bool = False,
+            quantized_4bit: tuple[torch.dtype, torch.device] | None = None) -> nn.Module:
     """The HF model in fp32 (the master weights), with LoRA adapters and activation checkpointing if
     asked. empty=True: the same model with its parameters on the meta device (nothing read, nothing
-    allocated), for a rank that receives its shards from rank 0 (`load_sharded`)."""
+    allocated), for a rank that receives its shards from rank 0 (`load_sharded`).
+
+    quantized_4bit=(compute dtype, device): QLoRA's base instead, loaded onto the device with every
+    linear layer but the head in bitsandbytes NF4 (double-quantized, computing in that dtype) and
+    the rest in that dtype; the LoRA adapters stay fp32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if empty:
+    if quantized_4bit is not None:
+        from transformers import BitsAndBytesConfig
+
+        dtype, device = quantized_4bit
+        nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=nf4, device_map={"": str(device)},
+                                                  attn_implementation=attn_implementation)
+    elif empty:
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32,
                                                   attn_implementation=attn_implementation)
@@ -182,7 +194,8 @@ def shard(policy: PolicyModel, compute_dtype: torch.dtype, cpu_offload: bool, de
 
 def merged_named_weights(lm: nn.Module):
     """(HF name, tensor) of every weight the rollout engine needs; LoRA adapters are merged out of
-    place (W + B A s), so the trainer's own fp32 weights never round-trip through a merge."""
+    place (W + B A s), so the trainer's own fp32 weights never round-trip through a merge. A 4-bit
+    base weight is dequantized first and merged in fp32."""
     if not hasattr(lm, "get_base_model"):
         yield from ((name, p.detach()) for name, p in lm.named_parameters())
         return
@@ -196,7 +209,7 @@ def merged_named_weights(lm: nn.Module):
     for name, p in base.named_parameters():
         if "lora_" in name:
             continue
-        w = p.detach()
+        w = _dequantized(p).float() if hasattr(p, "quant_state") else p.detach()
         owner, _, leaf = name.rpartition(".")
         if owner.endswith(".base_layer"):
             layer = deltas[owner.removesuffix(".base_layer")]
@@ -205,3 +218,10 @@ def merged_named_weights(lm: nn.Module):
                     w = w + layer.get_delta_weight(adapter).to(w.dtype)
             owner = owner.removesuffix(".base_layer")
         yield f"{owner}.{leaf}" if owner else leaf, w
+
+
+def _dequantized(p: torch.Tensor) -> torch.Tensor:
+    """A bitsandbytes 4-bit parameter as the full tensor it stands for (in its quantization dtype)."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(p.data, p.quant_state)

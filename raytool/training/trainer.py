@@ -90,6 +90,12 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_4bit(device: torch.device) -> None:
+    """trainer.load_in_4bit's device rule: bitsandbytes NF4 training is for CUDA GPUs."""
+    if device.type != "cuda":
+        raise ValueError(f"config key 'trainer.load_in_4bit' needs a CUDA GPU (bitsandbytes NF4); this trainer runs on {device.type}: set it false")
+
+
 def _init_single_process_group(backend: str) -> None:
     """FSDP2 (mixed precision, offload) needs a process group even with one worker."""
     with socket.socket() as s:
@@ -108,8 +114,12 @@ class Trainer:
         self.dtype = compute_dtype(t.compute_dtype, self.device)
         if t.cpu_offload and self.device.type == "cpu":
             raise ValueError("config key 'trainer.cpu_offload' offloads accelerator memory to the host; on a CPU the weights already are there: set it false")
+        if t.load_in_4bit:
+            check_4bit(self.device)
         self.packed = t.packing is True or (t.packing == "auto" and cfg.model.attn_implementation.startswith("flash_attention"))
-        self.sharded = world_size > 1 or self.dtype != torch.float32 or t.cpu_offload
+        # A 4-bit base is not FSDP-sharded: its packed uint8 weights can be neither split by rows
+        # nor cast by mixed precision (QLoRA runs on one worker, like all LoRA here).
+        self.sharded = not t.load_in_4bit and (world_size > 1 or self.dtype != torch.float32 or t.cpu_offload)
         self.sp_group, self.dp_group, self.dp_size = self._sequence_parallel_groups(t.sequence_parallel_size)
         self.policy = self._load(activation_checkpointing=t.activation_checkpointing, lora_rank=t.lora_rank, lora_alpha=t.lora_alpha,
                                  lora_target_modules=list(t.lora_target_modules))
@@ -153,6 +163,8 @@ class Trainer:
             lm_options["attn_implementation"] = ATTENTION
         else:
             lm_options["attn_implementation"] = self.cfg.model.attn_implementation
+        if self.cfg.trainer.load_in_4bit:
+            return PolicyModel(load_lm(self.model_path, quantized_4bit=(self.dtype, self.device), **lm_options))
         if not self.sharded:
             return PolicyModel(load_lm(self.model_path, **lm_options)).to(self.device)
         if not dist.is_initialized():
@@ -432,15 +444,26 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
+    def _model_state(self):
+        """The policy's state dict for a checkpoint. A 4-bit base is left out: it is `model_path`
+        quantized again (NF4 is deterministic), so the checkpoint holds the adapters alone (and the
+        optimizer their state); loading it is then not strict about the base's keys."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
+        if not self.cfg.trainer.load_in_4bit:
+            return model_state, optim_state, None
+        return trainable_state(self.policy, model_state), optim_state, StateDictOptions(strict=False)
+
     def save_checkpoint(self, directory: str | Path) -> str:
         """A resumable, sharded checkpoint (torch.distributed.checkpoint; loadable at any world
         size): model, optimizer, step and every rank's RNG states. The driver adds its own state.
         `directory`: a local or shared path, or an fsspec URI (see raytool.storage)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         directory = storage.absolute(directory)
-        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
+        model_state, optim_state, _ = self._model_state()
         state = {"model": model_state, "optim": optim_state}
         has_reference = isinstance(self.reference, PolicyModel)
         if has_reference:
@@ -465,17 +488,17 @@ class Trainer:
 
     def load_checkpoint(self, directory: str | Path) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
 
         directory = storage.absolute(directory)
-        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
+        model_state, optim_state, options = self._model_state()
         state = {"model": model_state, "optim": optim_state}
         meta = json.loads(storage.read_bytes(storage.join(directory, "trainer_meta.json")))
         if meta.get("reference"):
             state["reference"] = get_model_state_dict(self._reference())
         with single_process_quiet():
             dcp.load(state, checkpoint_id=storage.join(directory, "dcp"), no_dist=not dist.is_initialized())
-        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
         if meta.get("reference"):
             set_model_state_dict(self.reference, state["reference"])
         rng_file = storage.join(directory, "rng", f"rank{self.rank}.pt")
@@ -489,6 +512,12 @@ class Trainer:
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
         self.step, self.rl_updates = rng["step"], rng["rl_updates"]
+
+
+def trainable_state(policy: torch.nn.Module, model_state: dict) -> dict:
+    """The entries of `model_state` that are trainable parameters of `policy` (a QLoRA checkpoint's)."""
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    return {name: value for name, value in model_state.items() if name in trainable}
 
 
 @contextlib.contextmanager
