@@ -92,8 +92,12 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def check_4bit(device: torch.device) -> None:
     """trainer.load_in_4bit's device rule: bitsandbytes NF4 training is for CUDA GPUs."""
+    import importlib.util
+
     if device.type != "cuda":
         raise ValueError(f"config key 'trainer.load_in_4bit' needs a CUDA GPU (bitsandbytes NF4); this trainer runs on {device.type}: set it false")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("config key 'trainer.load_in_4bit' needs bitsandbytes: pip install 'raytool[qlora]', or set it false")
 
 
 def _init_single_process_group(backend: str) -> None:
