@@ -108,6 +108,9 @@ class AgentConfig(_Section):
     tools: str | None = None  # verl-format tool YAML (tools: [{class_name, config, tool_schema}]); None: the code interpreter only
     default_agent: str = "tool_agent"  # agent loop of rows without an agent_name (registered in raytool.agent.registry)
     langgraph_graph: str | None = None  # rows with agent_name langgraph: 'package.module:function' building the LangGraph agent from a chat model
+    openai_agent: str | None = None  # rows with agent_name openai: 'package.module:function', an `async def agent(client, row) -> str` given an openai.AsyncOpenAI client on its trajectory's gateway URL
+    on_history_rewrite: Literal["truncate", "drop"] = "truncate"  # an agent (langgraph, openai) that rewrote its history: train on what was recorded up to there, or on none of it
+    gateway: bool = False  # start an OpenAI-compatible gateway actor with the run, for agents outside raytool (its URL is logged and in RUN_DIR/gateway.json)
     loop_modules: list[str] = msgspec.field(default_factory=list)  # modules the agent workers import first (where your own loops and tools register)
     num_workers: int = 1  # AgentLoopWorker actors
     system_prompt: str | None = None  # None: the task's own system prompt

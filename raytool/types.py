@@ -87,6 +87,7 @@ class Trajectory(msgspec.Struct):
     policy_version: int = 0  # the version of the last generate call
     response_versions: list[int] = []  # aligned with response_ids: the policy version that produced each generated token (-1 on observation tokens; []: all policy_version)
     agent_name: str = ""  # the agent loop that produced it
+    agent_error: str = ""  # an agent function (agent_name openai) that raised: the first line of its exception
     infra_failure: str = ""  # why it failed through no fault of the policy (a sandbox, engine, reward or worker failure; "": it did not): never trained as the policy's mistake
     turns: list[dict] = []  # the trace: per generate call its text, tokens, timing, tool calls and their outputs
     timings: dict[str, float] = {}

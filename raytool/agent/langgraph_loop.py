@@ -43,7 +43,7 @@ class LangGraphAgentLoop:
         r = self.rollout
         model = RaytoolChatModel(
             generate_fn=self.generate, renderer=self.renderer, session=uid, max_tokens=r.max_tokens_per_turn,
-            max_response_tokens=self.agent.max_response_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed,
+            max_response_tokens=self.agent.max_response_tokens, on_history_rewrite=self.agent.on_history_rewrite, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed,
         )
         # A ReAct step is a model call plus a tool call: max_turns model calls fit 2 * max_turns + 1 steps.
         run = run_langgraph_agent(self.make_graph, messages, model=model, group_id=group_id, ground_truth=ground_truth,

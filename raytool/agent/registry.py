@@ -24,7 +24,7 @@ def register_agent_loop(name: str):
 
 
 # Built-in loops live in modules imported on first use (langgraph's needs an optional extra).
-BUILTIN = {"tool_agent": "raytool.agent.loop", "langgraph": "raytool.agent.langgraph_loop"}
+BUILTIN = {"tool_agent": "raytool.agent.loop", "langgraph": "raytool.agent.langgraph_loop", "openai": "raytool.agent.openai_loop"}
 
 
 def get_agent_loop(name: str) -> type:

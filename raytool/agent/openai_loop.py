@@ -1,0 +1,82 @@
+"""The `openai` agent loop: a user's agent written against the OpenAI API, rolled out and recorded.
+
+Rows with `agent_name: openai` run the function `agent.openai_agent` names (`module:function`):
+
+    async def agent(client: openai.AsyncOpenAI, row: dict) -> str
+
+`client` is a real `openai.AsyncOpenAI` whose base URL is the trajectory's own URL on a gateway in
+this agent worker (`raytool.agent.gateway`), so every call it makes is one generate on the rollout
+servers, recorded token-exactly. `row` has the prompt `messages` (role/content dicts), `model`
+(the name to pass), `ground_truth`, `uid` and `group_id`. The agent runs its own tools; the string
+it returns is the answer the reward reads (the conversation's last assistant message). An agent
+that raises ends its trajectory (finish reason `agent_error`, the exception's first line in
+`Trajectory.agent_error`) and the run goes on; one that runs past `agent.max_trajectory_s` ends
+with `time_limit`. Needs the `openai` package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from raytool.agent.gateway import Gateway
+from raytool.agent.langgraph_loop import import_object
+from raytool.agent.registry import register_agent_loop
+from raytool.agent.render import ChatRenderer
+from raytool.config import AgentConfig, ConfigError, RolloutConfig
+from raytool.types import Message, SamplingParams, Trajectory
+
+MODEL_NAME = "raytool-policy"
+
+_GATEWAYS: dict[tuple[int, int], tuple[Gateway, asyncio.Future]] = {}  # per (renderer, event loop): the gateway and its start
+
+
+async def worker_gateway(renderer: ChatRenderer, agent: AgentConfig) -> Gateway:
+    """This agent worker's gateway (one per renderer and event loop), started on loopback on first use."""
+    key = (id(renderer), id(asyncio.get_running_loop()))
+    entry = _GATEWAYS.get(key)
+    if entry is None:
+        gateway = Gateway(renderer, None, model_name=MODEL_NAME, template_kwargs=dict(agent.chat_template_kwargs))
+        entry = _GATEWAYS[key] = (gateway, asyncio.ensure_future(gateway.start()))
+    await asyncio.shield(entry[1])
+    return entry[0]
+
+
+def first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+@register_agent_loop("openai")
+class OpenAIAgentLoop:
+    def __init__(self, renderer: ChatRenderer, tools: dict, generate, agent: AgentConfig, rollout: RolloutConfig):
+        if not agent.openai_agent:
+            raise ConfigError("config key 'agent.openai_agent': rows with agent_name 'openai' need it ('package.module:function')")
+        self.fn = import_object(agent.openai_agent, "agent.openai_agent")
+        self.renderer, self.generate, self.agent, self.rollout = renderer, generate, agent, rollout
+
+    async def run(self, messages: list[Message], ground_truth: str, uid: str, group_id: str) -> Trajectory:
+        import openai
+
+        r, a = self.rollout, self.agent
+        gateway = await worker_gateway(self.renderer, a)
+        sampling = SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        path = gateway.open(uid, self.generate, sampling=sampling, seed=r.seed, max_response_tokens=a.max_response_tokens,
+                            on_history_rewrite=a.on_history_rewrite)
+        row = {"messages": [{"role": m.role, "content": m.content} for m in messages], "model": MODEL_NAME,
+               "ground_truth": ground_truth, "uid": uid, "group_id": group_id}
+        answer, finish, error = None, "", ""
+        async with openai.AsyncOpenAI(base_url=gateway.url + path, api_key="raytool", max_retries=0, timeout=a.max_trajectory_s) as client:
+            try:
+                answer = await asyncio.wait_for(self.fn(client, row), a.max_trajectory_s)
+                if not isinstance(answer, str):
+                    raise TypeError(f"{a.openai_agent} returned {type(answer).__name__}, not the answer string")
+            except asyncio.TimeoutError:
+                finish = "time_limit"
+            except Exception as exc:  # the agent's own failure: its trajectory ends, the run goes on
+                finish, error, answer = "agent_error", first_line(exc), None
+        traj = gateway.finish(path, uid, group_id, ground_truth, answer)
+        if traj.prompt_ids == []:  # the agent never called the model: its prompt as the template renders it
+            traj.prompt_ids = self.renderer.prompt_ids(messages)
+        if finish:
+            traj.finish_reason, traj.agent_error = finish, error
+        return traj

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible gateway: the real `openai` client against it over HTTP on loopback, on
+Qwen2.5-Instruct's own chat template (tests/fixtures/templates), with a scripted engine; the
+trajectory it records is token-exact (see tests/integration/test_vllm_engine.py for vLLM)."""
+
+import asyncio
+import copy
+import json
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from raytool.agent.gateway import Gateway
+from raytool.agent.recorder import HISTORY_REWRITTEN
+from raytool.agent.render import ChatRenderer
+from raytool.types import Message, SamplingParams, TokenOutput
+
+TEMPLATE = Path(__file__).parent / "fixtures" / "templates" / "qwen2_5_instruct.jinja"
+MODEL = "raytool-policy"
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                                                       "required": ["a", "b"]}}}
+PROMPT = [{"role": "system", "content": "You are a calculator."}, {"role": "user", "content": "What is 17 + 25 + 100?"}]
+
+
+def call(name, **args):
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+TURNS = ["First 17 + 25.\n" + call("add", a=17, b=25), "Now add 100.\n" + call("add", a=42, b=100), "The answer is 142."]
+
+
+@pytest.fixture(scope="module")
+def qwen(tokenizer):
+    """SmolLM2's tokenizer with Qwen2.5-Instruct's chat template, end of turn and tool-call tokens."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = TEMPLATE.read_text()
+    return ChatRenderer(tok)
+
+
+def scripted(renderer, turns):
+    """A fake engine: each scripted turn's ids plus eos, log-prob -0.5 each; records its prompts."""
+    prompts, generated = [], []
+
+    async def generate(prompt_ids, sampling, request_id, session):
+        text = turns[min(len(prompts), len(turns) - 1)]
+        ids = renderer.encode(text)[: sampling.max_tokens - 1] + [renderer.eos_id]
+        prompts.append(list(prompt_ids))
+        generated.append(ids)
+        return TokenOutput(ids, [-0.5] * len(ids), "stop", policy_version=2)
+
+    return generate, prompts, generated
+
+
+async def calculator_agent(client, row):
+    """A plain `openai` tool-calling agent: call, run the tools it asks for, until it answers."""
+    messages = list(row["messages"])
+    for _ in range(5):
+        reply = await client.chat.completions.create(model=row["model"], messages=messages, tools=[ADD])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return message.content
+        for c in message.tool_calls:
+            args = json.loads(c.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": str(args["a"] + args["b"])})
+    return ""
+
+
+async def trimming_agent(client, row):
+    """Drops its first exchange before the second call: a rewritten history."""
+    messages = list(row["messages"])
+    first = await client.chat.completions.create(model=row["model"], messages=messages, tools=[ADD])
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": "call_0", "content": "42"}]
+    await client.chat.completions.create(model=row["model"], messages=[messages[0], messages[1], {"role": "user", "content": "go on"}])
+    return "142"
+
+
+async def failing_agent(client, row):
+    await client.chat.completions.create(model=row["model"], messages=row["messages"])
+    raise RuntimeError("the agent's own bug\nsecond line")
+
+
+def run_loop(renderer, agent_fn, **agent_options):
+    from raytool.agent.registry import get_agent_loop
+    from raytool.config import AgentConfig, RolloutConfig
+
+    generate, prompts, generated = scripted(renderer, TURNS)
+    agent = AgentConfig(openai_agent=f"{__name__}:{agent_fn}", **agent_options)
+    loop = get_agent_loop("openai")(renderer, {}, generate, agent, RolloutConfig(max_tokens_per_turn=64))
+    messages = [Message(m["role"], m["content"]) for m in PROMPT]
+    return asyncio.run(loop.run(messages, "142", "g/0", "g")), prompts, generated
+
+
+def test_an_openai_agent_is_recorded_token_exact_on_the_qwen_template(qwen):
+    traj, prompts, generated = run_loop(qwen, "calculator_agent")
+    tok = qwen.tokenizer
+    assert (traj.finish_reason, traj.num_turns, traj.tool_calls, traj.policy_version) == ("answer", 3, 2, 2)
+    gen = [i for g in generated for i in g]
+    assert [i for i, m in zip(traj.response_ids, traj.response_mask) if m] == gen  # exactly the generated ids, in order
+    assert sum(traj.response_mask) == len(gen)
+    assert {lp for lp, m in zip(traj.rollout_logprobs, traj.response_mask) if m} == {-0.5}
+    # prompt + response is the template's rendering of the finished conversation, tools listed
+    conversation = [*PROMPT, {"role": "assistant", "content": TURNS[0]}, {"role": "user", "content": "<tool_response>\n42\n</tool_response>"},
+                    {"role": "assistant", "content": TURNS[1]}, {"role": "user", "content": "<tool_response>\n142\n</tool_response>"},
+                    {"role": "assistant", "content": TURNS[2]}]
+    full = tok.apply_chat_template(conversation, tools=[ADD], tokenize=False)
+    assert tok.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False) + "\n" == full
+    ids = traj.prompt_ids + traj.response_ids
+    assert all(ids[: len(p)] == p for p in prompts)  # the engine got the recorded ids, never a re-tokenization
+    assert traj.messages[-1] == Message("assistant", "The answer is 142.")  # the agent's return value: what the reward reads
+
+
+def test_a_rewritten_history_ends_the_recording_and_trains_as_configured(qwen):
+    truncated, _, generated = run_loop(qwen, "trimming_agent")
+    assert truncated.finish_reason == HISTORY_REWRITTEN
+    assert [i for i, m in zip(truncated.response_ids, truncated.response_mask) if m] == generated[0]  # the first turn only
+    dropped, _, _ = run_loop(qwen, "trimming_agent", on_history_rewrite="drop")
+    assert dropped.finish_reason == HISTORY_REWRITTEN and dropped.response_ids == truncated.response_ids and sum(dropped.response_mask) == 0
+
+
+def test_an_agent_that_raises_ends_its_trajectory_with_the_first_line(qwen):
+    traj, _, generated = run_loop(qwen, "failing_agent")
+    assert (traj.finish_reason, traj.agent_error) == ("agent_error", "RuntimeError: the agent's own bug")
+    assert [i for i, m in zip(traj.response_ids, traj.response_mask) if m] == generated[0]
+
+
+def test_the_api_serves_tool_calls_streaming_n_and_usage_and_errors_in_openais_shape(qwen):
+    generate, prompts, generated = scripted(qwen, TURNS)
+
+    async def main():
+        gateway = Gateway(qwen, generate, model_name=MODEL, max_model_len=400, defaults=SamplingParams(max_tokens=64))
+        url = await gateway.start()
+        try:
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+                assert [m.id for m in (await client.models.list()).data] == [MODEL]
+                # streaming: the message in chunks (content, then the tool call), and the usage
+                stream = await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=[ADD], stream=True,
+                                                              stream_options={"include_usage": True})
+                content, calls, finish, usage = "", [], None, None
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                    for ch in chunk.choices:
+                        content += ch.delta.content or ""
+                        calls += ch.delta.tool_calls or []
+                        finish = ch.finish_reason or finish
+                assert (content, finish) == ("First 17 + 25.", "tool_calls")
+                assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("add", {"a": 17, "b": 25})]
+                assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompts[0]), len(generated[0]))
+                # n: one generate per choice (the scripted engine answers each with its next turn)
+                reply = await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=[ADD], n=2)
+                first, second = reply.choices
+                assert (first.finish_reason, first.message.content) == ("tool_calls", "Now add 100.")
+                assert [(t.function.name, json.loads(t.function.arguments)) for t in first.message.tool_calls] == [("add", {"a": 42, "b": 100})]
+                assert (second.finish_reason, second.message.content, second.message.tool_calls) == ("stop", "The answer is 142.", None)
+                assert reply.usage.prompt_tokens == len(prompts[1]) == len(prompts[2])
+                assert reply.usage.completion_tokens == len(generated[1]) + len(generated[2])
+
+                with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+                    await client.chat.completions.create(model="gpt-4o", messages=PROMPT)
+                with pytest.raises(openai.BadRequestError) as bad:
+                    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 500}])
+                assert bad.value.code == "context_length_exceeded" and "maximum context length is 400" in bad.value.message
+                with pytest.raises(openai.BadRequestError, match="tool_choice"):
+                    await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=[ADD], tool_choice="required")
+                with pytest.raises(openai.BadRequestError, match=r"messages\[0\]"):
+                    await client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+
+            path = gateway.open("t0", generate)
+            async with openai.AsyncOpenAI(base_url=url + path, api_key="x", max_retries=0) as client:
+                with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+                    await client.chat.completions.create(model=MODEL, messages=PROMPT, n=2)
+                await client.chat.completions.create(model=MODEL, messages=PROMPT)
+                traj = gateway.finish(path, "t0", "g", "", None)
+                assert traj.num_turns == 1
+                with pytest.raises(openai.NotFoundError, match="no such trajectory"):  # finished: gone
+                    await client.chat.completions.create(model=MODEL, messages=PROMPT)
+            async with aiohttp.ClientSession() as http:
+                async with http.post(url + "/v1/chat/completions", data=b"{not json") as r:
+                    body = await r.json()
+                    assert r.status == 400 and body["error"]["type"] == "invalid_request_error" and "not valid JSON" in body["error"]["message"]
+                async with http.get(url + "/traj/nope/v1/models") as r:
+                    assert r.status == 404
+        finally:
+            await gateway.stop()
+
+    asyncio.run(main())
