@@ -257,3 +257,52 @@ def test_abort_ends_a_running_request(engine, request):
     assert ray.get(actor.abort.remote("long-one"))
     out = ray.get(ref, timeout=60)
     assert out.finish_reason == "abort" and len(out.token_ids) < 1500
+
+
+def test_an_agent_on_the_real_openai_client_is_recorded_exactly_through_the_gateway(server, tokenizer):
+    """The `openai` package against the gateway on this vLLM engine: two turns of a conversation;
+    the recording decodes to the chat template's rendering of it and its mask marks the engine's ids."""
+    import asyncio
+
+    import openai
+    import ray
+
+    from raytool.agent.gateway import Gateway
+    from raytool.agent.render import ChatRenderer
+
+    actor, _ = server
+    renderer = ChatRenderer(tokenizer)
+    outputs = []
+
+    async def generate(prompt_ids, sampling, request_id, session):
+        out = await actor.generate.remote(prompt_ids, sampling, request_id)
+        outputs.append(out)
+        return out
+
+    async def main():
+        gateway = Gateway(renderer, None, model_name="policy", defaults=SamplingParams(max_tokens=12, temperature=0.0))
+        url = await gateway.start()
+        path = gateway.open("t0", generate, sampling=SamplingParams(max_tokens=12, temperature=0.0))
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+        async with openai.AsyncOpenAI(base_url=url + path, api_key="x", max_retries=0) as client:
+            for follow_up in ("Continue.", None):
+                reply = await client.chat.completions.create(model="policy", messages=messages)
+                messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+                assert reply.usage.completion_tokens == len(outputs[-1].token_ids)
+                if follow_up:
+                    messages.append({"role": "user", "content": follow_up})
+        traj = gateway.finish(path, "t0", "g", "", None)
+        await gateway.stop()
+        return traj
+
+    traj = asyncio.run(main())
+    generated = [i for out in outputs for i in out.token_ids]
+    assert len(outputs) == 2 and [i for i, m in zip(traj.response_ids, traj.response_mask) if m] == generated
+    assert [lp for lp, m in zip(traj.rollout_logprobs, traj.response_mask) if m] == [lp for out in outputs for lp in out.logprobs]
+    raw = [tokenizer.decode(out.token_ids, skip_special_tokens=False) for out in outputs]
+    raw = [text.removesuffix(tokenizer.eos_token) for text in raw]
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."},
+                    {"role": "assistant", "content": raw[0]}, {"role": "user", "content": "Continue."}, {"role": "assistant", "content": raw[1]}]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+    decoded = tokenizer.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
+    assert rendered.startswith(decoded) and rendered[len(decoded):] in ("\n", tokenizer.eos_token + "\n"), (decoded, rendered)
