@@ -59,6 +59,8 @@ class Graph:
     namespace: str = ""  # the Ray namespace its named actors live in
     watchdog: object = None  # the run's actors.watchdog.Watchdog, if one watches them
     sync_attempts: int = 0  # weight-sync passes so far: each pass's buckets carry its number
+    gateway: object = None  # agent.gateway: the GatewayActor serving the OpenAI API over the manager
+    gateway_url: str = ""
     _next_worker: itertools.cycle = field(init=False, repr=False)
 
     _group_worker: dict = field(init=False, repr=False, default_factory=dict)  # stats ref of a running group -> its agent worker
@@ -236,7 +238,8 @@ class Graph:
         # Let engines stop their own processes (vLLM's engine core) before the actors go.
         stopping = [s.shutdown.remote() for s in [*self.servers.values(), *self.sandbox_pools]]
         ray.wait(stopping, num_returns=len(stopping), timeout=30)
-        for actor in [*self.agent_workers, *self.reward_workers, *self.sandbox_pools, self.manager, *self.servers.values()]:
+        for actor in [*self.agent_workers, *self.reward_workers, *self.sandbox_pools, self.manager, *self.servers.values(),
+                      *([self.gateway] if self.gateway is not None else [])]:
             ray.kill(actor)
 
 
@@ -295,6 +298,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     try:
         results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, r.engine_start_timeout_s))
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
+        if cfg.agent.gateway:
+            start_gateway(graph, options("gateway", light), cfg.agent.gateway_host, cfg.agent.gateway_port)
         graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
     except BaseException:  # nothing of a run that failed to start is left running
         if graph.watchdog is not None:
@@ -303,6 +308,15 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
             ray.kill(actor)
         raise
     return graph
+
+
+def start_gateway(graph: Graph, options: dict, host: str, port: int) -> str:
+    """The OpenAI-compatible gateway over the graph's manager (actors.gateway); its URL."""
+    from actors.gateway import GatewayActor
+
+    graph.gateway = GatewayActor.options(**options).remote(graph.model_path, "llm-manager", graph.cfg, graph.namespace, host, port)
+    graph.gateway_url = wait_started({"gateway": (graph.gateway, graph.gateway.start)})["gateway"]
+    return graph.gateway_url
 
 
 def run_namespace(name: str) -> str:

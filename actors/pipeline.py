@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -354,6 +355,9 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
     then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"), watch=True)
+    if graph.gateway_url:
+        (run_dir / "gateway.json").write_text(json.dumps({"url": graph.gateway_url, "model": cfg.model.path}) + "\n")
+        log.info("OpenAI-compatible gateway: %s/v1 (model %r)", graph.gateway_url, cfg.model.path)
     root = checkpoint_root(cfg, run_dir)
     saved = read_state(checkpoint, DriverState) if checkpoint is not None else None
     if saved is not None:  # the steps after the checkpoint are done again: each logged once

@@ -1,6 +1,6 @@
 """The `raytool` command: train (GRPO with optional SFT warm-up), sft (multi-turn SFT), eval (validation metrics),
 preprocess (data sets -> prompt rows), export (checkpoint -> HF), report (a run as an HTML page), config,
-sandbox serve, bench NAME, chaos."""
+sandbox serve, serve (an OpenAI-compatible API over the policy), bench NAME, chaos."""
 
 from __future__ import annotations
 
@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8080, help="TCP port (default 8080, as SandboxFusion)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 to serve other nodes)")
     _config_args(serve)
+    gateway = sub.add_parser("serve", help="serve the policy over an OpenAI-compatible HTTP API (rollout servers, manager, gateway)")
+    _config_args(gateway)
+    gateway.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    gateway.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 to serve other machines)")
+    gateway.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local instance)")
     chaos = sub.add_parser("chaos", help="train while killing (and with --hang, stopping) the run's own actor processes, then check nothing was lost")
     _config_args(chaos)
     chaos.add_argument("--kill-every", type=float, default=20.0, metavar="S", help="seconds between faults (default 20)")
@@ -232,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return _eval(cfg, args)
+        if args.command == "serve":
+            from actors.gateway import serve
+
+            serve(cfg, args.host, args.port, args.address)
+            return 0
         from actors import pipeline  # lazy: the CLI's imports of the Ray layer
 
         if args.command == "chaos":

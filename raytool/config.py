@@ -111,6 +111,8 @@ class AgentConfig(_Section):
     openai_agent: str | None = None  # rows with agent_name openai: 'package.module:function', an `async def agent(client, row) -> str` given an openai.AsyncOpenAI client on its trajectory's gateway URL
     on_history_rewrite: Literal["truncate", "drop"] = "truncate"  # an agent (langgraph, openai) that rewrote its history: train on what was recorded up to there, or on none of it
     gateway: bool = False  # start an OpenAI-compatible gateway actor with the run, for agents outside raytool (its URL is logged and in RUN_DIR/gateway.json)
+    gateway_host: str = "127.0.0.1"  # the gateway's interface (0.0.0.0: reachable from other machines, unauthenticated)
+    gateway_port: int = 0  # the gateway's TCP port (0: a free one)
     loop_modules: list[str] = msgspec.field(default_factory=list)  # modules the agent workers import first (where your own loops and tools register)
     num_workers: int = 1  # AgentLoopWorker actors
     system_prompt: str | None = None  # None: the task's own system prompt

@@ -188,3 +188,13 @@ def test_the_api_serves_tool_calls_streaming_n_and_usage_and_errors_in_openais_s
             await gateway.stop()
 
     asyncio.run(main())
+
+
+def test_the_gateway_bench_runs_both_sides_on_the_same_conversation():
+    from raytool.bench.gateway import bench
+    from raytool.config import load_config
+
+    table, result = bench(load_config(None, ["rollout.scripted_delay_s=0.01"]), trajectories=4, concurrency=2)
+    assert result["response_tokens_native"] == result["response_tokens_gateway"] > 0  # the same conversation, token for token in length
+    assert 0 < result["gateway_vs_native"] and 0 <= result["added_latency_p50_ms"] <= result["added_latency_p99_ms"]
+    assert "gateway_vs_native" in table

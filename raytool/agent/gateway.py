@@ -175,7 +175,6 @@ class _Trajectory:
     seed: int | None
     produced: dict[tuple, str] = field(default_factory=dict)  # (content, tool calls) as returned -> the raw generated text
     last_messages: list[dict] = field(default_factory=list)  # the last request's conversation and the answer to it
-    closed: bool = False
 
 
 class Gateway:
@@ -205,8 +204,10 @@ class Gateway:
     def finish(self, path: str, uid: str, group_id: str, ground_truth: str, answer: str | None) -> Trajectory:
         """Close the trajectory at `path` (later calls to it are 404) and return what it recorded;
         `answer` (the agent's return value) ends the conversation as the reward's response."""
-        traj = self.trajectories.pop(path.split("/")[2])
-        traj.closed = True
+        parts = path.split("/")
+        traj = self.trajectories.pop(parts[2] if len(parts) > 2 else "", None)
+        if traj is None:
+            raise KeyError(f"no open trajectory at {path!r}")
         messages = [Message(m["role"], m["content"]) for m in traj.last_messages]
         if answer is not None:
             messages.append(Message("assistant", answer))

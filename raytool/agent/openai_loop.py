@@ -17,6 +17,7 @@ with `time_limit`. Needs the `openai` package.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from raytool.agent.gateway import Gateway
 from raytool.agent.langgraph_loop import import_object
@@ -28,6 +29,21 @@ from raytool.types import Message, SamplingParams, Trajectory
 MODEL_NAME = "raytool-policy"
 
 _GATEWAYS: dict[tuple[int, int], tuple[Gateway, asyncio.Future]] = {}  # per (renderer, event loop): the gateway and its start
+_HTTP: dict[int, object] = {}  # per event loop: one HTTP client for every trajectory's openai client (making one costs ~20 ms: its SSL context)
+
+# Every call an agent makes would be an INFO line of the HTTP client's in the worker's log.
+for _name in ("httpx", "httpx2"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+
+def shared_http_client():
+    """The openai SDK's default HTTP client, one per event loop, shared by every trajectory's AsyncOpenAI."""
+    import openai
+
+    key = id(asyncio.get_running_loop())
+    if key not in _HTTP:
+        _HTTP[key] = openai.DefaultAsyncHttpxClient()
+    return _HTTP[key]
 
 
 async def worker_gateway(renderer: ChatRenderer, agent: AgentConfig) -> Gateway:
@@ -65,15 +81,16 @@ class OpenAIAgentLoop:
         row = {"messages": [{"role": m.role, "content": m.content} for m in messages], "model": MODEL_NAME,
                "ground_truth": ground_truth, "uid": uid, "group_id": group_id}
         answer, finish, error = None, "", ""
-        async with openai.AsyncOpenAI(base_url=gateway.url + path, api_key="raytool", max_retries=0, timeout=a.max_trajectory_s) as client:
-            try:
-                answer = await asyncio.wait_for(self.fn(client, row), a.max_trajectory_s)
-                if not isinstance(answer, str):
-                    raise TypeError(f"{a.openai_agent} returned {type(answer).__name__}, not the answer string")
-            except asyncio.TimeoutError:
-                finish = "time_limit"
-            except Exception as exc:  # the agent's own failure: its trajectory ends, the run goes on
-                finish, error, answer = "agent_error", first_line(exc), None
+        client = openai.AsyncOpenAI(base_url=gateway.url + path, api_key="raytool", max_retries=0, timeout=a.max_trajectory_s,
+                                    http_client=shared_http_client())
+        try:
+            answer = await asyncio.wait_for(self.fn(client, row), a.max_trajectory_s)
+            if not isinstance(answer, str):
+                raise TypeError(f"{a.openai_agent} returned {type(answer).__name__}, not the answer string")
+        except asyncio.TimeoutError:
+            finish = "time_limit"
+        except Exception as exc:  # the agent's own failure: its trajectory ends, the run goes on
+            finish, error, answer = "agent_error", first_line(exc), None
         traj = gateway.finish(path, uid, group_id, ground_truth, answer)
         if traj.prompt_ids == []:  # the agent never called the model: its prompt as the template renders it
             traj.prompt_ids = self.renderer.prompt_ids(messages)

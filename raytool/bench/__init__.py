@@ -37,6 +37,12 @@ def _load(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
+def _gateway(cfg: RunConfig) -> tuple[str, dict]:
+    from raytool.bench.gateway import bench
+
+    return bench(cfg)
+
+
 def _sandbox(cfg: RunConfig) -> tuple[str, dict]:
     from raytool.bench.sandbox import bench
 
@@ -61,4 +67,4 @@ def _engine(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
-BENCHES: dict[str, Bench] = {"engine": _engine, "load": _load, "pipeline": _pipeline, "router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}
+BENCHES: dict[str, Bench] = {"engine": _engine, "gateway": _gateway, "load": _load, "pipeline": _pipeline, "router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}

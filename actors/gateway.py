@@ -1,0 +1,87 @@
+"""GatewayActor: raytool.agent.gateway's OpenAI-compatible HTTP API as a Ray actor over the LLM
+manager, for agents that run outside raytool (`raytool serve`, or `agent.gateway: true` beside a
+run). Its URL is `http://<node>:<port>`; `open` gives a trajectory's own URL, recorded token-exactly,
+and `finish` returns what it recorded."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from actors.common import named
+from raytool.agent.gateway import Gateway
+from raytool.agent.render import ChatRenderer
+from raytool.config import RunConfig
+from raytool.types import SamplingParams, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote
+class GatewayActor:
+    def __init__(self, model_path: str, manager, cfg: RunConfig, namespace: str | None = None, host: str = "127.0.0.1", port: int = 0):
+        from transformers import AutoTokenizer
+
+        self.manager = named(manager, namespace)
+        self.host, self.port = host, port
+        r = cfg.rollout
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), template_kwargs=cfg.agent.chat_template_kwargs)
+        self.gateway = Gateway(renderer, self._generate, model_name=cfg.model.path, max_model_len=r.max_model_len,
+                               defaults=SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+                               template_kwargs=cfg.agent.chat_template_kwargs)
+        self.cfg = cfg
+
+    async def _generate(self, prompt_ids, sampling, request_id, session):
+        return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, session)
+
+    async def start(self) -> str:
+        """Serve; returns the base URL (the node's address when listening on every interface)."""
+        url = await self.gateway.start(self.host, self.port)
+        if self.host == "0.0.0.0":
+            url = url.replace("0.0.0.0", ray.util.get_node_ip_address())
+        self.gateway.url = url
+        log.info("OpenAI-compatible gateway at %s/v1 (model %r)", url, self.gateway.model_name)
+        return url
+
+    def open(self, session: str) -> str:
+        """A new trajectory's base URL (`.../traj/<key>/v1`)."""
+        a = self.cfg.agent
+        path = self.gateway.open(session, self._generate, seed=self.cfg.rollout.seed, max_response_tokens=a.max_response_tokens,
+                                 on_history_rewrite=a.on_history_rewrite)
+        return self.gateway.url + path
+
+    def finish(self, url: str, uid: str, group_id: str, ground_truth: str, answer: str | None = None) -> Trajectory:
+        return self.gateway.finish(url.removeprefix(self.gateway.url), uid, group_id, ground_truth, answer)
+
+    def latencies(self) -> list[float]:
+        return list(self.gateway.latencies)
+
+    async def shutdown(self) -> None:
+        await self.gateway.stop()
+
+
+def serve(cfg: RunConfig, host: str, port: int, address: str | None = None) -> None:
+    """`raytool serve`: the rollout servers and the manager of `cfg`, and a gateway on host:port in
+    front of them, until interrupted (Ctrl-C or SIGTERM)."""
+    import signal
+    import threading
+
+    from actors.compose import build, start_gateway
+    from actors.common import actor_options
+    from actors.pipeline import connect
+
+    connect(address or cfg.cluster.address)
+    graph = build(cfg, with_trainer=False)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        url = start_gateway(graph, actor_options(cfg.cluster.light_actor_cpus, 0.0, cfg.cluster.accelerator, cfg.cluster.env_vars,
+                                                 name="gateway", namespace=graph.namespace), host, port)
+        print(f"OpenAI-compatible API at {url}/v1 (model {cfg.model.path!r}); Ctrl-C stops it", flush=True)
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        graph.shutdown()

@@ -1,0 +1,47 @@
+"""The gateway actor beside a run's rollout servers (`agent.gateway: true`, as `raytool serve` starts
+it): the OpenAI API over the LLM manager, and a trajectory URL recorded through it."""
+
+import openai
+import pytest
+
+from raytool.config import load_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cluster):
+    import ray
+
+    from actors.compose import build
+    from raytool.engines.scripted import SCRIPT
+
+    cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "agent.gateway=true",
+                             "rollout.num_cpus=0.5", "rollout.max_model_len=2048"])
+    graph = build(cfg, with_trainer=False)
+    try:
+        assert graph.gateway_url.startswith("http://127.0.0.1:")
+        client = openai.OpenAI(base_url=graph.gateway_url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-random"]
+        reply = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "6 * 7 + 1?"}])
+        assert reply.choices[0].message.content == SCRIPT[0] and reply.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError) as too_long:
+            client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "x " * 3000}])
+        assert too_long.value.code == "context_length_exceeded"
+
+        url = ray.get(graph.gateway.open.remote("t0"))
+        agent = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "6 * 7 + 1?"}]
+        for output in ("42", "43", None):
+            message = agent.chat.completions.create(model="tiny-random", messages=messages).choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if output:
+                messages.append({"role": "tool", "content": output})
+        traj = ray.get(graph.gateway.finish.remote(url, "t0", "g", "43", message.content))
+        assert traj.num_turns == 3 and traj.finish_reason == "answer" and traj.messages[-1].content == SCRIPT[2]
+        tok = __import__("transformers").AutoTokenizer.from_pretrained(graph.model_path)
+        generated = tok.decode([t for t, m in zip(traj.response_ids, traj.response_mask) if m])
+        assert all(turn in generated for turn in SCRIPT)
+        with pytest.raises(openai.NotFoundError):  # finished
+            agent.chat.completions.create(model="tiny-random", messages=messages)
+    finally:
+        graph.shutdown()
