@@ -57,12 +57,19 @@ class AgentLoopWorker:
         self.nonce = uuid.uuid4().hex[:8]
         self.sessions: dict[str, str] = {}  # trajectory id -> its sandbox session
         self.started: set[str] = set()  # sessions that have run a cell
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.toolset = build_toolset(cfg.agent, tokenizer, self._execute)
-        self.renderer = ChatRenderer(tokenizer, tools=self.toolset.schemas if cfg.agent.format == "hermes" else None,
-                                     template_kwargs=cfg.agent.chat_template_kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.toolset = build_toolset(cfg.agent, self.tokenizer, self._execute)
+        self.renderers: dict[tuple, ChatRenderer] = {}  # one per distinct tool set of the rows (hermes lists it in the prompt)
+        self.renderer = self._renderer(list(self.toolset.tools.values()))
         self.slots = asyncio.Semaphore(cfg.agent.max_concurrent_trajectories)
         get_agent_loop(cfg.agent.default_agent)  # an unknown default fails now, not on the first row
+
+    def _renderer(self, tools: list) -> ChatRenderer:
+        key = tuple(t.name for t in tools) if self.cfg.agent.format == "hermes" else ()
+        if key not in self.renderers:
+            self.renderers[key] = ChatRenderer(self.tokenizer, tools=[t.schema for t in tools] if self.cfg.agent.format == "hermes" else None,
+                                               template_kwargs=self.cfg.agent.chat_template_kwargs)
+        return self.renderers[key]
 
     def _pool(self, session: str):
         # A stable hash: every cell of a trajectory reaches the pool that holds its session.
@@ -117,7 +124,9 @@ class AgentLoopWorker:
                 await until_alive(self.manager)
                 raise
 
-        loop = get_agent_loop(agent_name)(self.renderer, self.toolset.tools, generate, self.cfg.agent, rollout)
+        # The row's tools (extra["tools"]: names; None: all), created with its verl tools_kwargs, and their renderer.
+        tools = self.toolset.for_row(extra.get("tools"), (extra.get("extra_info") or {}).get("tools_kwargs"))
+        loop = get_agent_loop(agent_name)(self._renderer(list(tools.values())), tools, generate, self.cfg.agent, rollout)
         session = self.sessions[uid] = f"{uid}@{self.nonce}.{attempt}"
         async with self.slots:
             try:

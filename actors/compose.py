@@ -33,6 +33,7 @@ from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
 from raytool.config import ConfigError, RunConfig, SandboxConfig, sandbox_backend_options
 from raytool.data.prompts import PromptRow, with_system_prompt
+from raytool.tools.registry import row_tool_names
 from raytool.device import engine_dtype
 from raytool import placement
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
@@ -75,7 +76,7 @@ class Graph:
         another worker where there is one)."""
         worker = next(self._next_worker)
         messages = with_system_prompt(row.prompt, self.cfg.agent.system_prompt)
-        extra = {"data_source": row.data_source, "extra_info": row.extra_info}
+        extra = {"data_source": row.data_source, "extra_info": row.extra_info, "tools": row_tool_names(row.tools)}
         refs = worker.run_group.remote(messages, row.ground_truth, group_id, n or self.cfg.rollout.n, row.agent_name, extra, sampling, attempt)
         self._group_worker[refs[1]] = worker
         return refs

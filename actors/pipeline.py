@@ -40,7 +40,7 @@ from raytool.ledger import FILE as LEDGER_FILE, Ledger, outcome_metrics
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
-from raytool.tools.registry import load_tool_config
+from raytool.tools.registry import load_tool_config, row_tool_names
 from raytool.tracking import Tracker, cut_after_step, validate_backends
 from raytool.training import lr_at
 
@@ -203,6 +203,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)  # renders the warm-up, decodes the traces' prompts
+    check_row_tools(cfg, task, tokenizer)
     warmup = warmup_examples(cfg, task, tokenizer, random.Random(cfg.trainer.seed)) if cfg.trainer.sft_warmup_steps and checkpoint is None else []
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -247,6 +248,17 @@ def context_length(cfg: RunConfig, model_path: str) -> int | None:
     from transformers import AutoConfig
 
     return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+
+
+def check_row_tools(cfg: RunConfig, task: Task, tokenizer) -> None:
+    """Every prompt row's `tools` names tools of the run's tool set: one line naming the row otherwise."""
+    toolset = build_toolset(cfg.agent, tokenizer, None)
+    for split, rows in (("train", task.train), ("validation", task.val)):
+        for i, row in enumerate(rows):
+            try:
+                toolset.check_names(row_tool_names(row.tools), f"{split} prompt row {i} (data source {row.data_source})")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer) -> Task:

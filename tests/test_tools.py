@@ -530,3 +530,66 @@ def test_a_runs_tool_yaml_configures_its_sandbox_where_the_config_left_defaults(
     assert (cfg.sandbox.backend, cfg.sandbox.e2b_domain, cfg.sandbox.e2b_template) == ("e2b", "ap-shanghai.tencentags.com", "code-interpreter-v1")
     with pytest.raises(ConfigError, match="sandbox.backend"):
         with_tool_sandbox_settings(load_config(None, [f"agent.tools={yaml_path}", "sandbox.backend=sandbox_fusion"]))
+
+
+def test_a_row_sees_only_its_tools_created_with_its_tools_kwargs_and_its_prompt_lists_only_them(tokenizer):
+    from raytool.agent.loop import ToolAgentLoop
+    from raytool.agent.render import ChatRenderer
+    from raytool.config import AgentConfig, RolloutConfig
+    from raytool.tools.registry import RowTool, row_tool_names
+    from raytool.types import Message, TokenOutput
+
+    def lookup(key: str, ctx: ToolContext) -> str:
+        """Look a key up in the row's table."""
+        return str(ctx.extra.get("create_kwargs", {}).get("table", {}).get(key, "missing"))
+
+    def shout(text: str) -> str:
+        """Upper-case a text."""
+        return text.upper()
+
+    toolset = ToolSet([function_tool(lookup), function_tool(shout)])
+    # verl rows: the row's tool schemas (or names) and extra_info.tools_kwargs
+    names = row_tool_names([{"type": "function", "function": {"name": "lookup"}}])
+    assert names == ["lookup"] and row_tool_names(["shout"]) == ["shout"] and row_tool_names(None) is None
+    tools = toolset.for_row(names, {"lookup": {"create_kwargs": {"table": {"x": 7}}}})
+    assert list(tools) == ["lookup"] and isinstance(tools["lookup"], RowTool)
+    assert list(toolset.for_row(None)) == ["lookup", "shout"] and not isinstance(toolset.for_row(None)["lookup"], RowTool)
+    with pytest.raises(ValueError, match=r"a prompt row: its tools \['nope'\] are not in the run's tool set \['lookup', 'shout'\]"):
+        toolset.for_row(["nope"])
+
+    import copy
+
+    qwen = copy.deepcopy(tokenizer)  # Qwen2.5-Instruct's own template, which lists the tools in the system turn
+    qwen.chat_template = (Path(__file__).parent / "fixtures" / "templates" / "qwen2_5_instruct.jinja").read_text()
+    renderer = ChatRenderer(qwen, tools=[t.schema for t in tools.values()])
+    turns = iter(['<tool_call>{"name": "lookup", "arguments": {"key": "x"}}</tool_call>',
+                  '<tool_call>{"name": "shout", "arguments": {"text": "hi"}}</tool_call>', "done"])
+    prompts = []
+
+    async def generate(prompt_ids, sampling, request_id, session):
+        prompts.append(tokenizer.decode(prompt_ids))
+        ids = tokenizer.encode(next(turns), add_special_tokens=False) + [tokenizer.eos_token_id]
+        return TokenOutput(ids, [-0.1] * len(ids), "stop")
+
+    loop = ToolAgentLoop(renderer, tools, generate, AgentConfig(format="hermes", max_turns=4), RolloutConfig())
+    traj = run(loop.run([Message("user", "look x up")], "", "t", "g"))
+    tool_outputs = [m.content for m in traj.messages if m.role == "tool"]
+    assert tool_outputs[0] == "7"  # the row's create_kwargs reached the tool
+    assert "unknown_tool" in tool_outputs[1] and traj.tool_error_kinds == {"unknown_tool": 1}  # not this row's tool
+    assert '"lookup"' in prompts[0] and '"shout"' not in prompts[0]  # only the row's schemas are rendered
+
+
+def test_a_row_naming_a_tool_the_run_lacks_stops_the_run_before_any_actor_in_one_line(tokenizer):
+    from actors.pipeline import check_row_tools
+    from raytool.config import load_config
+    from raytool.data.prompts import PromptRow
+    from raytool.data.task import Task
+    from raytool.types import Message
+
+    row = PromptRow(prompt=[Message("user", "hi")], ground_truth="1", data_source="mine", tools=[{"type": "function", "function": {"name": "web_search"}}])
+    ok = PromptRow(prompt=[Message("user", "hi")], ground_truth="1", data_source="mine", tools=["code_interpreter"])
+    cfg = load_config(None, [])
+    check_row_tools(cfg, Task(train=[ok], val=[ok]), tokenizer)
+    with pytest.raises(ConfigError, match=r"^validation prompt row 1 \(data source mine\): its tools \['web_search'\] are not in the run's tool set "
+                                          r"\['code_interpreter'\] \(agent.tools\)$"):
+        check_row_tools(cfg, Task(train=[ok], val=[ok, row]), tokenizer)

@@ -331,6 +331,36 @@ def _check_tool(obj: Any) -> None:
         raise TypeError(f"{kind}: tool name '{obj.name}' must be 1-64 letters, digits, '_' or '-'")
 
 
+def row_tool_names(tools: list | None) -> list[str] | None:
+    """The tool names a prompt row's `tools` column selects: OpenAI schemas (their function names)
+    or plain names; None (the column empty): the run's whole tool set."""
+    if tools is None:
+        return None
+    return [t if isinstance(t, str) else (t.get("function") or {}).get("name", "") for t in tools]
+
+
+class RowTool:
+    """A tool as one prompt row creates it: verl's per-row `tools_kwargs[name]` (`create_kwargs`,
+    `execute_kwargs`, ...) reach every call of it in `ctx.extra` (a function tool reads them from
+    its ToolContext argument)."""
+
+    def __init__(self, tool: Tool, kwargs: dict):
+        self.tool, self.kwargs = tool, kwargs
+        self.name, self.schema = tool.name, tool.schema
+
+    def __repr__(self) -> str:
+        return f"RowTool({self.tool!r}, {sorted(self.kwargs)})"
+
+    def _ctx(self, ctx: ToolContext) -> ToolContext:
+        return ToolContext(ctx.trajectory_id, {**ctx.extra, **self.kwargs})
+
+    async def execute(self, call: ToolCall, ctx: ToolContext) -> ToolResult:
+        return await self.tool.execute(call, self._ctx(ctx))
+
+    async def release(self, ctx: ToolContext) -> None:
+        await self.tool.release(self._ctx(ctx))
+
+
 class ToolSet:
     """The tools one agent loop may call (`tools`, by name), their OpenAI schemas for the chat
     template (`schemas`), and the sandbox settings their config implied (`sandbox_overrides`:
@@ -348,6 +378,19 @@ class ToolSet:
     @property
     def schemas(self) -> list[dict]:
         return [t.schema for t in self.tools.values()]
+
+    def check_names(self, names: list[str] | None, where: str) -> None:
+        unknown = sorted(set(names or ()) - set(self.tools))
+        if unknown:
+            raise ValueError(f"{where}: its tools {unknown} are not in the run's tool set {sorted(self.tools)} (agent.tools)")
+
+    def for_row(self, names: list[str] | None, tools_kwargs: dict | None = None) -> dict[str, Tool]:
+        """The tools one row's trajectories see: `names` of them (None: all), each created with the
+        row's `tools_kwargs[name]` where it has one."""
+        self.check_names(names, "a prompt row")
+        chosen = {n: self.tools[n] for n in (self.tools if names is None else names)}
+        kwargs = tools_kwargs or {}
+        return {n: RowTool(t, kwargs[n]) if isinstance(kwargs.get(n), dict) else t for n, t in chosen.items()}
 
     def register(self, tool_: Tool) -> Tool:
         _check_tool(tool_)
