@@ -228,7 +228,7 @@ def test_dockerfile_pins_its_base_installs_raytool_and_runs_as_a_user(path):
             checked = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
             assert checked.returncode == 0, f"{path.name}: RUN {command[:80]}...: {checked.stderr}"
     runs = " ".join(a for op, a in instructions if op == "RUN")
-    assert re.search(r"pip install .*(\s\.\s|\s\.$)|scripts/setup\.sh", runs), f"{path.name}: no RUN installs raytool"
+    assert re.search(r"pip install .*(\s\.\s|\s\.$|\s\"\.\[[a-z,]+\]\")|scripts/setup\.sh", runs), f"{path.name}: no RUN installs raytool"
     assert re.search(r"(import|from) raytool", runs), f"{path.name}: the build never imports raytool"
     users = [a.strip() for op, a in instructions if op == "USER"]
     assert users and users[-1] not in {"root", "0", "0:0"}, f"{path.name}: the image runs as root"

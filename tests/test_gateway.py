@@ -198,3 +198,28 @@ def test_the_gateway_bench_runs_both_sides_on_the_same_conversation():
     assert result["response_tokens_native"] == result["response_tokens_gateway"] > 0  # the same conversation, token for token in length
     assert 0 < result["gateway_vs_native"] and 0 <= result["added_latency_p50_ms"] <= result["added_latency_p99_ms"]
     assert "gateway_vs_native" in table
+
+
+def test_the_readme_openai_agent_runs_and_is_recorded(qwen):
+    """The README's complete `openai` agent, as a module, through the `openai` agent loop."""
+    import re
+    import sys
+    import types
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"<!-- openai-agent-example -->\s*```python\n(.*?)```", readme, re.DOTALL)
+    module = types.ModuleType("readme_openai_agent")
+    exec(compile(block.group(1), "README.md:openai-agent-example", "exec"), module.__dict__)
+    sys.modules["readme_openai_agent"] = module
+    try:
+        from raytool.agent.registry import get_agent_loop
+        from raytool.config import AgentConfig, RolloutConfig
+
+        generate, prompts, generated = scripted(qwen, TURNS)
+        loop = get_agent_loop("openai")(qwen, {}, generate, AgentConfig(openai_agent="readme_openai_agent:agent"), RolloutConfig())
+        traj = asyncio.run(loop.run([Message(m["role"], m["content"]) for m in PROMPT], "142", "r/0", "r"))
+    finally:
+        del sys.modules["readme_openai_agent"]
+    assert (traj.finish_reason, traj.num_turns, traj.tool_calls) == ("answer", 3, 2)
+    assert traj.messages[-1].content == "The answer is 142."
+    assert [i for i, m in zip(traj.response_ids, traj.response_mask) if m] == [i for g in generated for i in g]

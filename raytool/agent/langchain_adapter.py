@@ -23,8 +23,11 @@ from pydantic import Field, model_validator
 
 from raytool.agent.loop import request_seed
 from raytool.agent.parsers import parse_hermes
-from raytool.agent.recorder import HISTORY_REWRITTEN, render_chat  # noqa: F401 (HISTORY_REWRITTEN: re-exported)
+from raytool.agent.recorder import HISTORY_REWRITTEN, render_chat
 from raytool.agent.recorder import TokenRecorder as _Recorder
+
+__all__ = ["HISTORY_REWRITTEN", "RAW_TEXT_KEY", "RaytoolChatModel", "TokenRecorder", "render_chat", "run_langgraph_agent", "to_chat_dict",
+           "to_langchain_messages", "to_raytool_messages"]
 from raytool.agent.render import ChatRenderer
 from raytool.types import Message, SamplingParams, TokenOutput, Trajectory
 

@@ -265,7 +265,6 @@ def test_an_agent_on_the_real_openai_client_is_recorded_exactly_through_the_gate
     import asyncio
 
     import openai
-    import ray
 
     from raytool.agent.gateway import Gateway
     from raytool.agent.render import ChatRenderer
