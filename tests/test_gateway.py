@@ -223,3 +223,28 @@ def test_the_readme_openai_agent_runs_and_is_recorded(qwen):
     assert (traj.finish_reason, traj.num_turns, traj.tool_calls) == ("answer", 3, 2)
     assert traj.messages[-1].content == "The answer is 142."
     assert [i for i, m in zip(traj.response_ids, traj.response_mask) if m] == [i for g in generated for i in g]
+
+
+def test_a_trajectory_samples_at_the_runs_temperature_whatever_the_agent_asks(qwen):
+    seen = []
+
+    async def generate(prompt_ids, sampling, request_id, session):
+        seen.append(sampling)
+        return TokenOutput([qwen.eos_id], [-0.1], "stop")
+
+    async def main():
+        gateway = Gateway(qwen, generate, model_name=MODEL)
+        url = await gateway.start()
+        try:
+            path = gateway.open("t", generate, sampling=SamplingParams(max_tokens=64, temperature=1.0, top_p=1.0))
+            async with openai.AsyncOpenAI(base_url=url + path, api_key="x", max_retries=0) as client:
+                await client.chat.completions.create(model=MODEL, messages=PROMPT, temperature=0.0, top_p=0.5, max_tokens=9, stop=["END"])
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+                await client.chat.completions.create(model=MODEL, messages=PROMPT, temperature=0.0, top_p=0.5)
+        finally:
+            await gateway.stop()
+
+    asyncio.run(main())
+    traj_call, plain_call = seen
+    assert (traj_call.temperature, traj_call.top_p, traj_call.max_tokens, traj_call.stop) == (1.0, 1.0, 9, ("END",))
+    assert (plain_call.temperature, plain_call.top_p) == (0.0, 0.5)  # interactive use: the request decides

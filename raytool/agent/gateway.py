@@ -14,6 +14,9 @@ Routes (aiohttp):
   agent that edits its history ends the recording there (`agent.on_history_rewrite`). A key that
   does not exist or whose trajectory finished is a 404.
 
+On a trajectory URL the run's temperature and top_p apply whatever the request asks (the trainer
+scores the tokens as the run samples them); max_tokens and stop apply everywhere.
+
 A request renders with the chat template (the run's `agent.chat_template_kwargs`), generates once
 through `generate` (the LLM manager's token API in the actor graph), and its text is parsed for
 tool calls in the Hermes format into OpenAI `tool_calls` (content is the text before the first
@@ -241,10 +244,13 @@ class Gateway:
             wanted = min(wanted, room)
         seed = request.seed if request.seed is not None else (traj.seed if traj is not None else None)
         session = traj.session if traj is not None else "gateway"
+        # A trajectory samples as the run does: the trainer scores its tokens at the run's temperature
+        # and top_p, so an agent's own values (often 0 or 0.7) are not applied there.
+        chosen = request.sampling if traj is None else {}
         return SamplingParams(
             max_tokens=wanted,
-            temperature=request.sampling.get("temperature", base.temperature),
-            top_p=request.sampling.get("top_p", base.top_p),
+            temperature=chosen.get("temperature", base.temperature),
+            top_p=chosen.get("top_p", base.top_p),
             top_k=base.top_k,
             stop_token_ids=(self.renderer.eos_id,),
             stop=request.sampling.get("stop", ()),
