@@ -61,9 +61,9 @@ class GatewayActor:
         await self.gateway.stop()
 
 
-def serve(cfg: RunConfig, host: str, port: int, address: str | None = None) -> None:
+def serve(cfg: RunConfig, host: str, port: int, address: str | None = None, stop=None) -> None:
     """`raytool serve`: the rollout servers and the manager of `cfg`, and a gateway on host:port in
-    front of them, until interrupted (Ctrl-C or SIGTERM)."""
+    front of them, until interrupted (Ctrl-C or SIGTERM; `stop`, a threading.Event, when set)."""
     import signal
     import threading
 
@@ -73,8 +73,9 @@ def serve(cfg: RunConfig, host: str, port: int, address: str | None = None) -> N
 
     connect(address or cfg.cluster.address)
     graph = build(cfg, with_trainer=False)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         url = start_gateway(graph, actor_options(cfg.cluster.light_actor_cpus, 0.0, cfg.cluster.accelerator, cfg.cluster.env_vars,
                                                  name="gateway", namespace=graph.namespace), host, port)

@@ -37,8 +37,10 @@ def test_tiny_run_checkpoints_and_a_resumed_run_repeats_step_three_exactly(ray_c
     # An entropy bonus trains every sequence (no zero-advantage skipping: the random model earns
     # no reward), so the engine/trainer log-prob mismatch is measured on all of them.
     cfg = load_config(REPO / "examples" / "tiny_cpu.yaml",
-                      TINY + ["trainer.total_steps=3", "trainer.save_every=2", "rollout.seed=7", "algorithm.entropy_coeff=0.001"])
+                      TINY + ["trainer.total_steps=3", "trainer.save_every=2", "rollout.seed=7", "algorithm.entropy_coeff=0.001", "agent.gateway=true"])
     run_dir = run(cfg, tmp_path / "run")
+    # agent.gateway: an OpenAI-compatible gateway served beside the run, its URL in the run directory
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", json.loads((run_dir / "gateway.json").read_text())["url"])
     grpo = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     sft = [json.loads(line) for line in (run_dir / "sft_metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in sft] == [1, 2] and all(m["train/loss"] > 0 for m in sft)

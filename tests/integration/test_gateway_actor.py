@@ -45,3 +45,41 @@ def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cl
             agent.chat.completions.create(model="tiny-random", messages=messages)
     finally:
         graph.shutdown()
+
+
+def test_raytool_serve_answers_until_stopped_and_then_leaves_nothing_running(ray_cluster):
+    """`raytool serve`'s function, in a thread of this process (the CLI runs it in its main thread)."""
+    import socket
+    import threading
+    import time
+
+    import ray
+
+    from actors.gateway import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "rollout.num_cpus=0.5",
+                             "cluster.namespace=raytool-serve-test"])
+    stop = threading.Event()
+    thread = threading.Thread(target=serve, args=(cfg, "127.0.0.1", port), kwargs={"stop": stop})
+    thread.start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=5)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            reply = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "6 * 7?"}])
+            break
+        except openai.APIConnectionError:
+            assert time.monotonic() < deadline and thread.is_alive(), "raytool serve did not come up"
+            time.sleep(1)
+    assert reply.choices[0].message.content.startswith("Let me compute it.")
+    stop.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    with pytest.raises(openai.APIConnectionError):
+        client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "again"}])
+    time.sleep(2)  # ray.kill is asynchronous
+    alive = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "raytool-serve-test"]
+    assert alive == [], alive
