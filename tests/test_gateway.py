@@ -248,3 +248,16 @@ def test_a_trajectory_samples_at_the_runs_temperature_whatever_the_agent_asks(qw
     traj_call, plain_call = seen
     assert (traj_call.temperature, traj_call.top_p, traj_call.max_tokens, traj_call.stop) == (1.0, 1.0, 9, ("END",))
     assert (plain_call.temperature, plain_call.top_p) == (0.0, 0.5)  # interactive use: the request decides
+
+
+def test_an_openai_agent_is_named_by_module_or_file_and_a_bad_name_is_one_line(tmp_path):
+    from raytool.config import ConfigError
+    from raytool.imports import import_object
+
+    (tmp_path / "my_agents.py").write_text("async def agent(client, row):\n    return 'x'\n")
+    assert import_object(f"{tmp_path / 'my_agents.py'}:agent", "agent.openai_agent").__name__ == "agent"
+    assert import_object(f"{__name__}:calculator_agent", "agent.openai_agent") is calculator_agent
+    for spec, why in [("no_colon", "expected 'package.module:function'"), (f"{tmp_path / 'absent.py'}:agent", "absent.py not found"),
+                      (f"{tmp_path / 'my_agents.py'}:nope", "cannot import"), ("no_such_module:agent", "No module named")]:
+        with pytest.raises(ConfigError, match=f"config key 'agent.openai_agent': .*{why}"):
+            import_object(spec, "agent.openai_agent")

@@ -10,23 +10,12 @@ token-exactly (generated ids verbatim, everything else masked). Needs `pip insta
 from __future__ import annotations
 
 import asyncio
-import importlib
 
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, ConfigError, RolloutConfig
+from raytool.imports import import_object
 from raytool.types import Message, Trajectory
-
-
-def import_object(path: str, key: str):
-    """`package.module:name` -> the object, with an error naming the config key."""
-    module, sep, name = path.partition(":")
-    if not sep or not module or not name:
-        raise ConfigError(f"config key '{key}': expected 'package.module:function', got {path!r}")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"config key '{key}': cannot import {path!r} ({exc})") from None
 
 
 @register_agent_loop("langgraph")

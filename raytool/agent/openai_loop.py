@@ -1,6 +1,7 @@
 """The `openai` agent loop: a user's agent written against the OpenAI API, rolled out and recorded.
 
-Rows with `agent_name: openai` run the function `agent.openai_agent` names (`module:function`):
+Rows with `agent_name: openai` run the function `agent.openai_agent` names (`module:function` or
+`path/to/file.py:function`):
 
     async def agent(client: openai.AsyncOpenAI, row: dict) -> str
 
@@ -20,10 +21,10 @@ import asyncio
 import logging
 
 from raytool.agent.gateway import Gateway
-from raytool.agent.langgraph_loop import import_object
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, ConfigError, RolloutConfig
+from raytool.imports import import_object
 from raytool.types import Message, SamplingParams, Trajectory
 
 MODEL_NAME = "raytool-policy"

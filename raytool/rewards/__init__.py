@@ -11,15 +11,14 @@ builder `(RewardConfig) -> reward fn`; the built-ins return `score`, `acc`, `has
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 import traceback
 from pathlib import Path
 from typing import Callable
 
 from raytool.config import ConfigError, RewardConfig
 from raytool.errors import RaytoolError, one_line
+from raytool.imports import module_from_file
 from raytool.rewards.math import extract_answer, judge, last_boxed, normalize_answer, strip_interpreter
 from raytool.rewards.verify import MathVerifier
 
@@ -114,12 +113,8 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise _config_error(spec, f"not a registered reward ({', '.join(sorted(REWARDS))}) nor path/to/file.py:function")
     if not Path(path).is_file():
         raise _config_error(spec, f"file {path} not found (relative paths start at {Path.cwd()})")
-    module_name = f"raytool_user_reward_{Path(path).stem}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
     try:
-        module_spec.loader.exec_module(module)
+        module = module_from_file(path, f"raytool_user_reward_{Path(path).stem}")
     except SyntaxError as exc:
         raise _config_error(spec, f"{path} line {exc.lineno}: syntax error: {exc.msg}") from None
     except Exception as exc:

@@ -1,5 +1,8 @@
 """The gateway actor beside a run's rollout servers (`agent.gateway: true`, as `raytool serve` starts
-it): the OpenAI API over the LLM manager, and a trajectory URL recorded through it."""
+it): the OpenAI API over the LLM manager and a trajectory URL recorded through it; `agent_name:
+openai` rows on the agent workers; `raytool serve` itself."""
+
+from pathlib import Path
 
 import openai
 import pytest
@@ -13,10 +16,14 @@ def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cl
     import ray
 
     from actors.compose import build
+    from raytool.data.prompts import PromptRow
     from raytool.engines.scripted import SCRIPT
+    from raytool.types import Message
 
+    agent = Path(__file__).parents[1] / "helpers" / "openai_agent.py"
     cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "agent.gateway=true",
-                             "rollout.num_cpus=0.5", "rollout.max_model_len=2048"])
+                             "rollout.num_cpus=0.5", "rollout.max_model_len=2048", "rollout.n=2", "reward.fn=boxed_match",
+                             f"agent.openai_agent={agent}:agent"])
     graph = build(cfg, with_trainer=False)
     try:
         assert graph.gateway_url.startswith("http://127.0.0.1:")
@@ -29,10 +36,10 @@ def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cl
         assert too_long.value.code == "context_length_exceeded"
 
         url = ray.get(graph.gateway.open.remote("t0"))
-        agent = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         messages = [{"role": "user", "content": "6 * 7 + 1?"}]
         for output in ("42", "43", None):
-            message = agent.chat.completions.create(model="tiny-random", messages=messages).choices[0].message
+            message = client.chat.completions.create(model="tiny-random", messages=messages).choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             if output:
                 messages.append({"role": "tool", "content": output})
@@ -42,7 +49,14 @@ def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cl
         generated = tok.decode([t for t, m in zip(traj.response_ids, traj.response_mask) if m])
         assert all(turn in generated for turn in SCRIPT)
         with pytest.raises(openai.NotFoundError):  # finished
-            agent.chat.completions.create(model="tiny-random", messages=messages)
+            client.chat.completions.create(model="tiny-random", messages=messages)
+
+        # agent_name: openai rows on the agent workers: the agent's own loop through each worker's gateway, scored
+        row = PromptRow(prompt=[Message("user", "6 * 7 + 1?")], ground_truth="43", data_source="t", agent_name="openai")
+        stats, refs = graph.rollout([row, row], "oa")
+        trajs = [t for ref in refs for t in ray.get(ref)]
+        assert len(trajs) == 4 and {(t.agent_name, t.num_turns, t.finish_reason, t.reward) for t in trajs} == {("openai", 3, "answer", 1.0)}
+        assert all(t.messages[-1].content == SCRIPT[2] and sum(t.response_mask) > 0 for t in trajs)
     finally:
         graph.shutdown()
 
