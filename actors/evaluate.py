@@ -69,12 +69,16 @@ def eval_model_path(model: str, work_dir: Path) -> str:
 
 def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | None = None) -> dict:
     """`raytool eval`: validation metrics of `model` on data_files (none: the config's validation set)."""
-    from actors.pipeline import connect
+    from transformers import AutoTokenizer
+
+    from actors.pipeline import check_row_tools, connect
+    from raytool.data.task import Task
 
     validate_reward_fn(cfg.reward.fn)
     rows = load_prompt_files(data_files) if data_files else load_task(cfg).val
     with tempfile.TemporaryDirectory(prefix="raytool-eval-") as work_dir:
         model_path = eval_model_path(model, Path(work_dir))
+        check_row_tools(cfg, Task(train=[], val=rows), AutoTokenizer.from_pretrained(model_path))
         connect(address or cfg.cluster.address)
         graph = build(cfg, model_path, with_trainer=False)
         try:

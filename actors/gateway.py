@@ -71,7 +71,10 @@ def serve(cfg: RunConfig, host: str, port: int, address: str | None = None, stop
     from actors.common import actor_options
     from actors.pipeline import connect
 
+    import msgspec
+
     connect(address or cfg.cluster.address)
+    cfg = msgspec.structs.replace(cfg, agent=msgspec.structs.replace(cfg.agent, gateway=False))  # the one gateway is this command's
     graph = build(cfg, with_trainer=False)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
