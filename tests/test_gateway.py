@@ -128,6 +128,18 @@ def test_an_agent_that_raises_ends_its_trajectory_with_the_first_line(qwen):
     assert [i for i, m in zip(traj.response_ids, traj.response_mask) if m] == generated[0]
 
 
+def test_a_failed_generate_makes_the_trajectory_infra_failed_not_the_agents_error(qwen):
+    from raytool.agent.registry import get_agent_loop
+    from raytool.config import AgentConfig, RolloutConfig
+
+    async def generate(prompt_ids, sampling, request_id, session):
+        raise RuntimeError("no rollout server left")
+
+    loop = get_agent_loop("openai")(qwen, {}, generate, AgentConfig(openai_agent=f"{__name__}:calculator_agent"), RolloutConfig())
+    traj = asyncio.run(loop.run([Message(m["role"], m["content"]) for m in PROMPT], "142", "f/0", "f"))
+    assert (traj.finish_reason, traj.infra_failure, traj.agent_error) == ("infra_failed", "generate: RuntimeError: no rollout server left", "")
+
+
 def test_the_api_serves_tool_calls_streaming_n_and_usage_and_errors_in_openais_shape(qwen):
     generate, prompts, generated = scripted(qwen, TURNS)
 

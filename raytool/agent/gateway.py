@@ -178,6 +178,7 @@ class _Trajectory:
     seed: int | None
     produced: dict[tuple, str] = field(default_factory=dict)  # (content, tool calls) as returned -> the raw generated text
     last_messages: list[dict] = field(default_factory=list)  # the last request's conversation and the answer to it
+    infra: str = ""  # a generate call that failed (the engine, the manager): not the policy's doing
 
 
 class Gateway:
@@ -206,7 +207,8 @@ class Gateway:
 
     def finish(self, path: str, uid: str, group_id: str, ground_truth: str, answer: str | None) -> Trajectory:
         """Close the trajectory at `path` (later calls to it are 404) and return what it recorded;
-        `answer` (the agent's return value) ends the conversation as the reward's response."""
+        `answer` (the agent's return value) ends the conversation as the reward's response. A
+        trajectory one of whose generate calls failed is infra-failed, whatever the agent did next."""
         parts = path.split("/")
         traj = self.trajectories.pop(parts[2] if len(parts) > 2 else "", None)
         if traj is None:
@@ -214,7 +216,10 @@ class Gateway:
         messages = [Message(m["role"], m["content"]) for m in traj.last_messages]
         if answer is not None:
             messages.append(Message("assistant", answer))
-        return traj.recorder.to_trajectory(uid, group_id, messages, ground_truth)
+        out = traj.recorder.to_trajectory(uid, group_id, messages, ground_truth)
+        if traj.infra:  # the driver rolls its group out again instead of scoring it
+            out.infra_failure, out.finish_reason = f"generate: {traj.infra}", "infra_failed"
+        return out
 
     # -- completions ---------------------------------------------------------------------------------
 
@@ -275,7 +280,7 @@ class Gateway:
             prompt = rec.next_prompt(rendered)
             call = rec.num_calls - 1
             if prompt is None:  # the trajectory's response budget is spent: an empty answer that says why
-                return self._response([("", TokenOutput([], [], "length"))], [], 0, traj, request)
+                return self._response([("", TokenOutput([], [], "length"))], request.messages, 0, traj, request)
         elif self.generate is None:
             raise APIError(404, "this gateway serves trajectory URLs only (/traj/<key>/v1)", kind="not_found_error")
         else:
@@ -289,6 +294,8 @@ class Gateway:
         except APIError:
             raise
         except Exception as exc:
+            if traj is not None:
+                traj.infra = traj.infra or one_line(exc)
             raise APIError(500, f"generation failed: {one_line(exc)}", kind="server_error") from None
         started = time.perf_counter()
         texts = []

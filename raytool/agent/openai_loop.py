@@ -12,7 +12,9 @@ servers, recorded token-exactly. `row` has the prompt `messages` (role/content d
 it returns is the answer the reward reads (the conversation's last assistant message). An agent
 that raises ends its trajectory (finish reason `agent_error`, the exception's first line in
 `Trajectory.agent_error`) and the run goes on; one that runs past `agent.max_trajectory_s` ends
-with `time_limit`. Needs the `openai` package.
+with `time_limit`. A generate call that failed (the gateway answered 500) makes the trajectory
+`infra_failed`, whatever the agent did with that error: its group is rolled out again. Needs the
+`openai` package.
 """
 
 from __future__ import annotations
@@ -95,6 +97,6 @@ class OpenAIAgentLoop:
         traj = gateway.finish(path, uid, group_id, ground_truth, answer)
         if traj.prompt_ids == []:  # the agent never called the model: its prompt as the template renders it
             traj.prompt_ids = self.renderer.prompt_ids(messages)
-        if finish:
+        if finish and not traj.infra_failure:  # an agent that failed because generation did is not at fault
             traj.finish_reason, traj.agent_error = finish, error
         return traj
