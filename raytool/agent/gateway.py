@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP gateway over raytool's token-level generate, recording exactly.
 
-Any agent written against the OpenAI API (the `openai` client, the OpenAI Agents SDK, LangChain's
-ChatOpenAI, ...) can be rolled out and trained without a rewrite: point its base URL here.
+Any agent written against the OpenAI API can be rolled out and trained without a rewrite: point
+its base URL here (tested with the `openai` client).
 
 Routes (aiohttp):
 - `POST /v1/chat/completions`, `GET /v1/models`: interactive use (`raytool serve`); nothing is
