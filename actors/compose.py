@@ -300,7 +300,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, r.engine_start_timeout_s))
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
         if cfg.agent.gateway:
-            start_gateway(graph, options("gateway", light), cfg.agent.gateway_host, cfg.agent.gateway_port)
+            start_gateway(graph, {**options("gateway", light), **restarts}, cfg.agent.gateway_host, cfg.agent.gateway_port)
         graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
     except BaseException:  # nothing of a run that failed to start is left running
         if graph.watchdog is not None:

@@ -1,10 +1,13 @@
 """GatewayActor: raytool.agent.gateway's OpenAI-compatible HTTP API as a Ray actor over the LLM
 manager, for agents that run outside raytool (`raytool serve`, or `agent.gateway: true` beside a
 run). Its URL is `http://<node>:<port>`; `open` gives a trajectory's own URL, recorded token-exactly,
-and `finish` returns what it recorded."""
+and `finish` returns what it recorded. Ray restarts a gateway that died (cluster.max_actor_restarts)
+and it serves again; its open trajectories are lost (their URLs answer 404), and with port 0 it
+comes back on another port, so set agent.gateway_port for a URL that outlives a restart."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import ray
@@ -31,18 +34,24 @@ class GatewayActor:
                                defaults=SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
                                template_kwargs=cfg.agent.chat_template_kwargs)
         self.cfg = cfg
+        # Serving starts here, in the actor's event loop (Ray runs an async actor's constructor
+        # there), so an actor Ray restarts serves again at once, on the same port when it is fixed.
+        self._serving = asyncio.get_running_loop().create_task(self._serve())
 
-    async def _generate(self, prompt_ids, sampling, request_id, session):
-        return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, session)
-
-    async def start(self) -> str:
-        """Serve; returns the base URL (the node's address when listening on every interface)."""
+    async def _serve(self) -> str:
         url = await self.gateway.start(self.host, self.port)
         if self.host == "0.0.0.0":
             url = url.replace("0.0.0.0", ray.util.get_node_ip_address())
         self.gateway.url = url
         log.info("OpenAI-compatible gateway at %s/v1 (model %r)", url, self.gateway.model_name)
         return url
+
+    async def _generate(self, prompt_ids, sampling, request_id, session):
+        return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, session)
+
+    async def start(self) -> str:
+        """The base URL once serving (the node's address when listening on every interface)."""
+        return await asyncio.shield(self._serving)
 
     def open(self, session: str) -> str:
         """A new trajectory's base URL (`.../traj/<key>/v1`)."""
@@ -80,8 +89,9 @@ def serve(cfg: RunConfig, host: str, port: int, address: str | None = None, stop
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        url = start_gateway(graph, actor_options(cfg.cluster.light_actor_cpus, 0.0, cfg.cluster.accelerator, cfg.cluster.env_vars,
-                                                 name="gateway", namespace=graph.namespace), host, port)
+        options = actor_options(cfg.cluster.light_actor_cpus, 0.0, cfg.cluster.accelerator, cfg.cluster.env_vars, name="gateway",
+                                namespace=graph.namespace)
+        url = start_gateway(graph, {**options, "max_restarts": cfg.cluster.max_actor_restarts, "max_task_retries": 0}, host, port)
         print(f"OpenAI-compatible API at {url}/v1 (model {cfg.model.path!r}); Ctrl-C stops it", flush=True)
         while not stop.wait(1.0):
             pass

@@ -12,7 +12,17 @@ from raytool.config import load_config
 pytestmark = pytest.mark.integration
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cluster):
+    import time
+
     import ray
 
     from actors.compose import build
@@ -21,12 +31,14 @@ def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cl
     from raytool.types import Message
 
     agent = Path(__file__).parents[1] / "helpers" / "openai_agent.py"
+    port = _free_port()
     cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "agent.gateway=true",
+                             f"agent.gateway_port={port}",
                              "rollout.num_cpus=0.5", "rollout.max_model_len=2048", "rollout.n=2", "reward.fn=boxed_match",
                              f"agent.openai_agent={agent}:agent"])
     graph = build(cfg, with_trainer=False)
     try:
-        assert graph.gateway_url.startswith("http://127.0.0.1:")
+        assert graph.gateway_url == f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=graph.gateway_url + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny-random"]
         reply = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "6 * 7 + 1?"}])
@@ -57,13 +69,28 @@ def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cl
         trajs = [t for ref in refs for t in ray.get(ref)]
         assert len(trajs) == 4 and {(t.agent_name, t.num_turns, t.finish_reason, t.reward) for t in trajs} == {("openai", 3, "answer", 1.0)}
         assert all(t.messages[-1].content == SCRIPT[2] and sum(t.response_mask) > 0 for t in trajs)
+
+        # A killed gateway is restarted by Ray and serves again on its fixed port; open trajectories are gone.
+        lost = ray.get(graph.gateway.open.remote("t1"))
+        ray.kill(graph.gateway, no_restart=False)
+        client = openai.OpenAI(base_url=graph.gateway_url + "/v1", api_key="x", max_retries=0)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                reply = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "again"}])
+                break
+            except (openai.APIConnectionError, openai.InternalServerError):
+                assert time.monotonic() < deadline, "the gateway did not come back"
+                time.sleep(1)
+        assert reply.choices[0].message.content == SCRIPT[0]
+        with pytest.raises(openai.NotFoundError):
+            openai.OpenAI(base_url=lost, api_key="x", max_retries=0).chat.completions.create(model="tiny-random", messages=messages)
     finally:
         graph.shutdown()
 
 
 def test_raytool_serve_answers_until_stopped_and_then_leaves_nothing_running(ray_cluster):
     """`raytool serve`'s function, in a thread of this process (the CLI runs it in its main thread)."""
-    import socket
     import threading
     import time
 
@@ -71,9 +98,7 @@ def test_raytool_serve_answers_until_stopped_and_then_leaves_nothing_running(ray
 
     from actors.gateway import serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "rollout.num_cpus=0.5",
                              "cluster.namespace=raytool-serve-test"])
     stop = threading.Event()
