@@ -23,6 +23,13 @@ def module_from_file(path: str | Path, module_name: str) -> ModuleType:
     return module
 
 
+def required_object(spec: str | None, key: str, agent_name: str):
+    """The object config key `key` names, which rows with `agent_name` need; one line when it is unset."""
+    if not spec:
+        raise ConfigError(f"config key '{key}': rows with agent_name '{agent_name}' need it ('package.module:function' or 'path/to/file.py:function')")
+    return import_object(spec, key)
+
+
 def import_object(spec: str, key: str):
     """`package.module:name` or `path/to/file.py:name` -> the object, with an error naming the config key."""
     module, sep, name = spec.rpartition(":")

@@ -35,6 +35,7 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -191,7 +192,9 @@ class Gateway:
         self.defaults = defaults or SamplingParams(max_tokens=1024)
         self.template_kwargs = template_kwargs or {}
         self.trajectories: dict[str, _Trajectory] = {}
-        self.latencies: list[float] = []  # seconds each completion spent outside generate (rendering, parsing, HTTP is not in it)
+        # seconds each recent completion spent outside generate (rendering, recording, parsing; not HTTP);
+        # bounded: a gateway serves a whole run
+        self.latencies: deque[float] = deque(maxlen=10_000)
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -300,9 +303,7 @@ class Gateway:
         started = time.perf_counter()
         texts = []
         for out in outs:
-            text = traj.recorder.record(out) if traj is not None else self.renderer.tokenizer.decode(
-                out.token_ids[:-1] if out.token_ids and out.token_ids[-1] == self.renderer.eos_id else out.token_ids,
-                skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            text = traj.recorder.record(out) if traj is not None else self.renderer.reply_text(out.token_ids)
             texts.append((text, out))
         response = self._response(texts, request.messages, len(prompt), traj, request)
         self.latencies.append(prep + time.perf_counter() - started)

@@ -13,17 +13,15 @@ import asyncio
 
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
-from raytool.config import AgentConfig, ConfigError, RolloutConfig
-from raytool.imports import import_object
+from raytool.config import AgentConfig, RolloutConfig
+from raytool.imports import required_object
 from raytool.types import Message, Trajectory
 
 
 @register_agent_loop("langgraph")
 class LangGraphAgentLoop:
     def __init__(self, renderer: ChatRenderer, tools: dict, generate, agent: AgentConfig, rollout: RolloutConfig):
-        if not agent.langgraph_graph:
-            raise ConfigError("config key 'agent.langgraph_graph': rows with agent_name 'langgraph' need it ('package.module:function')")
-        self.make_graph = import_object(agent.langgraph_graph, "agent.langgraph_graph")
+        self.make_graph = required_object(agent.langgraph_graph, "agent.langgraph_graph", "langgraph")
         self.renderer, self.generate, self.agent, self.rollout = renderer, generate, agent, rollout
 
     async def run(self, messages: list[Message], ground_truth: str, uid: str, group_id: str) -> Trajectory:

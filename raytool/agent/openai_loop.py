@@ -25,8 +25,8 @@ import logging
 from raytool.agent.gateway import Gateway
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
-from raytool.config import AgentConfig, ConfigError, RolloutConfig
-from raytool.imports import import_object
+from raytool.config import AgentConfig, RolloutConfig
+from raytool.imports import required_object
 from raytool.types import Message, SamplingParams, Trajectory
 
 MODEL_NAME = "raytool-policy"
@@ -68,9 +68,7 @@ def first_line(exc: BaseException) -> str:
 @register_agent_loop("openai")
 class OpenAIAgentLoop:
     def __init__(self, renderer: ChatRenderer, tools: dict, generate, agent: AgentConfig, rollout: RolloutConfig):
-        if not agent.openai_agent:
-            raise ConfigError("config key 'agent.openai_agent': rows with agent_name 'openai' need it ('package.module:function')")
-        self.fn = import_object(agent.openai_agent, "agent.openai_agent")
+        self.fn = required_object(agent.openai_agent, "agent.openai_agent", "openai")
         self.renderer, self.generate, self.agent, self.rollout = renderer, generate, agent, rollout
 
     async def run(self, messages: list[Message], ground_truth: str, uid: str, group_id: str) -> Trajectory:

@@ -59,9 +59,6 @@ class TokenRecorder:
         self._last_finish = ""  # the engine's finish reason of the last recorded turn
         self._last_called_tools = False
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.renderer.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
     def next_prompt(self, rendered: str) -> list[int] | None:
         """The ids to generate from, given the rendered history; None when the token budget is spent."""
         self.num_calls += 1
@@ -103,11 +100,11 @@ class TokenRecorder:
             self.response_mask += [1] * len(ids)
             self.rollout_logprobs += out.logprobs
             self.response_versions += out.token_versions()
-            self._text += self._decode(ids)
+            self._text += self.renderer.decode(ids)
             self.num_turns += 1
             self._last_finish = out.finish_reason
             self.policy_version = out.policy_version
-        return self._decode(ids[:-1] if ids and ids[-1] == self.renderer.eos_id else ids)
+        return self.renderer.reply_text(ids)
 
     def count_tool_calls(self, parsed: int, malformed: int) -> None:
         self.tool_calls += parsed + malformed

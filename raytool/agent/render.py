@@ -139,6 +139,14 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` exactly as the template would hold it (special tokens kept, no clean-up)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def reply_text(self, ids: list[int]) -> str:
+        """A generated turn's text without its closing end-of-turn token."""
+        return self.decode(ids[:-1] if ids and ids[-1] == self.eos_id else ids)
+
     def prompt_text(self, messages: list[Message]) -> str:
         return self._text(messages, add_generation_prompt=True)
 
