@@ -60,7 +60,7 @@ class AgentLoopWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.toolset = build_toolset(cfg.agent, self.tokenizer, self._execute)
         self.renderers: dict[tuple, ChatRenderer] = {}  # one per distinct tool set of the rows (hermes lists it in the prompt)
-        self.renderer = self._renderer(list(self.toolset.tools.values()))
+        self._renderer(list(self.toolset.tools.values()))  # rows without tools: built now, so a template that cannot render fails at start
         self.slots = asyncio.Semaphore(cfg.agent.max_concurrent_trajectories)
         get_agent_loop(cfg.agent.default_agent)  # an unknown default fails now, not on the first row
 

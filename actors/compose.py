@@ -236,11 +236,12 @@ class Graph:
             self.watchdog.stop()
         if self.trainer is not None:
             self.trainer.shutdown()
-        # Let engines stop their own processes (vLLM's engine core) before the actors go.
-        stopping = [s.shutdown.remote() for s in [*self.servers.values(), *self.sandbox_pools]]
+        # Let engines stop their own processes (vLLM's engine core), and the gateway its HTTP server, before the actors go.
+        gateway = [self.gateway] if self.gateway is not None else []
+        stopping = [s.shutdown.remote() for s in [*gateway, *self.servers.values(), *self.sandbox_pools]]
         ray.wait(stopping, num_returns=len(stopping), timeout=30)
-        for actor in [*self.agent_workers, *self.reward_workers, *self.sandbox_pools, self.manager, *self.servers.values(),
-                      *([self.gateway] if self.gateway is not None else [])]:
+        for actor in [*gateway, *self.agent_workers, *self.reward_workers, *self.sandbox_pools,
+                      self.manager, *self.servers.values()]:
             ray.kill(actor)
 
 
@@ -299,25 +300,21 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     try:
         results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, r.engine_start_timeout_s))
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
-        if cfg.agent.gateway:
-            start_gateway(graph, {**options("gateway", light), **restarts}, cfg.agent.gateway_host, cfg.agent.gateway_port)
+        if cfg.agent.gateway:  # the OpenAI-compatible API over the manager, for agents outside raytool (actors.gateway)
+            from actors.gateway import GatewayActor
+
+            a = cfg.agent
+            graph.gateway = GatewayActor.options(**options("gateway", light), **restarts).remote(model_path, "llm-manager", cfg, ns,
+                                                                                               a.gateway_host, a.gateway_port)
+            graph.gateway_url = wait_started({"gateway": (graph.gateway, graph.gateway.start)})["gateway"]
         graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
     except BaseException:  # nothing of a run that failed to start is left running
         if graph.watchdog is not None:
             graph.watchdog.stop()
-        for actor in actors.values():
+        for actor in [*actors.values(), *([graph.gateway] if graph.gateway is not None else [])]:
             ray.kill(actor)
         raise
     return graph
-
-
-def start_gateway(graph: Graph, options: dict, host: str, port: int) -> str:
-    """The OpenAI-compatible gateway over the graph's manager (actors.gateway); its URL."""
-    from actors.gateway import GatewayActor
-
-    graph.gateway = GatewayActor.options(**options).remote(graph.model_path, "llm-manager", graph.cfg, graph.namespace, host, port)
-    graph.gateway_url = wait_started({"gateway": (graph.gateway, graph.gateway.start)})["gateway"]
-    return graph.gateway_url
 
 
 def run_namespace(name: str) -> str:

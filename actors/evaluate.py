@@ -71,6 +71,7 @@ def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | N
     """`raytool eval`: validation metrics of `model` on data_files (none: the config's validation set)."""
     from transformers import AutoTokenizer
 
+    from actors.agent_worker import build_toolset
     from actors.pipeline import check_row_tools, connect
     from raytool.data.task import Task
 
@@ -78,7 +79,7 @@ def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | N
     rows = load_prompt_files(data_files) if data_files else load_task(cfg).val
     with tempfile.TemporaryDirectory(prefix="raytool-eval-") as work_dir:
         model_path = eval_model_path(model, Path(work_dir))
-        check_row_tools(cfg, Task(train=[], val=rows), AutoTokenizer.from_pretrained(model_path))
+        check_row_tools(build_toolset(cfg.agent, AutoTokenizer.from_pretrained(model_path), None), Task(train=[], val=rows))
         connect(address or cfg.cluster.address)
         graph = build(cfg, model_path, with_trainer=False)
         try:

@@ -76,23 +76,20 @@ def serve(cfg: RunConfig, host: str, port: int, address: str | None = None, stop
     import signal
     import threading
 
-    from actors.compose import build, start_gateway
-    from actors.common import actor_options
-    from actors.pipeline import connect
-
     import msgspec
 
+    from actors.compose import build
+    from actors.pipeline import connect
+
     connect(address or cfg.cluster.address)
-    cfg = msgspec.structs.replace(cfg, agent=msgspec.structs.replace(cfg.agent, gateway=False))  # the one gateway is this command's
+    # the run's graph without a trainer, its gateway on this command's host and port
+    cfg = msgspec.structs.replace(cfg, agent=msgspec.structs.replace(cfg.agent, gateway=True, gateway_host=host, gateway_port=port))
     graph = build(cfg, with_trainer=False)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        options = actor_options(cfg.cluster.light_actor_cpus, 0.0, cfg.cluster.accelerator, cfg.cluster.env_vars, name="gateway",
-                                namespace=graph.namespace)
-        url = start_gateway(graph, {**options, "max_restarts": cfg.cluster.max_actor_restarts, "max_task_retries": 0}, host, port)
-        print(f"OpenAI-compatible API at {url}/v1 (model {cfg.model.path!r}); Ctrl-C stops it", flush=True)
+        print(f"OpenAI-compatible API at {graph.gateway_url}/v1 (model {cfg.model.path!r}); Ctrl-C stops it", flush=True)
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:

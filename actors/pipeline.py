@@ -40,7 +40,7 @@ from raytool.ledger import FILE as LEDGER_FILE, Ledger, outcome_metrics
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
-from raytool.tools.registry import load_tool_config, row_tool_names
+from raytool.tools.registry import ToolSet, load_tool_config, row_tool_names
 from raytool.tracking import Tracker, cut_after_step, validate_backends
 from raytool.training import lr_at
 
@@ -203,13 +203,14 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)  # renders the warm-up, decodes the traces' prompts
-    check_row_tools(cfg, task, tokenizer)
+    toolset = build_toolset(cfg.agent, tokenizer, None)  # the run's tools (names and schemas; no executor in the driver)
+    check_row_tools(toolset, task)
     warmup = warmup_examples(cfg, task, tokenizer, random.Random(cfg.trainer.seed)) if cfg.trainer.sft_warmup_steps and checkpoint is None else []
     run_dir = Path(run_dir) if run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with run_log(run_dir):
-        task = fitting_prompts(cfg, task, model_path, tokenizer)
+        task = fitting_prompts(cfg, task, model_path, tokenizer, toolset)
         connect(address or cfg.cluster.address)
         log.info("run directory: %s", run_dir.resolve())
         reforming(cfg, run_dir, checkpoint, lambda checkpoint: train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint))
@@ -250,9 +251,8 @@ def context_length(cfg: RunConfig, model_path: str) -> int | None:
     return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
 
 
-def check_row_tools(cfg: RunConfig, task: Task, tokenizer) -> None:
+def check_row_tools(toolset: ToolSet, task: Task) -> None:
     """Every prompt row's `tools` names tools of the run's tool set: one line naming the row otherwise."""
-    toolset = build_toolset(cfg.agent, tokenizer, None)
     for split, rows in (("train", task.train), ("validation", task.val)):
         for i, row in enumerate(rows):
             try:
@@ -261,14 +261,13 @@ def check_row_tools(cfg: RunConfig, task: Task, tokenizer) -> None:
                 raise ConfigError(str(exc)) from None
 
 
-def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer) -> Task:
+def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer, toolset: ToolSet) -> Task:
     """`task` without the prompts that cannot fit the engine's context with the response budget,
     each split's left-out rows named in one warning line (counted in `data/prompts_too_long`)."""
     context = context_length(cfg, model_path)
     if context is None:
         return task
-    tools = build_toolset(cfg.agent, tokenizer, None).schemas if cfg.agent.format == "hermes" else None
-    renderer = ChatRenderer(tokenizer, tools=tools, template_kwargs=cfg.agent.chat_template_kwargs)
+    renderer = ChatRenderer(tokenizer, tools=toolset.schemas if cfg.agent.format == "hermes" else None, template_kwargs=cfg.agent.chat_template_kwargs)
 
     def prompt_tokens(row: PromptRow) -> int:
         return len(renderer.prompt_ids(with_system_prompt(row.prompt, cfg.agent.system_prompt)))

@@ -580,6 +580,7 @@ def test_a_row_sees_only_its_tools_created_with_its_tools_kwargs_and_its_prompt_
 
 
 def test_a_row_naming_a_tool_the_run_lacks_stops_the_run_before_any_actor_in_one_line(tokenizer):
+    from actors.agent_worker import build_toolset
     from actors.pipeline import check_row_tools
     from raytool.config import load_config
     from raytool.data.prompts import PromptRow
@@ -588,8 +589,8 @@ def test_a_row_naming_a_tool_the_run_lacks_stops_the_run_before_any_actor_in_one
 
     row = PromptRow(prompt=[Message("user", "hi")], ground_truth="1", data_source="mine", tools=[{"type": "function", "function": {"name": "web_search"}}])
     ok = PromptRow(prompt=[Message("user", "hi")], ground_truth="1", data_source="mine", tools=["code_interpreter"])
-    cfg = load_config(None, [])
-    check_row_tools(cfg, Task(train=[ok], val=[ok]), tokenizer)
+    toolset = build_toolset(load_config(None, []).agent, tokenizer, None)
+    check_row_tools(toolset, Task(train=[ok], val=[ok]))
     with pytest.raises(ConfigError, match=r"^validation prompt row 1 \(data source mine\): its tools \['web_search'\] are not in the run's tool set "
                                           r"\['code_interpreter'\] \(agent.tools\)$"):
-        check_row_tools(cfg, Task(train=[ok], val=[ok, row]), tokenizer)
+        check_row_tools(toolset, Task(train=[ok], val=[ok, row]))

@@ -7,17 +7,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from conftest import free_port
 from raytool.config import load_config
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cluster):
@@ -31,7 +24,7 @@ def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cl
     from raytool.types import Message
 
     agent = Path(__file__).parents[1] / "helpers" / "openai_agent.py"
-    port = _free_port()
+    port = free_port()
     cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "agent.gateway=true",
                              f"agent.gateway_port={port}",
                              "rollout.num_cpus=0.5", "rollout.max_model_len=2048", "rollout.n=2", "reward.fn=boxed_match",
@@ -98,7 +91,7 @@ def test_raytool_serve_answers_until_stopped_and_then_leaves_nothing_running(ray
 
     from actors.gateway import serve
 
-    port = _free_port()
+    port = free_port()
     cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "rollout.num_cpus=0.5",
                              "cluster.namespace=raytool-serve-test"])
     stop = threading.Event()
