@@ -203,6 +203,7 @@ class TrainerConfig(_Section):
     micro_batch_tokens: int = 4096  # token budget of one forward/backward micro-batch (padded tokens; packed tokens when packing)
     packing: bool | Literal["auto"] = "auto"  # sequences end to end in one row (auto: only with a varlen flash-attention kernel)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (set it on GPUs: long micro-batches fit)
+    compile: bool = False  # torch.compile each decoder layer and the LM head's log-prob chunk (CUDA GPUs and CPUs; not with NPU, SP or 4-bit)
     logprob_chunk_tokens: int = 2048  # the LM head and log-softmax run over this many scored tokens at a time (more: recomputed in backward)
     cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in host memory
     lora_rank: int = 0  # LoRA adapters of this rank instead of full fine-tuning (0: off; one trainer worker)
@@ -416,6 +417,13 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
     if cfg.trainer.cpu_offload and not cfg.trainer.num_gpus:
         raise ConfigError(f"{source}: config key 'trainer.cpu_offload': offloading moves accelerator memory to the host; give the trainer GPUs (trainer.num_gpus) or set it false")
     validate_4bit(cfg, source)
+    if cfg.trainer.compile:
+        why = ("inductor has no NPU backend: set it false on cluster.accelerator NPU" if cfg.cluster.accelerator == "NPU" and cfg.trainer.num_gpus else
+               "with sequence parallelism (its attention's all-to-all) is not supported yet: set it false or trainer.sequence_parallel_size=1"
+               if cfg.trainer.sequence_parallel_size > 1 else
+               "with a 4-bit base (bitsandbytes kernels) is not supported: set it false" if cfg.trainer.load_in_4bit else "")
+        if why:
+            raise ConfigError(f"{source}: config key 'trainer.compile' {why}")
     if cfg.trainer.lora_rank and cfg.trainer.num_workers > 1:
         raise ConfigError(f"{source}: config key 'trainer.lora_rank': LoRA runs on one trainer worker (trainer.num_workers=1), got {cfg.trainer.num_workers} workers")
     if cfg.data.task == "files" and not cfg.data.train_files:

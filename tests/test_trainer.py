@@ -433,3 +433,95 @@ def test_asynchronous_mode_weights_each_token_by_the_truncated_trainer_engine_ra
     assert metrics["rollout_corr/mismatch_k1"] == pytest.approx(-5.0, abs=1e-3)
     for i in sync_grads:
         torch.testing.assert_close(grads[i], 2.0 * sync_grads[i], rtol=1e-3, atol=1e-7)
+
+
+def _grads_at_step(trainer):
+    """Every gradient as the optimizer step sees it (clipped), filled in at that step."""
+    grads = {}
+    step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in trainer.lm.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    return grads
+
+
+@pytest.mark.parametrize("overrides", [[], ["algorithm.kl_loss_coef=0.1", "algorithm.kl_reward_coef=0.05", "algorithm.mini_batches=2",
+                                            "trainer.activation_checkpointing=true", "trainer.logprob_chunk_tokens=4"]])
+def test_the_micro_batch_loop_reads_nothing_back_from_the_device(tiny_model_path, process_group_cleanup, monkeypatch, overrides):
+    """On a GPU a read of a device value (.item(), float(t), bool(t), .tolist(), .cpu()) waits for
+    every queued kernel, so the host cannot queue micro-batch k+1 while micro-batch k runs. None
+    may happen between a step's start and its metrics: not in raytool's code, nor in the model's
+    forward and backward (transformers' "sdpa" asks whether position ids are packed on every
+    forward; the padded layout runs its causal SDPA under a name without that check). Host-to-device
+    copies are pinned and non-blocking: `tests/test_gpu.py` checks the same loop under CUDA's sync
+    debug mode."""
+    trainer = _trainer(tiny_model_path, *overrides)
+    reads = []
+    names = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def spy(name):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return saved[name](self, *args, **kwargs)
+        return read
+
+    def guarded(method):
+        def run(*args, **kwargs):
+            for n in names:
+                monkeypatch.setattr(torch.Tensor, n, spy(n))
+            try:
+                return method(*args, **kwargs)
+            finally:
+                for n in names:
+                    monkeypatch.setattr(torch.Tensor, n, saved[n])
+        return run
+
+    calls = []
+    for method in ("_rl_micro_step", "_fill"):
+        original = getattr(trainer, method)
+        monkeypatch.setattr(trainer, method, guarded(lambda *a, _m=original, _n=method, **k: (calls.append(_n), _m(*a, **k))[1]))
+    metrics = trainer.rl_step(BATCH)
+    assert reads == [] and math.isfinite(metrics["actor/pg_loss"])
+    assert calls.count("_rl_micro_step") >= 1 and ("_fill" in calls) == bool(overrides)
+
+
+def test_compiled_layers_and_head_give_the_eager_update(tiny_model_path):
+    """trainer.compile: each decoder layer and the log-prob chunk run as inductor code (here the
+    C++ backend), with activation checkpointing and the head's chunks recomputed in backward; the
+    loss, entropy and every gradient equal eager's (fp32), and switching back runs eager again."""
+    from torch._dynamo.utils import counters
+
+    from raytool.training.model import _chunk_logprobs
+
+    overrides = ("trainer.compute_dtype=float32", "trainer.activation_checkpointing=true", "trainer.logprob_chunk_tokens=4", "trainer.lr=1e-2")
+    eager = _trainer(tiny_model_path, *overrides)
+    compiled = _trainer(tiny_model_path, *overrides, "trainer.compile=true")
+    captured = counters["stats"]["calls_captured"]
+    g_eager, g_compiled = _grads_at_step(eager), _grads_at_step(compiled)
+    m_eager, m_compiled = eager.rl_step(BATCH), compiled.rl_step(BATCH)
+    assert counters["stats"]["calls_captured"] > captured  # dynamo traced the layers and the head
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert math.isclose(m_eager[key], m_compiled[key], rel_tol=1e-5, abs_tol=1e-7), key
+    assert g_eager.keys() == g_compiled.keys() and len(g_eager) > 0
+    for name, g in g_eager.items():
+        assert torch.allclose(g, g_compiled[name], rtol=1e-4, atol=1e-6), name
+    trunk, _ = compiled.policy._parts()
+    assert all("forward" in layer.__dict__ for layer in trunk.layers) and compiled.policy.chunk_logprobs is not _chunk_logprobs
+    compiled.policy.set_compiled(False)
+    assert not any("forward" in layer.__dict__ for layer in trunk.layers) and compiled.policy.chunk_logprobs is _chunk_logprobs
+
+
+def test_compile_is_refused_where_it_cannot_run(tiny_model_path):
+    from raytool.config import ConfigError
+
+    for overrides, words in ((["cluster.accelerator=NPU", "trainer.num_gpus=1"], "no NPU backend"),
+                             (["trainer.num_workers=2", "trainer.sequence_parallel_size=2"], "sequence parallelism"),
+                             (["trainer.load_in_4bit=true", "trainer.lora_rank=8", "trainer.num_gpus=1"], "4-bit")):
+        with pytest.raises(ConfigError, match=f"'trainer.compile' .*{words}"):
+            load_config(None, ["trainer.compile=true", *overrides])
+    with pytest.raises(ValueError, match="'trainer.compile': inductor compiles for CUDA GPUs and CPUs, not meta"):
+        Trainer(load_config(None, ["trainer.compile=true"]), tiny_model_path, device="meta")

@@ -57,6 +57,18 @@ def packed_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]
     return groups
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` (on the host) on `device` without stalling the host. A plain `.to(cuda)` from pageable
+    memory waits for the device's queue to drain (PyTorch synchronizes the stream after a blocking
+    copy), so the host could not queue the next kernels while the last micro-batch runs; a pinned
+    (page-locked, from the caching host allocator) non-blocking copy is ordered on the stream and
+    returns at once."""
+    device = torch.device(device)
+    if device.type == "cpu" or t.device == device:
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def pad_right(rows: list[list], value, dtype=torch.long) -> torch.Tensor:
     width = max(len(r) for r in rows)
     out = torch.full((len(rows), width), value, dtype=dtype)
@@ -104,9 +116,9 @@ def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: 
             for t in cs:
                 rows.append(b), cols.append(t), labels.append(s[t + 1]), flat.append(b * width + t)
         positions = None
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    as_long = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), device)  # noqa: E731
     return Layout(
-        input_ids=ids.to(device), position_ids=positions.to(device) if positions is not None else None,
+        input_ids=to_device(ids, device), position_ids=to_device(positions, device) if positions is not None else None,
         select=as_long(flat), labels=as_long(labels), rows=as_long(rows), cols=as_long(cols),
         shape=(len(seqs), max(len(s) for s in seqs) - 1),
     )

@@ -20,6 +20,20 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# transformers' SDPA attention under a name with no mask function: for right-padded micro-batches,
+# which never need a mask. Under "sdpa" every forward asks whether the position ids are packed
+# ((diff != 1).all() read back from the device): a synchronisation per micro-batch on a GPU.
+CAUSAL_SDPA = "raytool_causal_sdpa"
+
+
+def causal_sdpa() -> str:
+    """Register CAUSAL_SDPA (idempotent) and return its name."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
+
 
 def _chunk_logprobs(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, inv_temperature: float, with_entropy: bool, entropy_grad: bool):
     """log softmax(h W^T / T)[label] and, optionally, the entropy of that distribution, for [N, H] hidden states."""
@@ -35,6 +49,15 @@ def _chunk_logprobs(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Te
     return logp, entropy
 
 
+_COMPILED: dict = {}
+
+
+def _compiled_chunk_logprobs():
+    if "chunk" not in _COMPILED:
+        _COMPILED["chunk"] = torch.compile(_chunk_logprobs)
+    return _COMPILED["chunk"]
+
+
 class PolicyModel(nn.Module):
     """`lm` is an HF causal LM (optionally a peft model around one). With `sp_group` (Ulysses
     sequence parallelism, see raytool.training.sequence_parallel) its attention layers must be
@@ -44,6 +67,24 @@ class PolicyModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.sp_group = sp_group
+        self.chunk_logprobs = _chunk_logprobs
+
+    def set_compiled(self, on: bool) -> None:
+        """torch.compile (on) or not (off) each decoder layer's forward and the LM head's log-prob
+        chunk. Compiling fuses the elementwise work around the matmuls (norms, rotary, SwiGLU,
+        casts; the head's fp32 log-softmax and entropy) into few kernels: less memory traffic and
+        fewer launches. FSDP2's hooks and activation checkpointing stay outside the compiled code;
+        one graph serves every layer, and shapes turn dynamic after the first change. Switching
+        back keeps the compiled code for next time."""
+        trunk, _ = self._parts()
+        for layer in trunk.layers:
+            if not on:
+                layer.__dict__.pop("forward", None)
+                continue
+            if "_compiled_forward" not in layer.__dict__:
+                layer._compiled_forward = torch.compile(type(layer).forward.__get__(layer))
+            layer.forward = layer._compiled_forward
+        self.chunk_logprobs = _compiled_chunk_logprobs() if on else _chunk_logprobs
 
     def _parts(self):
         base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
@@ -84,7 +125,7 @@ class PolicyModel(nn.Module):
         logps, entropies = [], []
         for start in range(0, hidden.size(0), chunk_tokens):
             args = (hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens], head.weight, inv_t, with_entropy, entropy_grad)
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
+            lp, ent = checkpoint(self.chunk_logprobs, *args, use_reentrant=False) if recompute else self.chunk_logprobs(*args)
             logps.append(lp)
             if ent is not None:
                 entropies.append(ent)

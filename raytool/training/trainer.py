@@ -33,8 +33,8 @@ from raytool.algos.correction import rollout_correction
 from raytool.config import RunConfig
 from raytool import device as device_info
 from raytool import storage
-from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right
-from raytool.training.model import DTYPES, PolicyModel, load_lm, load_sharded, merged_named_weights
+from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right, to_device
+from raytool.training.model import DTYPES, PolicyModel, causal_sdpa, load_lm, load_sharded, merged_named_weights
 from raytool.types import SFTExample, Trajectory
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,8 @@ class _Seq:
     mask: list[int]  # aligned with ids[1:]: 1 where the loss sees the token
     adv: float = 0.0
     rollout: list[float] | None = None  # engine log-probs, aligned like mask (0.0 where mask is 0)
-    old: list[float] | None = None  # log-probs before this update, when the update is not purely on-policy
-    ref: list[float] | None = None  # reference-policy log-probs, when a KL term is on
+    old: list[float] | torch.Tensor | None = None  # log-probs before this update, when the update is not purely on-policy (on the device)
+    ref: list[float] | torch.Tensor | None = None  # reference-policy log-probs, when a KL term is on (on the device)
 
     def scored(self) -> list[int]:
         return [t for t, m in enumerate(self.mask) if m]
@@ -120,6 +120,8 @@ class Trainer:
             raise ValueError("config key 'trainer.cpu_offload' offloads accelerator memory to the host; on a CPU the weights already are there: set it false")
         if t.load_in_4bit:
             check_4bit(self.device)
+        if t.compile and self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"config key 'trainer.compile': inductor compiles for CUDA GPUs and CPUs, not {self.device.type}: set it false")
         self.packed = t.packing is True or (t.packing == "auto" and cfg.model.attn_implementation.startswith("flash_attention"))
         # A 4-bit base is not FSDP-sharded: its packed uint8 weights can be neither split by rows
         # nor cast by mixed precision (QLoRA runs on one worker, like all LoRA here).
@@ -165,15 +167,20 @@ class Trainer:
             from raytool.training.sequence_parallel import ATTENTION
 
             lm_options["attn_implementation"] = ATTENTION
+        elif self.cfg.model.attn_implementation == "sdpa" and not self.packed:
+            lm_options["attn_implementation"] = causal_sdpa()
         else:
             lm_options["attn_implementation"] = self.cfg.model.attn_implementation
         if self.cfg.trainer.load_in_4bit:
             return PolicyModel(load_lm(self.model_path, quantized_4bit=(self.dtype, self.device), **lm_options))
         if not self.sharded:
-            return PolicyModel(load_lm(self.model_path, **lm_options)).to(self.device)
-        if not dist.is_initialized():
-            _init_single_process_group(device_info.process_group_backend(self.device.type))
-        return load_sharded(self.model_path, self.dtype, self.cfg.trainer.cpu_offload, self.device, sp_group=self.sp_group, **lm_options)
+            policy = PolicyModel(load_lm(self.model_path, **lm_options)).to(self.device)
+        else:
+            if not dist.is_initialized():
+                _init_single_process_group(device_info.process_group_backend(self.device.type))
+            policy = load_sharded(self.model_path, self.dtype, self.cfg.trainer.cpu_offload, self.device, sp_group=self.sp_group, **lm_options)
+        policy.set_compiled(self.cfg.trainer.compile)
+        return policy
 
     # -- log-probs ---------------------------------------------------------------------------------
 
@@ -198,17 +205,23 @@ class Trainer:
         return lay.to_grid(logp), (lay.to_grid(ent) if ent is not None else None)
 
     def _grid(self, group: list[_Seq], field: str, width: int) -> torch.Tensor:
+        """`field` of each sequence of `group` as a [B, width] float32 grid on the device (0-padded).
+        Host lists travel in one non-blocking copy; rows `_fill` left on the device stay there."""
         rows = [getattr(x, field) for x in group]
-        return pad_right(rows, 0.0, torch.float32)[:, :width].to(self.device)
+        if any(isinstance(r, torch.Tensor) for r in rows):
+            rows = [r if isinstance(r, torch.Tensor) else to_device(torch.tensor(r, dtype=torch.float32), self.device) for r in rows]
+            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)[:, :width]
+        return to_device(pad_right(rows, 0.0, torch.float32)[:, :width], self.device)
 
     @torch.no_grad()
     def _fill(self, seqs: list[_Seq], field: str, model: PolicyModel) -> None:
-        """Store `model`'s log-probs of each sequence's scored tokens in `seq.<field>`."""
+        """Store `model`'s log-probs of each sequence's scored tokens in `seq.<field>`, on the
+        device (read back to the host they would cost a synchronisation per micro-batch)."""
         for group in self._plan(seqs):
             grid, _ = self._logprobs(model, group, temperature=self.cfg.rollout.temperature)
-            grid = grid.float().cpu()
+            grid = grid.float()
             for row, x in enumerate(group):
-                setattr(x, field, grid[row, : len(x.ids) - 1].tolist())
+                setattr(x, field, grid[row, : len(x.ids) - 1])
 
     def _reference(self) -> torch.nn.Module:
         """The KL reference: the weights the run started from, or those `start_rl` froze.
@@ -250,7 +263,9 @@ class Trainer:
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.params, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay)
 
-    def _optimizer_step(self, lr: float) -> float:
+    def _optimizer_step(self, lr: float) -> torch.Tensor:
+        """Clip, step, zero the gradients; returns the gradient norm before clipping, on the device
+        (reading it back would wait for the step: the caller reads it once, at the end)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for p in self.params:  # a step with no gradient still moves AdamW's moments: keep it
@@ -262,7 +277,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return float(grad_norm)
+        return grad_norm.detach()
 
     def _rl_lr(self) -> float:
         t, a = self.cfg.trainer, self.cfg.algorithm
@@ -297,7 +312,8 @@ class Trainer:
         if a.kl_reward_coef > 0:  # r_i - beta * sum_t KL_t, the KL summed over each sequence's tokens
             kl = torch.zeros(len(batch_rewards), dtype=torch.float64, device=self.device)
             for i, x in zip(index, seqs):
-                kl[i] = float((kl_penalty(torch.tensor(x.old), torch.tensor(x.ref), a.kl_type) * torch.tensor(x.mask, dtype=torch.float32)).sum())
+                mask = to_device(torch.tensor(x.mask, dtype=torch.float32), self.device)
+                kl[i] = (kl_penalty(x.old, x.ref, a.kl_type) * mask).sum()
             if self.dp_size > 1:
                 dist.all_reduce(kl, group=self.dp_group)
             rewards = rewards - a.kl_reward_coef * kl.cpu().float()
@@ -331,7 +347,7 @@ class Trainer:
         (tokens,) = self._global_sums([tokens])
         elapsed = time.perf_counter() - start
         out.update({
-            "actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": lr, "adv/abs_mean": adv.abs().mean().item(),
+            "actor/grad_norm": float(torch.stack(grad_norms).double().mean()), "actor/lr": lr, "adv/abs_mean": adv.abs().mean().item(),
             "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
             "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9),
         })
@@ -353,7 +369,7 @@ class Trainer:
                                                             rollout_rs=c.rollout_rs, rs_upper=c.rollout_rs_threshold, rs_lower=c.rollout_rs_threshold_lower)
             if self.rollout_is:
                 options["weights"] = weights
-        adv = torch.tensor([x.adv for x in group], device=self.device).unsqueeze(1).expand_as(logp)
+        adv = to_device(torch.tensor([x.adv for x in group]), self.device).unsqueeze(1).expand_as(logp)
         pg_loss, extra = get_policy_loss(a.policy_loss)(
             logp, prox if c.decoupled else rollout, adv, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
             agg=a.loss_agg, num_tokens=n_tokens, num_seqs=n_seqs, **options,
@@ -416,7 +432,7 @@ class Trainer:
         """One supervised step on this rank's slice of a batch."""
         loss, n_tokens = self.sft_loss(examples, train=True)
         grad_norm = self._optimizer_step(lr)
-        return {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/lr": lr, "sft/tokens": n_tokens}
+        return {"sft/loss": loss, "sft/grad_norm": float(grad_norm), "sft/lr": lr, "sft/tokens": n_tokens}
 
     @torch.no_grad()
     def sft_val_loss(self, examples: list[SFTExample]) -> float:
