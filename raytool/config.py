@@ -200,9 +200,9 @@ class TrainerConfig(_Section):
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # global gradient-norm clip
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # forward/backward dtype (auto: bfloat16 on GPU/NPU and on CPUs with native bf16, float32 on other CPUs); weights and optimizer state are always float32
-    micro_batch_tokens: int = 4096  # token budget of one forward/backward micro-batch (padded tokens; packed tokens when packing)
+    micro_batch_tokens: int | Literal["auto"] = "auto"  # token budget of one forward/backward micro-batch (padded tokens; packed tokens when packing); auto: 4096 on a CPU, 16384 on an accelerator
     packing: bool | Literal["auto"] = "auto"  # sequences end to end in one row (auto: only with a varlen flash-attention kernel)
-    activation_checkpointing: bool = False  # recompute decoder layers in backward (set it on GPUs: long micro-batches fit)
+    activation_checkpointing: bool | Literal["auto"] = "auto"  # recompute decoder layers in backward; auto: off on a CPU, on an accelerator on only when the planner finds that the micro-batch's activations would not fit without it
     compile: bool = False  # torch.compile each decoder layer and the LM head's log-prob chunk (CUDA GPUs and CPUs; not with NPU, SP or 4-bit)
     logprob_chunk_tokens: int = 2048  # the LM head and log-softmax run over this many scored tokens at a time (more: recomputed in backward)
     cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in host memory
@@ -386,7 +386,7 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "agent.num_workers": cfg.agent.num_workers,
         "data.prompts_per_step": cfg.data.prompts_per_step,
         "trainer.num_workers": cfg.trainer.num_workers,
-        "trainer.micro_batch_tokens": cfg.trainer.micro_batch_tokens,
+        "trainer.micro_batch_tokens": 1 if cfg.trainer.micro_batch_tokens == "auto" else cfg.trainer.micro_batch_tokens,
         "trainer.logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
         "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs,
         "algorithm.mini_batches": cfg.algorithm.mini_batches,

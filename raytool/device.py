@@ -31,6 +31,17 @@ def process_group_backend(kind: str) -> str:
     return f"cpu:gloo,{kind}:{accelerator}" if accelerator else "gloo"
 
 
+def accelerator_memory(device) -> float:
+    """Total memory of the accelerator `device` (a torch.device) in bytes; 0 on a CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "npu":
+        return float(torch.npu.get_device_properties(device).total_memory)
+    return 0.0
+
+
 def detect() -> DeviceInfo:
     import torch
 

@@ -115,3 +115,38 @@ def test_the_trainer_prediction_matches_the_measured_peak_on_this_cpu(tmp_path):
         measured = json.loads(out.read_text())["peak"]
         predicted = plan(load_config(None, overrides), Cluster.this_machine()).roles[0].host_total
         assert abs(predicted - measured) / measured < 0.20, (overrides, predicted / GiB, measured / GiB)
+
+
+def test_auto_micro_batches_and_checkpointing_follow_the_device_and_its_memory(tiny_model_path):
+    """trainer.micro_batch_tokens and trainer.activation_checkpointing default to auto: 4,096 tokens
+    and no checkpointing on a CPU; 16,384 tokens on an accelerator, with checkpointing only where
+    the planner finds the trainer would not fit in 80% of its memory without it. `raytool plan`
+    and the trainer decide alike, and the plan prints each decision."""
+    from raytool.planner import resolve_auto, table
+    from raytool.training import Trainer
+
+    base = ["model.path=Qwen2.5-1.5B-Instruct", "trainer.num_gpus=1", "rollout.num_gpus=1"]
+    arch = architecture("Qwen2.5-1.5B-Instruct")
+
+    def decided(gpu_gib, *extra, on_accelerator=True):
+        cfg, notes = resolve_auto(load_config(None, [*base, *extra]), arch, on_accelerator, gpu_gib * GiB)
+        return cfg.trainer.micro_batch_tokens, cfg.trainer.activation_checkpointing, notes
+
+    assert decided(0, on_accelerator=False)[:2] == (4096, False)
+    tokens, checkpointing, notes = decided(80)  # 75.4 GiB without checkpointing: over 80% of an H100's
+    assert (tokens, checkpointing) == (16384, True) and "needs 75.4 GiB of its 80.0 GiB" in notes[1]
+    assert decided(141)[:2] == (16384, False)  # an H200 holds it
+    assert decided(141, "trainer.micro_batch_tokens=65536")[:2] == (65536, True)  # a set value is kept, and decides
+    assert decided(24, "trainer.activation_checkpointing=false")[:2] == (16384, False)  # set by hand: kept, the plan then objects
+    assert decided(0)[1:] == (True, ["trainer.micro_batch_tokens auto: 16384 (on an accelerator)",
+                                     "trainer.activation_checkpointing auto: on (the accelerator's memory is not known)"])
+    # sharing the GPU with the engine: the trainer has 1 - rollout.gpu_memory_utilization of it
+    assert decided(141, "trainer.num_gpus=0.5", "rollout.num_gpus=0.5", "rollout.gpu_memory_utilization=0.5")[:2] == (16384, True)
+
+    result = plan(load_config(None, base), Cluster(nodes=1, gpus_per_node=2, gpu_memory_gb=141, host_memory_gb=512))
+    assert "activations" in result.roles[0].accelerator and "activations (one layer recomputed)" not in result.roles[0].accelerator
+    lines = table(result).splitlines()
+    assert "trainer.micro_batch_tokens auto: 16384 (on an accelerator)" in lines and any(
+        line.startswith("trainer.activation_checkpointing auto: off (without it a trainer worker needs") for line in lines)
+    trainer = Trainer(load_config(None, []), tiny_model_path)  # this CPU
+    assert (trainer.cfg.trainer.micro_batch_tokens, trainer.cfg.trainer.activation_checkpointing) == (4096, False)

@@ -123,6 +123,39 @@ def test_packed_micro_batches_fit_the_budget():
     assert [sorted(lengths[i] for i in g) for g in groups] == [[100], [60], [10, 50], [5, 30]]  # first-fit decreasing
 
 
+def test_packed_layouts_give_flash_attention_the_bounds_transformers_would_derive(tiny_model_path, monkeypatch):
+    """With a flash-attention kernel, a packed micro-batch's sequence bounds go to transformers as
+    cu_seq_lens/max_length, computed on the host; they equal what transformers would otherwise
+    derive from the position ids in every layer (reading values back from the device)."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    seqs, scored = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], [[0, 1], [0], [0, 1, 2]]
+    lay = layout(seqs, scored, 0, packed=True, device="cpu")
+    (cu_q, cu_k), (max_q, _) = prepare_fa_kwargs_from_position_ids(lay.position_ids)
+    kwargs = lay.varlen_kwargs()
+    assert torch.equal(kwargs["cu_seq_lens_q"], cu_q) and torch.equal(kwargs["cu_seq_lens_k"], cu_k) and kwargs["cu_seq_lens_q"].dtype == torch.int32
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == int(max_q) == 4
+    assert layout(seqs, scored, 0, packed=False, device="cpu").varlen_kwargs() == {}
+
+    trainer = _trainer(tiny_model_path, "trainer.packing=true", "trainer.compute_dtype=float32")
+    trunk, _ = trainer.policy._parts()
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*args, **kw):
+        seen.append(kw)
+        raise Stop
+
+    monkeypatch.setattr(trunk, "forward", spy)
+    for implementation in ("sdpa", "flash_attention_2"):
+        monkeypatch.setattr(trainer.lm.config, "_attn_implementation", implementation)
+        with pytest.raises(Stop):
+            trainer.policy(lay.input_ids, lay.select, lay.labels, position_ids=lay.position_ids, varlen=kwargs)
+    assert "cu_seq_lens_q" not in seen[0] and seen[1]["cu_seq_lens_q"] is kwargs["cu_seq_lens_q"] and seen[1]["max_length_k"] == 4
+
+
 def test_learning_rate_schedules():
     assert [lr_at(s, 1.0, 4, 20, "constant") for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert lr_at(4, 1.0, 4, 20, "cosine") == 1.0
@@ -513,6 +546,17 @@ def test_compiled_layers_and_head_give_the_eager_update(tiny_model_path):
     assert all("forward" in layer.__dict__ for layer in trunk.layers) and compiled.policy.chunk_logprobs is not _chunk_logprobs
     compiled.policy.set_compiled(False)
     assert not any("forward" in layer.__dict__ for layer in trunk.layers) and compiled.policy.chunk_logprobs is _chunk_logprobs
+
+    # `raytool bench trainer`'s comparison switches the same trainer both ways and leaves it as configured
+    from raytool.bench.trainer import _compile_vs_eager
+
+    compiled.policy.set_compiled(True)
+    steps = []
+    result, rows = _compile_vs_eager(compiled, BATCH, 40, lambda fn: (steps.append(fn()), 0.25 if len(steps) % 2 else 0.5)[1], repeats=2)
+    assert len(steps) == 5 and all(math.isfinite(m["actor/pg_loss"]) for m in steps)
+    assert result == {"compile_vs_eager": 2.0, "compiled_tokens_per_s": 160.0, "eager_tokens_per_s": 80.0}
+    assert rows[0].startswith("compiled RL step 0.250 s, eager 0.500 s: compile_vs_eager = 2.00")
+    assert "forward" in trunk.layers[0].__dict__
 
 
 def test_compile_is_refused_where_it_cannot_run(tiny_model_path):

@@ -3,8 +3,9 @@
 The plain loop is what a first GRPO implementation looks like: pad each micro-batch, run the HF
 model with its attention mask, log-softmax over the full fp32 logits, PPO-clip token mean,
 backward, AdamW. Both see the same trajectories, the same micro-batches and the same model, in
-the same process, alternating (A B A B ...) so that a noisy machine hits both alike. On a GPU
-(model.path: e.g. a 1.5B checkpoint) MFU and peak memory are reported too.
+the same process, alternating (A B A B ...) so that a noisy machine hits both alike. The RL step
+is also timed with trainer.compile on and off (`compile_vs_eager`). On a GPU (model.path: e.g. a
+1.5B checkpoint) MFU, peak memory and the host's CPU time per step are reported too.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     device = "cuda" if cuda else "cpu"
     model_path = resolve_model(cfg.model.path)
     trainer = Trainer(cfg, model_path, device=device)
+    cfg = trainer.cfg  # "auto" settings decided for this device
     vocab = trainer.lm.config.vocab_size
     # ReTool-like shapes: a short prompt, long multi-turn responses, GRPO groups of 4.
     n, prompt, response = (64, 256, (1024, 4096)) if cuda else (8, 96, (64, 320))
@@ -102,12 +104,16 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     timed(run_plain)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    ours, theirs = [], []
+    ours, theirs, host = [], [], []
     for _ in range(repeats):
+        thread_start = time.thread_time()
         ours.append(timed(lambda: trainer.rl_step(trajectories)))
+        host.append(time.thread_time() - thread_start)
         theirs.append(timed(run_plain))
     ours_s, plain_s = min(ours), min(theirs)
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     dtype_result, dtype_rows = ({}, []) if cuda else _bf16_vs_fp32(cfg, model_path, trainer, trajectories, timed, repeats)
+    compile_result, compile_rows = _compile_vs_eager(trainer, trajectories, tokens, timed, repeats)
     result = {
         "tokens_per_step": tokens,
         "trainer_tokens_per_s": tokens / ours_s,
@@ -116,12 +122,18 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         "compute_dtype": str(trainer.dtype).removeprefix("torch."),
         "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "micro_batches_per_step": len(groups),
         **dtype_result,
+        **compile_result,
     }
     if cuda:
         params = sum(p.numel() for p in plain.parameters())
         peak = next((v for k, v in _PEAK_TFLOPS.items() if k in result["device"]), None)
-        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_mem_gib"] = peak_mem
+        # The main thread's CPU time per step: the host's share (launches, Python, FSDP's
+        # bookkeeping), which bounds the step when it exceeds the GPU's time.
+        result["host_cpu_s_per_step"] = min(host)
+        result["host_ms_per_micro_batch"] = 1e3 * min(host) / len(groups)
         if peak:
             result["mfu"] = 6 * params * tokens / ours_s / (peak * 1e12)
     rows = [("raytool RL step", ours_s, tokens / ours_s), ("plain HF loop", plain_s, tokens / plain_s)]
@@ -131,7 +143,10 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         + [f"{name:18} {s:8.3f} {tps:10.0f}" for name, s, tps in rows]
         + [f"trainer_vs_plain = {result['trainer_vs_plain']:.2f}"]
         + dtype_rows
+        + compile_rows
         + ([f"mfu = {result['mfu']:.1%}  peak memory = {result['peak_mem_gib']:.1f} GiB"] if "mfu" in result else [])
+        + ([f"host CPU time {result['host_cpu_s_per_step']:.3f} s/step ({result['host_ms_per_micro_batch']:.1f} ms per micro-batch) "
+            f"for {ours_s:.3f} s of wall time"] if cuda else [])
     )
     return table, result
 
@@ -159,3 +174,23 @@ def _bf16_vs_fp32(cfg: RunConfig, model_path: str, trainer, trajectories, timed,
     fp32_s, bf16_s = (other_s, min(ours)) if other_dtype == "float32" else (min(ours), other_s)
     return ({"cpu_bf16_native": True, "bf16_vs_fp32": fp32_s / bf16_s, "fp32_step_s": fp32_s, "bf16_step_s": bf16_s},
             [f"bf16 RL step {bf16_s:.3f} s, fp32 {fp32_s:.3f} s: bf16_vs_fp32 = {fp32_s / bf16_s:.2f} ({why})"])
+
+
+def _compile_vs_eager(trainer, trajectories, tokens: int, timed, repeats: int) -> tuple[dict, list[str]]:
+    """The RL step with trainer.compile on and off, on the same trainer (switched in place,
+    alternating after a warm-up that compiles), whichever the config chose. Each state takes
+    one step of the model, so the two keep training rather than repeat one update."""
+    policy = trainer.policy
+    chosen = trainer.cfg.trainer.compile
+    policy.set_compiled(not chosen)
+    compile_s = timed(lambda: trainer.rl_step(trajectories))  # the other state's first step: compiles when that is on
+    times = {True: [], False: []}
+    for _ in range(repeats):
+        for state in (not chosen, chosen):
+            policy.set_compiled(state)
+            times[state].append(timed(lambda: trainer.rl_step(trajectories)))
+    policy.set_compiled(chosen)
+    on_s, off_s = min(times[True]), min(times[False])
+    first = f"first step {compile_s:.1f} s" + (" (compiling)" if not chosen else "")
+    return ({"compile_vs_eager": off_s / on_s, "compiled_tokens_per_s": tokens / on_s, "eager_tokens_per_s": tokens / off_s},
+            [f"compiled RL step {on_s:.3f} s, eager {off_s:.3f} s: compile_vs_eager = {off_s / on_s:.2f} ({first})"])

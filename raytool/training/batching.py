@@ -87,6 +87,16 @@ class Layout:
     rows: torch.Tensor  # [N] sequence index of each scored position
     cols: torch.Tensor  # [N] its column in the [B, W] grid
     shape: tuple[int, int]  # (B, W): sequences x (longest - 1)
+    cu_seqlens: torch.Tensor | None = None  # packed: int32 [B + 1], where each sequence starts in the row, then its end
+    longest: int = 0  # the longest sequence's length
+
+    def varlen_kwargs(self) -> dict:
+        """A packed row's sequence bounds as transformers' flash-attention kwargs: computed here on
+        the host, so its varlen kernel need not derive them from the position ids in every layer
+        (a nonzero() and a max() read back from the device: synchronisations)."""
+        if self.cu_seqlens is None:
+            return {}
+        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.longest, "max_length_k": self.longest}
 
     def to_grid(self, values: torch.Tensor) -> torch.Tensor:
         """[N] scored values -> [B, W] (0 where nothing was scored), differentiable."""
@@ -109,18 +119,20 @@ def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: 
             offset += len(s)
         ids = torch.tensor([[x for s in seqs for x in s]])
         positions = torch.tensor([[p for s in seqs for p in range(len(s))]])
+        bounds = torch.tensor([0, *(len(s) for s in seqs)], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     else:
         ids = pad_right(seqs, pad_id)
         width = ids.size(1)
         for b, (s, cs) in enumerate(zip(seqs, scored)):
             for t in cs:
                 rows.append(b), cols.append(t), labels.append(s[t + 1]), flat.append(b * width + t)
-        positions = None
+        positions = bounds = None
     as_long = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), device)  # noqa: E731
     return Layout(
         input_ids=to_device(ids, device), position_ids=to_device(positions, device) if positions is not None else None,
         select=as_long(flat), labels=as_long(labels), rows=as_long(rows), cols=as_long(cols),
         shape=(len(seqs), max(len(s) for s in seqs) - 1),
+        cu_seqlens=to_device(bounds, device) if bounds is not None else None, longest=max(len(s) for s in seqs),
     )
 
 

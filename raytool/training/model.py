@@ -101,13 +101,15 @@ class PolicyModel(nn.Module):
         chunk_tokens: int = 1024,
         with_entropy: bool = False,
         entropy_grad: bool = False,
+        varlen: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids [R, T]; select [N] flat indices into R*T of the positions to score; labels [N]
         the token that follows each. Returns log-probs [N] and entropies [N] (or None).
 
         No attention mask: sequences are right-padded (a causal model never lets a real token see
         a later pad, and SDPA takes its causal fast path) or packed with position_ids restarting
-        at 0 per sequence (a varlen kernel keeps them apart)."""
+        at 0 per sequence (a varlen kernel keeps them apart; `varlen`, Layout.varlen_kwargs(), gives
+        a flash-attention kernel the sequences' bounds)."""
         trunk, head = self._parts()
         slicing = None
         if self.sp_group is not None:  # this rank runs its slice of the sequence; `select` becomes its own positions
@@ -116,7 +118,8 @@ class PolicyModel(nn.Module):
             slicing = sequence_parallel.Slicing(input_ids, select, position_ids, self.lm.config.pad_token_id or 0, self.sp_group)
             sequence_parallel.set_micro_batch(self.sp_group, slicing.positions, packed=position_ids is not None)
             input_ids, position_ids, select, labels = slicing.input_ids, slicing.local_positions, slicing.local_select, labels[slicing.mine]
-        hidden = trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        flash = varlen if varlen and self.lm.config._attn_implementation.startswith("flash_attention") else {}
+        hidden = trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False, **flash).last_hidden_state
         hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, select)
         inv_t = 1.0 / temperature if temperature > 0 else 1.0
         # One chunk: its logits are kept for backward. Several: each is recomputed in backward, so

@@ -90,6 +90,20 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_auto_settings(cfg: RunConfig, model_path: str, device: torch.device, log_notes: bool = True) -> RunConfig:
+    """trainer.micro_batch_tokens and trainer.activation_checkpointing "auto" decided for this
+    device and its memory, as `raytool plan` decides them (raytool.planner.resolve_auto)."""
+    t = cfg.trainer
+    if t.micro_batch_tokens != "auto" and t.activation_checkpointing != "auto":
+        return cfg
+    from raytool.planner import architecture, resolve_auto
+
+    cfg, notes = resolve_auto(cfg, architecture(model_path), device.type != "cpu", device_info.accelerator_memory(device))
+    for note in notes if log_notes else []:
+        log.info("%s", note)
+    return cfg
+
+
 def check_4bit(device: torch.device) -> None:
     """trainer.load_in_4bit's device rule: bitsandbytes NF4 training is for CUDA GPUs."""
     import importlib.util
@@ -110,10 +124,11 @@ def _init_single_process_group(backend: str) -> None:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, model_path: str, *, device: str = "cpu", rank: int = 0, world_size: int = 1):
-        t = cfg.trainer
-        torch.manual_seed(t.seed)
-        self.cfg, self.model_path = cfg, model_path
+        torch.manual_seed(cfg.trainer.seed)
         self.device = torch.device(device)
+        cfg = resolve_auto_settings(cfg, model_path, self.device, log_notes=rank == 0)
+        t = cfg.trainer
+        self.cfg, self.model_path = cfg, model_path
         self.rank, self.world_size = rank, world_size
         self.dtype = compute_dtype(t.compute_dtype, self.device)
         if t.cpu_offload and self.device.type == "cpu":
@@ -201,7 +216,8 @@ class Trainer:
         """Log-probs (and entropies) of the scored tokens of `group`, as [B, W] grids."""
         lay = layout([x.ids for x in group], [x.scored() for x in group], self.pad_id, self.packed, self.device)
         logp, ent = model(lay.input_ids, lay.select, lay.labels, position_ids=lay.position_ids, temperature=temperature,
-                          chunk_tokens=self.cfg.trainer.logprob_chunk_tokens, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                          chunk_tokens=self.cfg.trainer.logprob_chunk_tokens, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                          varlen=lay.varlen_kwargs())
         return lay.to_grid(logp), (lay.to_grid(ent) if ent is not None else None)
 
     def _grid(self, group: list[_Seq], field: str, width: int) -> torch.Tensor:
