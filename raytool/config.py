@@ -386,7 +386,6 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         "agent.num_workers": cfg.agent.num_workers,
         "data.prompts_per_step": cfg.data.prompts_per_step,
         "trainer.num_workers": cfg.trainer.num_workers,
-        "trainer.micro_batch_tokens": 1 if cfg.trainer.micro_batch_tokens == "auto" else cfg.trainer.micro_batch_tokens,
         "trainer.logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
         "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs,
         "algorithm.mini_batches": cfg.algorithm.mini_batches,
@@ -407,6 +406,8 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
     }
     if cfg.rollout.max_model_len is not None:
         positive["rollout.max_model_len"] = cfg.rollout.max_model_len
+    if cfg.trainer.micro_batch_tokens != "auto":
+        positive["trainer.micro_batch_tokens"] = cfg.trainer.micro_batch_tokens
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{source}: config key '{key}': expected a positive integer, got {value}")

@@ -10,6 +10,7 @@ gathers the root's parameters (embeddings, final norm, head) exactly as calling 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -49,13 +50,9 @@ def _chunk_logprobs(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Te
     return logp, entropy
 
 
-_COMPILED: dict = {}
-
-
+@functools.cache
 def _compiled_chunk_logprobs():
-    if "chunk" not in _COMPILED:
-        _COMPILED["chunk"] = torch.compile(_chunk_logprobs)
-    return _COMPILED["chunk"]
+    return torch.compile(_chunk_logprobs)
 
 
 class PolicyModel(nn.Module):

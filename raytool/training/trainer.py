@@ -200,17 +200,22 @@ class Trainer:
     # -- log-probs ---------------------------------------------------------------------------------
 
     def _plan(self, seqs: list[_Seq]) -> list[list[_Seq]]:
-        """Token-budget micro-batches of `seqs`. Under FSDP every forward/backward is a collective,
-        so every rank runs as many micro-batches as the busiest one: the others add a dummy whose
-        mask is all 0 (it contributes exactly nothing to the loss or the gradients)."""
+        return self._plans([seqs])[0]
+
+    def _plans(self, batches: list[list[_Seq]]) -> list[list[list[_Seq]]]:
+        """Token-budget micro-batches of each of `batches`. Under FSDP every forward/backward is a
+        collective, so every rank runs as many micro-batches as the busiest one: the others add a
+        dummy whose mask is all 0 (it contributes exactly nothing to the loss or the gradients).
+        All batches' counts agree in one all-reduce (one read back from the device)."""
         split = packed_micro_batches if self.packed else micro_batches
-        groups = [[seqs[i] for i in g] for g in split([len(x.ids) for x in seqs], self.cfg.trainer.micro_batch_tokens)]
+        plans = [[[seqs[i] for i in g] for g in split([len(x.ids) for x in seqs], self.cfg.trainer.micro_batch_tokens)] for seqs in batches]
         if self.world_size > 1:
-            count = torch.tensor([len(groups)], device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            counts = torch.tensor([len(groups) for groups in plans], device=self.device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
             dummy = _Seq(ids=[self.pad_id, self.pad_id], mask=[0], rollout=[0.0], old=[0.0], ref=[0.0])
-            groups += [[dummy]] * (int(count.item()) - len(groups))
-        return groups
+            for groups, count in zip(plans, counts.tolist()):
+                groups += [[dummy]] * (count - len(groups))
+        return plans
 
     def _logprobs(self, model: PolicyModel, group: list[_Seq], *, temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
         """Log-probs (and entropies) of the scored tokens of `group`, as [B, W] grids."""
@@ -343,17 +348,18 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}  # metric -> token-weighted sum, then its weight
         orders = [torch.randperm(len(seqs)).tolist() for _ in range(a.ppo_epochs)]
         minis = [[seqs[i] for i in order[m :: a.mini_batches]] for order in orders for m in range(a.mini_batches)]
-        # The step's collectives, besides FSDP's own and the micro-batch plans' (_plan): the KL
+        # The step's collectives, besides FSDP's own and the micro-batch plans' (_plans, one): the KL
         # penalty above (when on), the mini-batches' loss normalizers and the batch's counts here
         # in one all-reduce, the metrics in one at the end (_reduce_metrics, then the token count).
         # Normalizers count every sequence of a mini-batch on every rank, skipped ones too.
         counts = self._global_sums([v for mini in minis for v in (sum(sum(x.mask) for x in mini), len(mini))] + [len(active), len(seqs)])
         tokens, grad_norms = 0, []
         lr = self._rl_lr()
-        for k, mini in enumerate(minis):
+        plans = self._plans([[x for x in mini if id(x) in active] if skip_zero_adv else mini for mini in minis])
+        for k, plan in enumerate(plans):
             n_tokens, n_seqs = max(counts[2 * k], 1.0), max(counts[2 * k + 1], 1.0)
             lr = self._rl_lr()
-            for group in self._plan([x for x in mini if id(x) in active] if skip_zero_adv else mini):
+            for group in plan:
                 tokens += sum(len(x.ids) for x in group)
                 self._rl_micro_step(group, on_policy, n_tokens, n_seqs, sums)
             grad_norms.append(self._optimizer_step(lr))
