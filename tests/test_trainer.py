@@ -569,3 +569,21 @@ def test_compile_is_refused_where_it_cannot_run(tiny_model_path):
             load_config(None, ["trainer.compile=true", *overrides])
     with pytest.raises(ValueError, match="'trainer.compile': inductor compiles for CUDA GPUs and CPUs, not meta"):
         Trainer(load_config(None, ["trainer.compile=true"]), tiny_model_path, device="meta")
+
+
+def test_the_trainer_bench_times_the_plain_loop_at_the_largest_budget_that_fits():
+    """On a GPU the plain loop's full logits may not fit raytool's 16k-token micro-batches: the bench
+    halves its budget after each out-of-memory error and reports the one it timed."""
+    from raytool.bench.trainer import largest_that_fits
+
+    tried, resets = [], []
+
+    def run(budget):
+        tried.append(budget)
+        if budget > 4096:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert largest_that_fits(run, 16384, lambda: resets.append(1)) == 4096
+    assert tried == [16384, 8192, 4096] and len(resets) == 2
+    with pytest.raises(torch.OutOfMemoryError):
+        largest_that_fits(run, 16384, lambda: None, floor=8192)

@@ -77,7 +77,8 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     n, prompt, response = (64, 256, (1024, 4096)) if cuda else (8, 96, (64, 320))
     trajectories = _batch(vocab, n, prompt, response)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
-    groups = micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in trajectories], cfg.trainer.micro_batch_tokens)
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    groups = micro_batches(lengths, cfg.trainer.micro_batch_tokens)
 
     plain_dtype = trainer.dtype
     plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=cfg.model.attn_implementation).to(device)
@@ -87,9 +88,16 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     plain.train()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.trainer.lr)
 
-    def run_plain():
+    plain_budget = cfg.trainer.micro_batch_tokens
+
+    def run_plain(budget: int | None = None):
         with torch.autocast(device, dtype=plain_dtype, enabled=plain_dtype != torch.float32):
-            _plain_step(plain, optimizer, trajectories, groups, device, cfg.trainer.lr)
+            _plain_step(plain, optimizer, trajectories, micro_batches(lengths, budget or plain_budget), device, cfg.trainer.lr)
+
+    def reset_plain():
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.empty_cache()
 
     def timed(fn) -> float:
         if cuda:
@@ -101,7 +109,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         return time.perf_counter() - start
 
     timed(lambda: trainer.rl_step(trajectories))  # warm-up both (allocator, kernels, thread pools)
-    timed(run_plain)
+    plain_budget = largest_that_fits(lambda budget: timed(lambda: run_plain(budget)), plain_budget, reset_plain)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     ours, theirs, host = [], [], []
@@ -121,6 +129,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         "trainer_vs_plain": plain_s / ours_s,
         "compute_dtype": str(trainer.dtype).removeprefix("torch."),
         "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
+        "plain_micro_batch_tokens": plain_budget,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "micro_batches_per_step": len(groups),
         **dtype_result,
@@ -137,11 +146,14 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         if peak:
             result["mfu"] = 6 * params * tokens / ours_s / (peak * 1e12)
     rows = [("raytool RL step", ours_s, tokens / ours_s), ("plain HF loop", plain_s, tokens / plain_s)]
+    plain_note = ([f"the plain loop ran out of memory at {cfg.trainer.micro_batch_tokens}-token micro-batches (its full logits): "
+                   f"timed at {plain_budget}"] if plain_budget != cfg.trainer.micro_batch_tokens else [])
     table = "\n".join(
         [f"trainer bench: {n} trajectories, {tokens} tokens, micro-batches of {cfg.trainer.micro_batch_tokens} tokens, {result['compute_dtype']} on {result['device']}",
          f"{'':18} {'s/step':>8} {'tokens/s':>10}"]
         + [f"{name:18} {s:8.3f} {tps:10.0f}" for name, s, tps in rows]
         + [f"trainer_vs_plain = {result['trainer_vs_plain']:.2f}"]
+        + plain_note
         + dtype_rows
         + compile_rows
         + ([f"mfu = {result['mfu']:.1%}  peak memory = {result['peak_mem_gib']:.1f} GiB"] if "mfu" in result else [])
@@ -194,3 +206,19 @@ def _compile_vs_eager(trainer, trajectories, tokens: int, timed, repeats: int) -
     first = f"first step {compile_s:.1f} s" + (" (compiling)" if not chosen else "")
     return ({"compile_vs_eager": off_s / on_s, "compiled_tokens_per_s": tokens / on_s, "eager_tokens_per_s": tokens / off_s},
             [f"compiled RL step {on_s:.3f} s, eager {off_s:.3f} s: compile_vs_eager = {off_s / on_s:.2f} ({first})"])
+
+
+def largest_that_fits(run, budget: int, reset, floor: int = 512) -> int:
+    """Run `run(budget)` (the plain loop's warm-up), halving the token budget after each
+    out-of-memory error down to `floor` (its full fp32 logits grow with the micro-batch, so at a
+    GPU's 16k tokens it may not fit where raytool's step does); `reset` drops what the failed try
+    left. Returns the budget that ran."""
+    while True:
+        try:
+            run(budget)
+            return budget
+        except torch.OutOfMemoryError:
+            reset()
+            if budget // 2 < floor:
+                raise
+            budget //= 2
