@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -285,8 +286,9 @@ class RunConfig(_Section):
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
 
-def _allowed_values(key: str) -> list | None:
-    """The choices of a Literal-typed key such as 'agent.format', for error messages."""
+def _allowed_values(key: str) -> str | None:
+    """What a key with named choices takes, for error messages: "one of [...]" for a Literal-typed
+    key such as 'agent.format', "'auto' or an int" for a choice or another type."""
     node: Any = RunConfig
     for part in re.sub(r"\[\d+\]", "", key).split("."):  # 'logging.logger[1]': an item of a list of choices
         hints = typing.get_type_hints(node) if isinstance(node, type) else {}
@@ -297,7 +299,15 @@ def _allowed_values(key: str) -> list | None:
         node = hints[part]
     if typing.get_origin(node) is list:
         (node,) = typing.get_args(node)
-    return list(typing.get_args(node)) if typing.get_origin(node) is Literal else None
+    if typing.get_origin(node) is Literal:
+        return f"one of {list(typing.get_args(node))}"
+    if typing.get_origin(node) in (typing.Union, types.UnionType):  # e.g. int | Literal["auto"]: "'auto' or an int"
+        args = typing.get_args(node)
+        choices = [repr(v) for arg in args if typing.get_origin(arg) is Literal for v in typing.get_args(arg)]
+        kinds = [{"int": "an int", "bool": "true/false", "float": "a number"}.get(arg.__name__, arg.__name__)
+                 for arg in args if isinstance(arg, type) and arg is not type(None)]
+        return " or ".join([", ".join(choices)] + kinds) if choices else None
+    return None
 
 
 def _error_from_msgspec(err: msgspec.ValidationError, source: str) -> ConfigError:
@@ -311,7 +321,7 @@ def _error_from_msgspec(err: msgspec.ValidationError, source: str) -> ConfigErro
         return ConfigError(f"{source}: unknown config key '{f'{key}.{field}' if key else field}'")
     allowed = _allowed_values(key)
     if allowed is not None:
-        msg += f"; expected one of {allowed}"
+        msg += f"; expected {allowed}"
     return ConfigError(f"{source}: config key '{key or '<root>'}': {msg[0].lower()}{msg[1:]}")
 
 

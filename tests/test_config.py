@@ -43,6 +43,13 @@ def test_unknown_section_and_bad_literal():
         load_config(None, ["agent.format=xml"])
     with pytest.raises(ConfigError, match=r"'logging.logger\[1\]': invalid enum value 'foo'; expected one of \['console', 'tensorboard', 'wandb'\]"):
         load_config(None, ["logging.logger=[console,foo]"])
+    # a choice or another type: both named
+    with pytest.raises(ConfigError, match=r"'trainer.micro_batch_tokens': invalid enum value 'lots'; expected 'auto' or an int$"):
+        load_config(None, ["trainer.micro_batch_tokens=lots"])
+    with pytest.raises(ConfigError, match=r"'trainer.activation_checkpointing': expected `bool \| str`, got `int`; expected 'auto' or true/false$"):
+        load_config(None, ["trainer.activation_checkpointing=7"])
+    with pytest.raises(ConfigError, match=r"'trainer.micro_batch_tokens': expected a positive integer, got 0"):
+        load_config(None, ["trainer.micro_batch_tokens=0"])
 
 
 def test_cross_key_validation():
