@@ -486,8 +486,8 @@ def _grads_at_step(trainer):
 def test_the_micro_batch_loop_reads_nothing_back_from_the_device(tiny_model_path, process_group_cleanup, monkeypatch, overrides):
     """On a GPU a read of a device value (.item(), float(t), bool(t), .tolist(), .cpu()) waits for
     every queued kernel, so the host cannot queue micro-batch k+1 while micro-batch k runs. None
-    may happen between a step's start and its metrics: not in raytool's code, nor in the model's
-    forward and backward (transformers' "sdpa" asks whether position ids are packed on every
+    may happen in the micro-batch loop (each micro-step, and the log-prob passes for KL and
+    mini-batches): not in raytool's code, nor in the model's forward and backward (transformers' "sdpa" asks whether position ids are packed on every
     forward; the padded layout runs its causal SDPA under a name without that check). Host-to-device
     copies are pinned and non-blocking: `tests/test_gpu.py` checks the same loop under CUDA's sync
     debug mode."""
