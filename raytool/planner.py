@@ -139,7 +139,9 @@ class Cluster:
             import torch
 
             if torch.cuda.is_available():
-                return cls(1, torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / GiB, host)
+                from raytool.device import accelerator_memory
+
+                return cls(1, torch.cuda.device_count(), accelerator_memory(torch.device("cuda", 0)) / GiB, host)
         except ImportError:
             pass
         return cls(1, 0, 0.0, host)
@@ -251,26 +253,20 @@ def resolve_auto(cfg: RunConfig, arch: Architecture, on_accelerator: bool, accel
     t = cfg.trainer
     notes = []
     tokens, checkpointing = t.micro_batch_tokens, t.activation_checkpointing
-    where = "an accelerator" if on_accelerator else "a CPU"
     if tokens == "auto":
         tokens = AUTO_MICRO_BATCH_TOKENS[on_accelerator]
-        notes.append(f"trainer.micro_batch_tokens auto: {tokens} (on {where})")
-    cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, micro_batch_tokens=tokens, activation_checkpointing=checkpointing is True))
-    if checkpointing != "auto":
-        return cfg, notes
-    if not on_accelerator:
-        notes.append("trainer.activation_checkpointing auto: off (on a CPU)")
-        return cfg, notes
-    if accelerator_bytes <= 0:
-        checkpointing, why = True, "the accelerator's memory is not known"
-    else:
-        need, budget = trainer_memory(cfg, arch, True).accelerator_total, trainer_budget(cfg, accelerator_bytes, with_servers)
-        checkpointing = need > CHECKPOINTING_HEADROOM * budget
-        why = f"without it a trainer worker needs {_gib(need)} of its {_gib(budget)}"
-    notes.append(f"trainer.activation_checkpointing auto: {'on' if checkpointing else 'off'} ({why})")
-    if checkpointing:
-        cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, activation_checkpointing=True))
-    return cfg, notes
+        notes.append(f"trainer.micro_batch_tokens auto: {tokens} (on {'an accelerator' if on_accelerator else 'a CPU'})")
+    without = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, micro_batch_tokens=tokens, activation_checkpointing=False))
+    if checkpointing == "auto":
+        if not on_accelerator:
+            checkpointing, why = False, "on a CPU"
+        elif accelerator_bytes <= 0:
+            checkpointing, why = True, "the accelerator's memory is not known"
+        else:
+            need, budget = trainer_memory(without, arch, True).accelerator_total, trainer_budget(cfg, accelerator_bytes, with_servers)
+            checkpointing, why = need > CHECKPOINTING_HEADROOM * budget, f"without it a trainer worker needs {_gib(need)} of its {_gib(budget)}"
+        notes.append(f"trainer.activation_checkpointing auto: {'on' if checkpointing else 'off'} ({why})")
+    return msgspec.structs.replace(without, trainer=msgspec.structs.replace(without.trainer, activation_checkpointing=checkpointing)), notes
 
 
 def loading_peak(arch: Architecture, four_bit: bool = False) -> float:

@@ -178,12 +178,8 @@ def _bf16_vs_fp32(cfg: RunConfig, model_path: str, trainer, trajectories, timed,
     other = Trainer(msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, compute_dtype=other_dtype)),
                     model_path, device="cpu")
     timed(lambda: other.rl_step(trajectories))
-    theirs, ours = [], []
-    for _ in range(repeats):
-        theirs.append(timed(lambda: other.rl_step(trajectories)))
-        ours.append(timed(lambda: trainer.rl_step(trajectories)))
-    other_s = min(theirs)
-    fp32_s, bf16_s = (other_s, min(ours)) if other_dtype == "float32" else (min(ours), other_s)
+    other_s, ours_s = _alternating(timed, [lambda: other.rl_step(trajectories), lambda: trainer.rl_step(trajectories)], repeats)
+    fp32_s, bf16_s = (other_s, ours_s) if other_dtype == "float32" else (ours_s, other_s)
     return ({"cpu_bf16_native": True, "bf16_vs_fp32": fp32_s / bf16_s, "fp32_step_s": fp32_s, "bf16_step_s": bf16_s},
             [f"bf16 RL step {bf16_s:.3f} s, fp32 {fp32_s:.3f} s: bf16_vs_fp32 = {fp32_s / bf16_s:.2f} ({why})"])
 
@@ -196,13 +192,16 @@ def _compile_vs_eager(trainer, trajectories, tokens: int, timed, repeats: int) -
     chosen = trainer.cfg.trainer.compile
     policy.set_compiled(not chosen)
     compile_s = timed(lambda: trainer.rl_step(trajectories))  # the other state's first step: compiles when that is on
-    times = {True: [], False: []}
-    for _ in range(repeats):
-        for state in (not chosen, chosen):
+
+    def step(state: bool):
+        def run():
             policy.set_compiled(state)
-            times[state].append(timed(lambda: trainer.rl_step(trajectories)))
-    policy.set_compiled(chosen)
-    on_s, off_s = min(times[True]), min(times[False])
+            return trainer.rl_step(trajectories)
+        return run
+
+    # the configured state runs last in each round, so the trainer is left as configured
+    other_s, chosen_s = _alternating(timed, [step(not chosen), step(chosen)], repeats)
+    on_s, off_s = (chosen_s, other_s) if chosen else (other_s, chosen_s)
     first = f"first step {compile_s:.1f} s" + (" (compiling)" if not chosen else "")
     return ({"compile_vs_eager": off_s / on_s, "compiled_tokens_per_s": tokens / on_s, "eager_tokens_per_s": tokens / off_s},
             [f"compiled RL step {on_s:.3f} s, eager {off_s:.3f} s: compile_vs_eager = {off_s / on_s:.2f} ({first})"])
@@ -222,3 +221,13 @@ def largest_that_fits(run, budget: int, reset, floor: int = 512) -> int:
             if budget // 2 < floor:
                 raise
             budget //= 2
+
+
+def _alternating(timed, runs: list, repeats: int) -> list[float]:
+    """Each of `runs` timed `repeats` times in turn (A B A B ...), so that a noisy machine hits
+    all alike; the best time of each."""
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for spent, run in zip(times, runs):
+            spent.append(timed(run))
+    return [min(spent) for spent in times]

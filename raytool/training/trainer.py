@@ -332,9 +332,10 @@ class Trainer:
         metrics: dict[str, float] = {}
         if a.kl_reward_coef > 0:  # r_i - beta * sum_t KL_t, the KL summed over each sequence's tokens
             kl = torch.zeros(len(batch_rewards), dtype=torch.float64, device=self.device)
-            for i, x in zip(index, seqs):
-                mask = to_device(torch.tensor(x.mask, dtype=torch.float32), self.device)
-                kl[i] = (kl_penalty(x.old, x.ref, a.kl_type) * mask).sum()
+            if seqs:  # [own sequences, tokens] grids, 0-padded (every KL estimator is 0 there)
+                width = max(len(x.ids) for x in seqs) - 1
+                per_seq = (kl_penalty(self._grid(seqs, "old", width), self._grid(seqs, "ref", width), a.kl_type) * self._grid(seqs, "mask", width)).sum(1)
+                kl[to_device(torch.tensor(index), self.device)] = per_seq.double()
             if self.dp_size > 1:
                 dist.all_reduce(kl, group=self.dp_group)
             rewards = rewards - a.kl_reward_coef * kl.cpu().float()

@@ -20,18 +20,19 @@ VARIANTS = {"default": [], "mbt4096": ["trainer.micro_batch_tokens=4096"],
 
 
 def build(directory: Path) -> None:
+    """The planner's Qwen2.5-1.5B-Instruct architecture with random bf16 weights (the bench needs no tokenizer)."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from raytool.models import resolve_model
+    from raytool.planner import KNOWN
 
-    config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
+    a = KNOWN["Qwen2.5-1.5B-Instruct"]
+    config = Qwen2Config(hidden_size=a["hidden"], intermediate_size=a["intermediate"], num_hidden_layers=a["layers"], num_attention_heads=a["heads"],
+                         num_key_value_heads=a["kv_heads"], vocab_size=a["vocab"], tie_word_embeddings=a["tied"], max_position_embeddings=32768)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(resolve_model("tiny-random")).save_pretrained(directory)
 
 
 def one(model: str, overrides: list[str]) -> dict:
