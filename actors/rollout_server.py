@@ -9,9 +9,11 @@ import time
 
 import ray
 
+from actors import deaths
 from actors.metrics import RolloutMetrics
 from raytool.device import set_torch_threads
 from raytool.engines import make_engine
+from raytool.engines.crash import death, repeats, verdict
 from raytool.errors import RolloutServerError, describe_engine_failure
 from raytool.types import SamplingParams, TokenOutput
 
@@ -24,7 +26,9 @@ LOAD_CHECK_S = 2.0  # while a weight load runs, how often the server checks that
 class RolloutServer:
     """Built by Ray again after its process dies (`max_restarts`): then it starts a fresh engine on
     the checkpoint it was given, opens new weight receivers, and reports policy version 0 until
-    the driver re-syncs it."""
+    the driver re-syncs it. An engine that dies of the same exception as at the previous death
+    (raytool.engines.crash.repeats) is not restarted: the server exits for good, and the driver
+    ends the run with the engine's own error."""
 
     def __init__(self, name: str, model_path: str, engine: str, engine_options: dict, torch_threads: int = 0):
         set_torch_threads(torch_threads)
@@ -34,7 +38,8 @@ class RolloutServer:
         self.failure: str | None = None
         self.engine = None
         self.addresses: list[str] = []
-        self.in_flight = 0
+        self.requests: dict[str, None] = {}  # ids of the requests in flight, oldest first
+        self.stopped = False  # its engine crashed as at its previous death: exiting for good
         self.loading = False  # a weight load is running: requests are frozen on purpose
         self.started = time.time()
         try:
@@ -42,6 +47,7 @@ class RolloutServer:
         except Exception as exc:  # reported by ready() in one line; the actor stays up to say why
             self.failure = describe_engine_failure(name, model_path, engine, exc)
             log.error("%s", self.failure)
+        self.up_since = time.monotonic()  # the engine is up (or failed to start)
         self.metrics = RolloutMetrics(name, lambda: self.in_flight, lambda: self.engine.policy_version if self.engine else None)
 
     def _check(self) -> None:
@@ -58,9 +64,9 @@ class RolloutServer:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
         self._check()
         self._exit_if_engine_died()
-        if self.in_flight == 0:  # the stall clock starts when work arrives at an idle engine
+        if not self.requests:  # the stall clock starts when work arrives at an idle engine
             self.engine.stats.progressed()
-        self.in_flight += 1
+        self.requests[request_id] = None
         start = time.perf_counter()
         try:
             out = await self.engine.generate(prompt_ids, sampling, request_id)
@@ -68,7 +74,7 @@ class RolloutServer:
             self._exit_if_engine_died(exc)
             raise
         finally:
-            self.in_flight -= 1
+            self.requests.pop(request_id, None)
         self.metrics.request_done(len(out.token_ids), time.perf_counter() - start)
         out.server = self.name
         return out
@@ -124,13 +130,34 @@ class RolloutServer:
         idle = 0.0 if self.in_flight == 0 or self.loading else time.monotonic() - self.engine.stats.progress_at
         return {"server": self.name, "in_flight": self.in_flight, "idle_s": idle}
 
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests)
+
     def _exit_if_engine_died(self, exc: BaseException | None = None) -> None:
         """An engine that died inside this live actor (vLLM's engine core process is gone) would
         fail every call while Ray sees a healthy actor: exit the process instead, so Ray restarts
-        the server (`rollout.max_restarts`) with a fresh engine, which the next sync re-loads."""
+        the server (`rollout.max_restarts`) with a fresh engine, which the next sync re-loads.
+        Unless it died of the same exception as at its previous death: then it exits for good
+        (a restart would only replay the crash), leaving the driver its one line."""
         if self.engine is None or not self.engine.dead(exc):
             return
-        log.error("rollout server %s: its engine died (%s); exiting so Ray restarts the server", self.name, exc or "engine core gone")
+        if self.stopped:  # already exiting for good (a caller caught the exit and asked again)
+            ray.actor.exit_actor()
+        actor_id = ray.get_runtime_context().get_actor_id()
+        now = death(self.engine.crash(), self.up_since, list(self.requests))
+        previous = deaths.last_death(actor_id)
+        deaths.record_death(actor_id, now)
+        if repeats(previous, now):
+            line = verdict(self.name, now)
+            log.error("%s\n%s", line, now.crash.traceback)
+            deaths.mark_stopped(actor_id, line)
+            self.stopped = True
+            ray.actor.exit_actor()  # an intended exit: Ray does not restart it
+        cause = now.crash.one_line() if now.crash else (exc or "engine core gone")
+        log.error("rollout server %s: its engine died (%s); exiting so Ray restarts the server", self.name, cause)
+        if now.crash:
+            log.error("%s", now.crash.traceback)
         logging.shutdown()
         os._exit(1)
 

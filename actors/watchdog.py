@@ -12,7 +12,8 @@ trainer group from its last checkpoint.
 An actor that died for good (Ray used up its restarts) is remembered with its cause; `check()`,
 which the driver calls while it waits, then stops the run in one line naming the actor and the
 config key of its restart budget, instead of leaving requests to wait for a server that never
-comes back.
+comes back. A rollout server whose engine crashed again as before (`actors.deaths`) stops the run
+at the next `check()`, with the engine's own error, and its traceback goes to the driver's log.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import threading
 import ray
 from ray.util.state import get_actor
 
+from actors import deaths
 from raytool.errors import RaytoolError
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class Watchdog:
         self.actors = actors  # role name -> actor handle
         self.interval_s = interval_s
         self.killed: list[str] = []  # role names, in the order they were found hung
-        self.lost: dict[str, str] = {}  # role name -> why it is dead for good
+        self.lost: dict[str, str] = {}  # role name -> the line that ends the run: why it is dead for good
         self._killed_pids: set[int] = set()  # a stopped process can take Ray a few seconds to kill: once is enough
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytool-watchdog", daemon=True)
@@ -90,17 +92,36 @@ class Watchdog:
         return hung
 
     def check(self) -> None:
-        """Raise ActorLostError for the first actor found dead for good."""
-        for name, cause in self.lost.items():
-            raise ActorLostError(f"{name} is dead for good: Ray used up its restarts ({restart_key(name)}); last cause: {cause}")
+        """Raise ActorLostError for the first actor found dead for good, or rollout server stopped
+        for a crash that repeats."""
+        for name, actor in self.actors.items():
+            if name.startswith("rollout-server") and name not in self.lost:
+                self._note_if_stopped(name, actor._actor_id.hex())
+        for line in list(self.lost.values()):  # the watchdog's thread adds to it
+            raise ActorLostError(line)
+
+    def _note_if_stopped(self, name: str, actor_id: str) -> bool:
+        """A server that exited for good because its engine crashed again as before: its line, and
+        the engine's traceback into this (the driver's) log."""
+        line = deaths.stopped(actor_id)
+        if line is None:
+            return False
+        last = deaths.last_death(actor_id)
+        self.lost[name] = line
+        log.error("%s\n%s", line, last.crash.traceback if last is not None and last.crash is not None else "")
+        return True
 
     def _note_if_lost(self, name: str) -> None:
-        state = get_actor(self.actors[name]._actor_id.hex(), address=ray.get_runtime_context().gcs_address, timeout=10)
-        if state is not None and state.state == "DEAD" and name not in self.lost:
+        actor_id = self.actors[name]._actor_id.hex()
+        if name in self.lost or self._note_if_stopped(name, actor_id):
+            return
+        state = get_actor(actor_id, address=ray.get_runtime_context().gcs_address, timeout=10)
+        if state is not None and state.state == "DEAD":
             context = (state.death_cause or {}).get("actor_died_error_context", {})
             cause = (context.get("error_message") or "unknown").splitlines()[0][:300]
-            self.lost[name] = f"{cause} (restarted {state.num_restarts} times)"
-            log.error("watchdog: %s is dead for good: %s", name, self.lost[name])
+            self.lost[name] = (f"{name} is dead for good: Ray used up its restarts ({restart_key(name)}); last cause: {cause} "
+                               f"(restarted {state.num_restarts} times)")
+            log.error("watchdog: %s", self.lost[name])
 
     @staticmethod
     def _alive_pid(actor) -> int | None:

@@ -95,6 +95,7 @@ class RolloutConfig(_Section):
     max_group_retries: int = 2  # a GRPO group hit by an infrastructure failure (sandbox, engine, reward fn or a worker that died) is rolled out again this many times, same seeds; then it is left out of the loss and recorded as failed
     health_probe_interval_s: float = 5.0  # how often the manager probes ejected servers for re-admission
     scripted_delay_s: float = 0.5  # engine=scripted: seconds each request takes
+    scripted_crash: str | None = None  # engine=scripted: every request kills the engine with this error ('Type: message'): a deliberately poisoned engine
 
 
 class AgentConfig(_Section):

@@ -74,6 +74,9 @@ class RolloutEngine(Protocol):
     def dead(self, exc: BaseException | None = None) -> bool:
         """Whether the engine can never serve again in this process (`exc`: what a call raised)."""
 
+    def crash(self) -> "EngineCrash | None":
+        """The exception the engine died of, where its process recorded one (None: not known, or alive)."""
+
     def shutdown(self) -> None: ...
 
 

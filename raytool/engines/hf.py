@@ -216,6 +216,9 @@ class HFEngine:
         """The model runs in this process: it cannot die while the actor lives."""
         return False
 
+    def crash(self) -> None:
+        return None
+
     def shutdown(self) -> None:
         if self._receiver is not None:
             self._receiver.close()

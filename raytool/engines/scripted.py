@@ -9,14 +9,20 @@ model (`raytool bench load`). The script is a two-cell code-interpreter conversa
 each followed by the request's first stop token (finish reason `stop`). Token ids come from the
 model's own tokenizer, so the agent loop parses, renders and masks them like any engine's.
 Weight syncs are received for real (ZMQ) and discarded, so a training run works on it too.
+
+`crash_with` ("Type: message") poisons it: every request then kills the engine with that error, the
+way a vLLM engine dies of an exception in its worker (tests of `raytool.engines.crash`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 
 from raytool.engines import EngineStats
+from raytool.engines.crash import EngineCrash
 from raytool.types import SamplingParams, TokenOutput
 from raytool.weightsync import WeightReceiver
 
@@ -30,11 +36,16 @@ SCRIPT = (
 LOGPROB = -0.5  # every scripted token's log-prob
 
 
-class ScriptedEngine:
-    def __init__(self, model_path: str, *, delay_s: float = 0.5, **_ignored):
-        from transformers import AutoTokenizer
+@functools.cache
+def _tokenizer(model_path: str):
+    from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+class ScriptedEngine:
+    def __init__(self, model_path: str, *, delay_s: float = 0.5, crash_with: str | None = None, **_ignored):
+        self.tokenizer = _tokenizer(model_path)
         self.turns = [self.tokenizer.encode(text, add_special_tokens=False) for text in SCRIPT]
         eos = self.tokenizer.eos_token_id
         self.default_stop = [eos] if eos is not None else []
@@ -43,6 +54,8 @@ class ScriptedEngine:
         self.stats = EngineStats()
         self.busy_s = 0.0  # summed time of every request inside generate (the engine's share of a request's latency)
         self._receiver: WeightReceiver | None = None
+        self.crash_with = crash_with
+        self._crash: EngineCrash | None = None
 
     def turn_of(self, prompt_ids: list[int]) -> int:
         """Which script turn answers this prompt: the first one it does not hold yet."""
@@ -53,6 +66,11 @@ class ScriptedEngine:
         return turn
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+        if self.crash_with:
+            kind, _, message = self.crash_with.partition(": ")
+            self._crash = EngineCrash(kind, message, f"{self.crash_with} (a poisoned scripted engine, request {request_id})",
+                                      f"scripted engine pid={os.getpid()}")
+            raise RuntimeError(f"scripted engine: poisoned with {self.crash_with}")
         self.stats.request_started()
         self.stats.running += 1
         start = asyncio.get_running_loop().time()
@@ -105,7 +123,10 @@ class ScriptedEngine:
         return {**self.stats.as_dict(), "policy_version": self.policy_version, "busy_s": self.busy_s}
 
     def dead(self, exc: BaseException | None = None) -> bool:
-        return False
+        return self._crash is not None
+
+    def crash(self) -> EngineCrash | None:
+        return self._crash
 
     def shutdown(self) -> None:
         if self._receiver is not None:

@@ -33,7 +33,9 @@ import contextlib
 import itertools
 import logging
 import os
+import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -41,6 +43,7 @@ import msgspec
 import psutil
 
 from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
+from raytool.engines.crash import CRASH_FILE_ENV, EngineCrash, read_crash
 from raytool.types import SamplingParams, TokenOutput
 from raytool.weightsync import WeightSyncError
 
@@ -91,12 +94,15 @@ class VLLMEngine:
         cpu_preload: bool = True,
         enforce_eager: bool = False,
         seed: int = 0,
+        seeded_requests: bool = False,
         partial_rollout: Literal["continue", "abort", "wait"] = "continue",
         start_timeout_s: int = 600,
         **_ignored,
     ):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from vllm.platforms import current_platform
 
         from raytool.errors import preflight_engine
 
@@ -123,6 +129,19 @@ class VLLMEngine:
         self._weights_ready = asyncio.Event()  # clear while a weight load runs
         self._weights_ready.set()
         self._warned_no_spans = False
+        # A child process that raises records its exception here (raytool.engines.crash): the
+        # EngineDeadError this process sees does not say why the engine died.
+        self.crash_file = os.path.join(tempfile.gettempdir(), f"raytool-engine-crash-{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
+        os.environ[CRASH_FILE_ENV] = self.crash_file
+        # vLLM rewinds a seeded request's generator after a partial prefill (a chunked prompt's
+        # discarded sample: `gen.set_offset(gen.get_offset() - 4)` in the model runner), and a CPU
+        # generator has no offset: with chunked prefill the first step that splits a seeded prompt
+        # kills the engine ("CPU Generator does not use offset"). Without chunked prefill every
+        # prompt is prefilled whole (preempted requests too: they go back to the waiting queue).
+        chunked = not (seeded_requests and current_platform.is_cpu())
+        if not chunked:
+            log.info("rollout.seed on a CPU engine: chunked prefill off (vLLM cannot rewind a seeded request's "
+                     "CPU generator after a partial prefill)")
         args = AsyncEngineArgs(
             model=model_path,
             dtype=dtype,
@@ -134,6 +153,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             seed=seed,
             enable_prefix_caching=True,
+            enable_chunked_prefill=None if chunked else False,  # off: vLLM sizes a step to take max_model_len whole
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # sampling comes from SamplingParams only, not the checkpoint
             worker_extension_cls=WORKER_EXTENSION,
@@ -340,6 +360,10 @@ class VLLMEngine:
 
         return isinstance(exc, EngineDeadError) or self.llm.errored or not all(_running(p) for p in self._cores)
 
+    def crash(self) -> EngineCrash | None:
+        """The exception the engine's own process died of, where it logged one (None for a kill)."""
+        return read_crash(self.crash_file)
+
     def shutdown(self) -> None:
         self._cores = []  # they exit now, on purpose
         segments = _shared_memory_segments()
@@ -347,7 +371,7 @@ class VLLMEngine:
         # vLLM's shutdown force-kills an engine core that does not exit in time, which leaves its
         # shared-memory message queues (/dev/shm/psm_*, 160-250 MB each) behind: memory that stays
         # taken until the machine reboots. Unlink the ones this engine had mapped.
-        for path in segments:
+        for path in segments | {self.crash_file}:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import time
 
+from raytool.engines.crash import install_crash_recorder
 from raytool.weightsync import WeightReceiver, WeightSyncError
 
 log = logging.getLogger(__name__)
+install_crash_recorder()  # the exception that kills this worker reaches the rollout server by name
 
 
 class _RotaryReloadNoise(logging.Filter):

@@ -46,8 +46,9 @@ def _stop_server(actor) -> None:
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tiny_model_path):
-    """partial_rollout=continue (the default): requests in flight at a weight load are frozen and continued."""
-    actor, addresses = _start_server("rollout-test", tiny_model_path)
+    """partial_rollout=continue (the default): requests in flight at a weight load are frozen and
+    continued. Seeded requests, as a run with rollout.seed makes them (no chunked prefill on a CPU)."""
+    actor, addresses = _start_server("rollout-test", tiny_model_path, seeded_requests=True)
     yield actor, addresses
     _stop_server(actor)
 
@@ -119,6 +120,24 @@ def test_engine_logprobs_match_the_trainer_at_the_rollout_temperature(server, ti
                 trainer = _trainer_logprobs(model, prompt, out.token_ids, temperature)
             diff = (trainer - torch.tensor(out.logprobs)).abs().max().item()
             assert diff < LOGPROB_ATOL, f"temperature {temperature}: max |engine - trainer| = {diff:.2e}"
+
+
+def test_seeded_requests_longer_than_an_engine_step_take_are_served_and_reproduced(server):
+    """16 seeded prompts of 301 tokens at once: more than one 2,048-token step takes, which with
+    chunked prefill killed a CPU engine. Same seeds, same tokens; other seeds, other tokens."""
+    prompts = [[1] + [(i * 7 + j) % 5000 + 10 for j in range(300)] for i in range(16)]
+
+    def run(seed0: int) -> list:
+        import ray
+
+        actor, _ = server
+        return ray.get([actor.generate.remote(p, SamplingParams(max_tokens=8, temperature=1.0, seed=seed0 + i), f"long{seed0}-{i}-{time.time()}")
+                        for i, p in enumerate(prompts)])
+
+    first, again, other = run(0), run(0), run(100)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert [o.token_ids for o in first] != [o.token_ids for o in other]
+    assert all(len(o.token_ids) == 8 for o in first)
 
 
 def test_logprobs_are_of_the_distribution_sampled_from(server):
