@@ -587,3 +587,25 @@ def test_the_trainer_bench_times_the_plain_loop_at_the_largest_budget_that_fits(
     assert tried == [16384, 8192, 4096] and len(resets) == 2
     with pytest.raises(torch.OutOfMemoryError):
         largest_that_fits(run, 16384, lambda: None, floor=8192)
+
+
+def test_a_plain_loop_out_of_memory_in_the_timed_steps_keeps_the_trainer_bench_figures(tiny_model_path, process_group_cleanup, monkeypatch):
+    """The plain loop's warm-up fits but a timed step runs out of memory (on an H100, next to
+    raytool's trainer): the plain loop is reported as not measured, raytool's figures stand."""
+    from raytool.bench import trainer as trainer_bench
+
+    plain_steps = []
+
+    def plain_step(*args):
+        plain_steps.append(args)
+        if len(plain_steps) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(trainer_bench, "_plain_step", plain_step)
+    monkeypatch.setattr(trainer_bench, "_batch", lambda *args: BATCH)  # a unit test's batch, not the bench's
+    monkeypatch.setattr(trainer_bench, "_bf16_vs_fp32", lambda *args: ({}, []))  # each times its own steps, not this behaviour
+    monkeypatch.setattr(trainer_bench, "_compile_vs_eager", lambda *args: ({}, []))
+    table, result = trainer_bench.bench(load_config(None, [f"model.path={tiny_model_path}"]), repeats=1)
+    assert len(plain_steps) == 2 and result["trainer_tokens_per_s"] > 0
+    assert result["plain_tokens_per_s"] is None and result["trainer_vs_plain"] is None and result["plain_micro_batch_tokens"] == 4096
+    assert "plain HF loop: not measured, out of memory at 4096-token micro-batches" in table and "trainer_vs_plain" not in table

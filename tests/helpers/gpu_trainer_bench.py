@@ -1,5 +1,6 @@
 """`raytool bench trainer` on a Qwen2.5-1.5B-shaped model (random weights, built on the GPU), one
-fresh process per variant; each variant's result is one JSON line appended to OUT.
+fresh process for the build and for each variant, so that each variant has the whole GPU; each
+variant's result is one JSON line appended to OUT (and flushed) as soon as it finishes.
 
     python tests/helpers/gpu_trainer_bench.py OUT.jsonl [VARIANT ...]
 
@@ -10,6 +11,7 @@ default), nockpt (16k micro-batches without activation checkpointing). A variant
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -35,29 +37,41 @@ def build(directory: Path) -> None:
     model.save_pretrained(directory)
 
 
-def one(model: str, overrides: list[str]) -> dict:
+def one(out: Path, name: str, model: str) -> None:
+    """One variant's bench, its JSON line appended to `out`: the result, or the error (re-raised, so
+    its traceback follows)."""
     from raytool.bench.trainer import bench
     from raytool.config import load_config
 
-    table, result = bench(load_config(None, [f"model.path={model}", "trainer.num_gpus=1", *overrides]), repeats=2)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("raytool.bench").setLevel(logging.INFO)
+    try:
+        table, result = bench(load_config(None, [f"model.path={model}", "trainer.num_gpus=1", *VARIANTS[name]]), repeats=2)
+    except Exception as error:
+        _append(out, {"variant": name, "overrides": VARIANTS[name], "error": f"{type(error).__name__}: {error}"[:2000]})
+        raise
     print(table, flush=True)
-    return result
+    _append(out, {"variant": name, "overrides": VARIANTS[name], **result})
+
+
+def _append(out: Path, record: dict) -> None:
+    with out.open("a") as f:  # closed at once: the line is on disk if the run is cut off next
+        f.write(json.dumps(record) + "\n")
 
 
 def main() -> None:
+    if sys.argv[1] == "--build":  # a child: the model, whose GPU memory goes with the process
+        build(Path(sys.argv[2]))
+        return
     if sys.argv[1] == "--one":  # a child: one variant
-        print(json.dumps(one(sys.argv[2], sys.argv[3:])))
+        one(Path(sys.argv[2]), sys.argv[3], sys.argv[4])
         return
     out, names = Path(sys.argv[1]), sys.argv[2:] or ["default"]
     with tempfile.TemporaryDirectory() as tmp:
-        build(Path(tmp))
+        subprocess.run([sys.executable, __file__, "--build", tmp], check=True)
         for name in names:
-            proc = subprocess.run([sys.executable, __file__, "--one", tmp, *VARIANTS[name]], capture_output=True, text=True)
-            print(proc.stdout, proc.stderr[-3000:] if proc.returncode else "", flush=True)
-            lines = proc.stdout.strip().splitlines()
-            record = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr.strip().splitlines()[-1:]}
-            with out.open("a") as f:
-                f.write(json.dumps({"variant": name, "overrides": VARIANTS[name], **record}) + "\n")
+            status = subprocess.run([sys.executable, __file__, "--one", str(out), name, tmp]).returncode
+            print(f"trainer bench variant {name}: exit status {status}", flush=True)
 
 
 if __name__ == "__main__":
