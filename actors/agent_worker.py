@@ -15,6 +15,7 @@ import itertools
 import logging
 import uuid
 import zlib
+from functools import partial
 
 import msgspec
 import ray
@@ -93,7 +94,7 @@ class AgentLoopWorker:
         """Score `traj` on the next reward worker; a call that raises or outlives reward.call_timeout_s
         is tried again on the next one, up to reward.retries times, then the trajectory is infra-failed."""
         r = self.cfg.reward
-        view = reward_view(traj, self.cfg.agent.max_response_tokens)
+        view = reward_view(traj, self.cfg.agent.max_response_tokens, partial(self.tokenizer.decode, skip_special_tokens=True))
         for attempt in range(r.retries + 1):
             worker = next(self.reward_workers)
             call = worker.score.remote(view, ground_truth, extra)

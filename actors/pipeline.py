@@ -133,13 +133,17 @@ def sandbox_metrics(graph: Graph) -> dict:
 
 def warmup_examples(cfg: RunConfig, task: Task, tokenizer, rng: random.Random) -> list:
     """The SFT examples the in-run cold start samples from: as many as the warm-up can use of the
-    task's generated traces, or of the conversations of sft.train_files (only those are tokenized)."""
+    conversations of sft.train_files where it names any, else of the task's generated traces (only
+    the chosen ones are tokenized). One line says which."""
     if not task.sft_traces and not cfg.sft.train_files:
         raise RaytoolError("config key 'trainer.sft_warmup_steps': the warm-up needs conversations (sft.train_files) for "
-                           "data.task=files; give them or set trainer.sft_warmup_steps=0")
-    pool = task.sft_traces or [c for path in cfg.sft.train_files for c in load_conversations(path)[0]]
+                           "prompts from data files; give them or set trainer.sft_warmup_steps=0")
+    own = bool(cfg.sft.train_files)
+    pool = [c for path in cfg.sft.train_files for c in load_conversations(path)[0]] if own else task.sft_traces
     chosen = rng.sample(pool, min(len(pool), cfg.trainer.sft_warmup_steps * cfg.sft.batch_size))
-    if not task.sft_traces:
+    log.info("SFT warm-up: %d steps on %d of the %d conversations %s", cfg.trainer.sft_warmup_steps, len(chosen), len(pool),
+             f"of sft.train_files ({', '.join(cfg.sft.train_files)})" if own else "generated with the tool_arith task")
+    if own:
         return sft_examples(chosen, tokenizer, cfg.sft.max_length, cfg.agent.chat_template_kwargs)[0]
     if cfg.agent.observation_style == "in_turn":
         chosen = [as_in_turn(m) for m in chosen]

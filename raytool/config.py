@@ -51,7 +51,7 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["tool_arith", "files"] = "tool_arith"  # tool_arith: the generated task; files: prompt rows from train_files / val_files
+    task: Literal["auto", "tool_arith", "files"] = "auto"  # tool_arith: the generated task; files: prompt rows from train_files / val_files; auto: files when train_files names any
     train_files: list[str] = msgspec.field(default_factory=list)  # files: raytool prompt rows (.parquet/.jsonl, as `raytool preprocess` writes them)
     val_files: list[str] = msgspec.field(default_factory=list)  # files: validation prompt rows (metrics per data source)
     train_size: int = 2048  # tool_arith: generated problems in the train split
@@ -440,6 +440,12 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'trainer.lora_rank': LoRA runs on one trainer worker (trainer.num_workers=1), got {cfg.trainer.num_workers} workers")
     if cfg.data.task == "files" and not cfg.data.train_files:
         raise ConfigError(f"{source}: config key 'data.train_files': data.task=files needs prompt files (raytool preprocess writes them)")
+    if cfg.data.task == "tool_arith" and (cfg.data.train_files or cfg.data.val_files):
+        raise ConfigError(f"{source}: config key 'data.task': tool_arith generates its prompts, but data.train_files/val_files name files; "
+                          "set data.task=auto (or files) to train on the files, or drop the files")
+    if cfg.data.val_files and not cfg.data.train_files:
+        raise ConfigError(f"{source}: config key 'data.val_files': validation files without data.train_files would validate on "
+                          "files while training on the generated task; give data.train_files too")
     sp = cfg.trainer.sequence_parallel_size
     if sp < 1 or cfg.trainer.num_workers % sp:
         raise ConfigError(f"{source}: config key 'trainer.sequence_parallel_size' is {sp}: it must be >= 1 and divide trainer.num_workers "
@@ -479,6 +485,13 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
     if r.overlong_buffer_tokens >= cfg.agent.max_response_tokens:
         raise ConfigError(f"{source}: config key 'reward.overlong_buffer_tokens': must be below agent.max_response_tokens "
                           f"({cfg.agent.max_response_tokens}), got {r.overlong_buffer_tokens}")
+
+
+def prompt_source(data: DataConfig) -> Literal["tool_arith", "files"]:
+    """Where the run's prompts come from: data.task, with auto deciding by whether files are named."""
+    if data.task == "auto":
+        return "files" if data.train_files else "tool_arith"
+    return data.task
 
 
 def validate_4bit(cfg: RunConfig, source: str) -> None:

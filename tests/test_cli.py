@@ -56,7 +56,7 @@ def test_a_bad_reward_fn_stops_train_and_eval_in_one_line_before_any_actor_start
     assert main(["train", f"reward.fn={fn}:nope", "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("raytool: config key 'reward.fn'") for line in err)
-    assert "cannot be called as score(trajectory_view, ground_truth, extra)" in err[0] and "has no function 'nope'" in err[1]
+    assert "fits neither signature a reward fn may have: raytool's score(trajectory_view, ground_truth, extra)" in err[0] and "has no function 'nope'" in err[1]
     assert not (tmp_path / "run").exists()
 
 

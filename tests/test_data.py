@@ -75,3 +75,60 @@ def test_prompts_that_cannot_fit_the_context_with_the_response_budget_are_left_o
     assert line == ("training data: 2 of 4 prompts left out: a prompt with agent.max_response_tokens=256 after it does not fit the engine's "
                     "context of 512 tokens (rollout.max_model_len); rows 1 (500 tokens), 3 (900 tokens)")
     assert drop_too_long(rows[:1], lambda row: 10, 1024, 256, "x") == (rows[:1], "")
+
+
+def _verl_rows(path):
+    """Rows as verl's ReTool / DAPO preprocessing writes them: reward_model and extra_info as parquet
+    structs, the tools' per-row create_kwargs, an agent loop per row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "math_dapo", "prompt": [{"content": f"What is {i} + {i}?", "role": "user"}], "ability": "MATH",
+             "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"}, "agent_name": "tool_agent",
+             "extra_info": {"index": i, "need_tools_kwargs": True, "interaction_kwargs": {"name": "check"},
+                            "tools_kwargs": {"code_interpreter": {"create_kwargs": {"ground_truth": str(2 * i)}}}}}
+            for i in range(3)]
+    rows.append({**rows[0], "prompt": []})  # a bad row: skipped, named
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_naming_train_files_trains_on_them_verl_rows_as_they_are(tmp_path, caplog):
+    import logging
+
+    path = _verl_rows(tmp_path / "mine.parquet")
+    cfg = load_config(overrides=[f"data.train_files=[{path}]"])  # the embedded default config, no data.task
+    with caplog.at_level(logging.INFO):
+        task = load_task(cfg)
+    assert [r.ground_truth for r in task.train] == ["0", "2", "4"] and task.val == [] and task.sft_traces == []
+    row = task.train[1]
+    assert row.data_source == "math_dapo" and row.agent_name == "tool_agent" and row.prompt[-1].content == "What is 1 + 1?"
+    assert row.extra_info["tools_kwargs"] == {"code_interpreter": {"create_kwargs": {"ground_truth": "2"}}}
+    assert row.extra_info["interaction_kwargs"] == {"name": "check"}
+    assert f"{path}: 3 rows used, 1 skipped" in caplog.text and f"{path} row 3 (0-based)" in caplog.text
+
+
+def test_the_real_dapo_schema_reads_without_preprocessing():
+    from pathlib import Path
+
+    path = Path(__file__).parent / "fixtures" / "sources" / "dapo_math_17k.parquet"
+    task = load_task(load_config(overrides=[f"data.train_files=[{path}]"]))
+    assert [r.ground_truth for r in task.train] == ["100", "10", "8"]  # the rows with no answer and no question are skipped
+
+
+def test_a_generated_task_says_so_and_a_conflicting_task_or_lone_validation_files_are_one_line(tmp_path, caplog):
+    import logging
+
+    import pytest
+
+    from raytool.config import ConfigError
+
+    with caplog.at_level(logging.INFO):
+        load_task(load_config(overrides=["data.train_size=8", "data.val_size=2"]))
+    assert "train 8 and validation 2 generated tool_arith problems" in caplog.text
+    path = _verl_rows(tmp_path / "mine.parquet")
+    for overrides, key in ((["data.task=tool_arith", f"data.train_files=[{path}]"], "data.task"),
+                           ([f"data.val_files=[{path}]"], "data.val_files"), (["data.task=files"], "data.train_files")):
+        with pytest.raises(ConfigError, match=rf"config key '{key}'") as err:
+            load_config(overrides=overrides)
+        assert "\n" not in str(err.value)

@@ -194,7 +194,11 @@ def test_custom_reward_fn_from_a_file(tmp_path):
     ("", "{d}/missing.py:score", "not found"),
     ("def score(view, gt, extra)\n    return 1\n", "{d}/r.py:score", "line 1: syntax error"),
     ("def score(view, gt, extra):\n    return 1\n", "{d}/r.py:nope", r"has no function 'nope' \(it defines: score\)"),
-    ("def score(view, gt):\n    return 1\n", "{d}/r.py:score", r"score\(view, gt\) cannot be called as"),
+    ("def score(view, gt):\n    return 1\n", "{d}/r.py:score",
+     r"score\(view, gt\) fits neither signature a reward fn may have: raytool's score\(trajectory_view, ground_truth, extra\) "
+     r"or verl's score\(data_source, solution_str, ground_truth, extra_info=None\)"),
+    ("def score(solution_str, tokenizer):\n    return 1\n", "{d}/r.py:score", r"takes verl's solution_str but cannot be called as verl calls it"),
+    ("def score(solution_str, extra_info=None):\n    return 1\n", "{d}/r.py:score", r"takes verl's solution_str but no ground_truth"),
     ("score = 3\n", "{d}/r.py:score", r"'score' is not a function \(it is a int\)"),
     ("import not_a_module_anywhere\n", "{d}/r.py:score", "importing .* failed: ModuleNotFoundError"),
 ])
@@ -203,3 +207,58 @@ def test_custom_reward_fn_errors_are_one_line_naming_the_key(tmp_path, source, s
     with pytest.raises(ConfigError, match=expected) as err:
         validate_reward_fn(spec.format(d=tmp_path))
     assert str(err.value).startswith("config key 'reward.fn'") and "\n" not in str(err.value)
+
+
+def _verl_trajectory(tokenizer):
+    """A two-turn ReTool trajectory as the agent loop leaves it: the response tokens are the chat
+    template's rendering of the assistant turns and the tool's answer after the prompt."""
+    from raytool.agent.loop import reward_view
+    from raytool.types import Message, Trajectory
+
+    prompt = [Message("system", "Use Python."), Message("user", "What is 6 * 7 + 1?")]
+    after = [Message("assistant", "Let me compute.\n<code>\n```python\nprint(6 * 7 + 1)\n```\n</code>"), Message("tool", "43"),
+             Message("assistant", "The answer is \\boxed{43}.")]
+    as_dicts = lambda ms: [{"role": m.role, "content": m.content} for m in ms]  # noqa: E731
+    head = tokenizer.apply_chat_template(as_dicts(prompt), tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(as_dicts(prompt + after), tokenize=False)
+    response_ids = tokenizer.encode(whole[len(head):], add_special_tokens=False)
+    traj = Trajectory("u0", "g0", tokenizer.encode(head), response_ids, [1] * len(response_ids), [0.0] * len(response_ids),
+                      prompt + after, "43", num_turns=2, tool_calls=1)
+    return reward_view(traj, 384, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def test_a_verl_reward_fn_is_called_by_keyword_with_the_decoded_response_and_verls_extra_info(tmp_path, tokenizer):
+    f = tmp_path / "verl_reward.py"
+    f.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float('\\\\boxed{' + ground_truth + '}' in solution_str), 'pred': 'a text extra: left out',\n"
+        "            'tool_output_seen': float('43' in solution_str.split('<code>')[1]), 'chat_markup_left': float('<|im_' in solution_str),\n"
+        "            'num_turns': extra_info['num_turns'], 'tool_calls': extra_info['tool_calls'], 'index': extra_info['index'],\n"
+        "            'source_ok': float(data_source == 'dapo_math_17k')}\n"
+        "def keywords_only(*, solution_str, ground_truth, **kwargs):\n"
+        "    return float(sorted(kwargs) == ['data_source', 'extra_info'])\n"
+        "def gsm8k_style(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0):\n"
+        "    return score if ground_truth in solution_str else format_score\n")
+    view = _verl_trajectory(tokenizer)
+    extra = {"data_source": "dapo_math_17k", "extra_info": {"index": 7, "tools_kwargs": {}}}
+    validate_reward_fn(f"{f}:compute_score")
+    score, metrics = make_reward_fn(RewardConfig(fn=f"{f}:compute_score"))(view, "43", extra)
+    assert score == 1.0
+    # verl's num_turns: the prompt, two assistant turns, one round of tool responses
+    assert metrics == {"tool_output_seen": 1.0, "chat_markup_left": 0.0, "num_turns": 4, "tool_calls": 1, "index": 7, "source_ok": 1.0}
+    assert make_reward_fn(RewardConfig(fn=f"{f}:keywords_only"))(view, "43", extra) == (1.0, {})
+    assert make_reward_fn(RewardConfig(fn=f"{f}:gsm8k_style"))(view, "43", extra) == (1.0, {})
+    assert make_reward_fn(RewardConfig(fn=f"{f}:gsm8k_style"))(view, "44", extra) == (0.0, {})
+
+
+def test_the_shipped_verl_tool_bonus_reward_pays_tool_rounds_on_wrong_answers_up_to_a_cap(tokenizer):
+    from pathlib import Path
+
+    spec = f"{Path(__file__).resolve().parents[1] / 'examples' / 'rewards' / 'verl_tool_bonus.py'}:compute_score"
+    validate_reward_fn(spec)
+    fn = make_reward_fn(RewardConfig(fn=spec))
+    right = _verl_trajectory(tokenizer)
+    assert fn(right, "43", {"data_source": "dapo_math_17k"}) == (1.0, {"acc": 1.0})
+    for rounds, expected in ((0, -1.0), (1, -0.9), (3, -0.7), (6, -0.6)):
+        wrong = {**right, "verl_num_turns": 2 + 2 * rounds}
+        assert fn(wrong, "44", {"data_source": "dapo_math_17k"}) == (pytest.approx(expected), {"acc": 0.0})

@@ -251,3 +251,27 @@ def test_split_is_deterministic_and_disjoint():
     for size in (20, 1.0, -1):
         with pytest.raises(ValueError):
             split_validation(convs, size, seed=0)
+
+
+def test_the_in_run_warm_up_trains_on_sft_train_files_when_named_and_says_so(tokenizer, caplog):
+    """The generated task's traces are the warm-up's data only when sft.train_files names none."""
+    import random
+
+    from actors.pipeline import warmup_examples
+    from raytool.config import load_config
+    from raytool.data.task import load_task
+
+    files = str(Path(__file__).parent / "fixtures" / "sft_conversations.jsonl")
+    cfg = load_config(overrides=["data.train_size=16", "data.val_size=2", "trainer.sft_warmup_steps=2", "sft.batch_size=2",
+                                 f"sft.train_files=[{files}]"])
+    task = load_task(cfg)
+    assert task.sft_traces  # the generated task has traces: the named files still win
+    with caplog.at_level(logging.INFO):
+        examples = warmup_examples(cfg, task, tokenizer, random.Random(0))
+    assert f"SFT warm-up: 2 steps on 4 of the 4 conversations of sft.train_files ({files})" in caplog.text
+    texts = [tokenizer.decode(ex.input_ids) for ex in examples]
+    assert len(texts) == 4 and all("marbles" not in t and "among" not in t for t in texts)  # not tool_arith word problems
+    with caplog.at_level(logging.INFO):
+        generated = warmup_examples(load_config(overrides=["data.train_size=16", "data.val_size=2", "trainer.sft_warmup_steps=1", "sft.batch_size=2"]),
+                                    task, tokenizer, random.Random(0))
+    assert generated and "generated with the tool_arith task" in caplog.text

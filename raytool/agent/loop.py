@@ -290,12 +290,17 @@ class ToolAgentLoop:
                               ok=False, kind="tool_exception")
 
 
-def reward_view(traj: Trajectory, max_response_tokens: int | None = None) -> dict:
+def reward_view(traj: Trajectory, max_response_tokens: int | None = None, decode: Callable[[list[int]], str] | None = None) -> dict:
     """What a reward fn sees: the final assistant text, all assistant turns, tool counts, and the
     response length against its budget (agent.max_response_tokens; DAPO's overlong shaping needs both).
-    Tool messages are left out; with the in_turn style, tool output is inside `response` as
-    <interpreter> blocks (`raytool.rewards.math.strip_interpreter` removes them)."""
+    Tool messages are left out of `response` and `turns`; with the in_turn style, tool output is
+    inside `response` as <interpreter> blocks (`raytool.rewards.math.strip_interpreter` removes them).
+    For verl-style fns (raytool.rewards): `solution_str`, every response token decoded without
+    special tokens (tool output included, as verl decodes it; needs `decode`), and `verl_num_turns`,
+    verl's count of a conversation's turns (the prompt, each assistant turn, each round of tool
+    responses)."""
     turns = [m.content for m in traj.messages if m.role == "assistant"]
+    tool_rounds = sum(1 for before, m in zip(traj.messages, traj.messages[1:]) if m.role == "tool" and before.role == "assistant")
     return {
         "response": turns[-1] if turns else "",
         "turns": turns,
@@ -305,4 +310,6 @@ def reward_view(traj: Trajectory, max_response_tokens: int | None = None) -> dic
         "finish_reason": traj.finish_reason,
         "response_tokens": len(traj.response_ids),
         "max_response_tokens": max_response_tokens,
+        "solution_str": decode(traj.response_ids) if decode is not None else None,
+        "verl_num_turns": 1 + len(turns) + tool_rounds,
     }

@@ -9,6 +9,10 @@ A prompt row is what one GRPO group (or one evaluation problem) starts from:
 - `tools`: OpenAI function schemas the prompt offers (None: the run's tools);
 - `extra_info`: anything else (the original index, the split, ...), handed to the reward fn.
 
+verl's RL parquet rows are read as they are: their ground truth is `reward_model.ground_truth`
+(verl's `ability` and `reward_model.style` are not used), and `extra_info` keeps verl's
+`tools_kwargs` (each tool's `create_kwargs` for this row) and `interaction_kwargs`.
+
 Parquet stores `prompt` as a list of {role, content} structs and `tools` / `extra_info` as JSON
 strings (a struct column would give every row the union of all rows' keys). `raytool preprocess`
 writes this schema; `data.train_files` / `data.val_files` and `raytool eval --data` read it.
@@ -66,6 +70,8 @@ def write_prompt_rows(path: str | Path, rows: list[PromptRow]) -> Path:
 def _row(raw) -> PromptRow:
     if not isinstance(raw, dict):
         raise BadRow(f"a row must be an object, got {kind(raw)}")
+    if raw.get("ground_truth") in (None, "") and raw.get("reward_model") not in (None, ""):  # verl's schema
+        raw = {**raw, "ground_truth": json_object(raw["reward_model"], "reward_model").get("ground_truth")}
     missing = [k for k in ("prompt", "ground_truth", "data_source") if raw.get(k) in (None, "")]
     if missing:
         raise BadRow(f"missing {', '.join(repr(k) for k in missing)}")
@@ -80,9 +86,14 @@ def _row(raw) -> PromptRow:
     tools = json_list(tools, "tools") if tools not in (None, "") else None
     extra = json_object(raw.get("extra_info") or {}, "extra_info")
     return PromptRow(
-        prompt=messages, ground_truth=str(raw["ground_truth"]), data_source=str(raw["data_source"]),
+        prompt=messages, ground_truth=_text(raw["ground_truth"]), data_source=str(raw["data_source"]),
         agent_name=raw.get("agent_name") or None, tools=tools, extra_info=extra,
     )
+
+
+def _text(value) -> str:
+    """A ground truth as text: verl's may be a number, or a list of accepted answers (kept as JSON)."""
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def load_prompt_rows(path: str | Path) -> tuple[list[PromptRow], list[str]]:

@@ -4,9 +4,17 @@ shaping every fn gets from `RewardConfig` (format penalty, DAPO overlong).
 A reward fn is `(trajectory_view, ground_truth, extra) -> float | dict(score=..., **metrics)`;
 `trajectory_view` is `raytool.agent.loop.reward_view(traj)` (the final assistant text `response`,
 `turns`, `num_turns`, `tool_calls`, `tool_errors`, `finish_reason`, `response_tokens`,
-`max_response_tokens`); `extra` carries the row's `data_source`. A registered name maps to a
-builder `(RewardConfig) -> reward fn`; the built-ins return `score`, `acc`, `has_answer` and
-`verify_timeout`.
+`max_response_tokens`, `solution_str`); `extra` carries the row's `data_source` and `extra_info`.
+A registered name maps to a builder `(RewardConfig) -> reward fn`; the built-ins return `score`,
+`acc`, `has_answer` and `verify_timeout`.
+
+A user's file may instead hold a verl reward function, `compute_score(data_source, solution_str,
+ground_truth, extra_info=None)` (any function with a `solution_str` parameter): it is called the
+way verl calls it, by keyword, with `solution_str` the whole response decoded without special
+tokens (tool output included) and `extra_info` the row's extra info plus verl's `num_turns` (the
+prompt, each assistant turn and each round of tool responses), `rollout_reward_scores` ({}),
+and raytool's `tool_calls` and `tool_errors`; of a returned dict, the numbers are metrics and
+other values (verl's free-form extras) are left out.
 """
 
 from __future__ import annotations
@@ -105,9 +113,31 @@ def _config_error(spec: str, what: str) -> ConfigError:
     return ConfigError(f"config key 'reward.fn': '{spec}': {what}")
 
 
+VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+def as_verl_reward(fn: Callable, accepted: set[str]) -> RewardFn:
+    """verl's `compute_score(data_source=, solution_str=, ground_truth=, extra_info=)` as a raytool
+    reward fn; `accepted`: which of verl's keywords it takes."""
+
+    def score(view: dict, ground_truth: str, extra: dict) -> float | dict:
+        extra_info = {**(extra.get("extra_info") or {}), "num_turns": view["verl_num_turns"], "rollout_reward_scores": {},
+                      "tool_calls": view["tool_calls"], "tool_errors": view["tool_errors"]}
+        arguments = {"data_source": extra.get("data_source"), "solution_str": view["solution_str"], "ground_truth": ground_truth,
+                     "extra_info": extra_info}
+        value = fn(**{k: v for k, v in arguments.items() if k in accepted})
+        if isinstance(value, dict):  # verl's dicts may carry text (a prediction, a reason): metrics are numbers
+            return {k: v for k, v in value.items() if k == "score" or isinstance(v, (int, float))}
+        return value
+
+    return score
+
+
 def load_reward_fn(spec: str) -> RewardFn:
     """The user's function named by `path/to/file.py:function` (the path relative to the working
-    directory); a ConfigError naming `reward.fn`, the file and what is wrong otherwise."""
+    directory), raytool's `(trajectory_view, ground_truth, extra)` or verl's `compute_score(data_source,
+    solution_str, ground_truth, extra_info=None)`; a ConfigError naming `reward.fn`, the file and
+    what is wrong otherwise."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name:
         raise _config_error(spec, f"not a registered reward ({', '.join(sorted(REWARDS))}) nor path/to/file.py:function")
@@ -126,11 +156,27 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(fn):
         raise _config_error(spec, f"{path}: '{name}' is not a function (it is a {type(fn).__name__})")
     try:
-        inspect.signature(fn).bind(None, None, None)
-    except TypeError:
-        raise _config_error(spec, f"{name}{inspect.signature(fn)} cannot be called as {name}(trajectory_view, ground_truth, extra)") from None
+        signature = inspect.signature(fn)
     except ValueError:  # a builtin without a signature: let the call tell
-        pass
+        return fn
+    parameters = signature.parameters
+    if "solution_str" in parameters:  # verl's convention
+        takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+        accepted = {k for k in VERL_PARAMETERS if k in parameters or takes_any}
+        try:
+            signature.bind(**dict.fromkeys(accepted))
+        except TypeError:
+            raise _config_error(spec, f"{name}{signature} takes verl's solution_str but cannot be called as verl calls it, "
+                                      f"{name}(data_source=, solution_str=, ground_truth=, extra_info=)") from None
+        if "ground_truth" not in accepted:
+            raise _config_error(spec, f"{name}{signature} takes verl's solution_str but no ground_truth")
+        return as_verl_reward(fn, accepted)
+    try:
+        signature.bind(None, None, None)
+    except TypeError:
+        raise _config_error(spec, f"{name}{signature} fits neither signature a reward fn may have: raytool's "
+                                  f"{name}(trajectory_view, ground_truth, extra) or verl's "
+                                  f"{name}(data_source, solution_str, ground_truth, extra_info=None)") from None
     return fn
 
 
