@@ -137,6 +137,32 @@ def resumed_run_dir(checkpoint: str) -> Path:
     return Path("runs") / storage.name(storage.parent(checkpoint))
 
 
+# What a run writes into its directory (raytool's files only: --overwrite removes these and nothing else).
+RUN_OUTPUTS = ("config.yaml", "run.log", "metrics.jsonl", "sft_metrics.jsonl", "traces.jsonl", "ledger.jsonl", "gateway.json",
+               "checkpoints", "tensorboard", "report")
+
+
+def earlier_run(run_dir: Path, overwrite: bool) -> list[str]:
+    """What of an earlier run `run_dir` holds (RUN_OUTPUTS' names); refused in one line unless
+    `overwrite`: a new run never writes over another run's config, logs or checkpoints."""
+    held = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if held and not overwrite:
+        raise RaytoolError(f"--run-dir {run_dir} holds a run ({', '.join(held)}): continue it with --resume, start elsewhere "
+                           "with another --run-dir, or replace it with --overwrite")
+    return held
+
+
+def remove_earlier_run(run_dir: Path, held: list[str]) -> None:
+    """--overwrite, once the new run's checks passed: the earlier run's outputs go (nothing else in the folder)."""
+    import shutil
+
+    for name in held:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    if held:
+        log.warning("--overwrite: removed the earlier run's %s from %s", ", ".join(held), run_dir)
+
+
 def latest_run_dir(root: Path = Path("runs")) -> Path:
     runs = sorted((d for d in root.glob("*") if (d / "checkpoints").is_dir()), key=lambda d: d.stat().st_mtime)
     if not runs:

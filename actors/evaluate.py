@@ -73,13 +73,18 @@ def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | N
 
     from actors.agent_worker import build_toolset
     from actors.pipeline import check_row_tools, connect
+    from raytool.agent.registry import check_agents
+    from raytool.agent.render import check_template_kwargs
     from raytool.data.task import Task
 
     validate_reward_fn(cfg.reward.fn)
     rows = load_prompt_files(data_files) if data_files else load_task(cfg).val
+    check_agents(cfg.agent, rows)
     with tempfile.TemporaryDirectory(prefix="raytool-eval-") as work_dir:
         model_path = eval_model_path(model, Path(work_dir))
-        check_row_tools(build_toolset(cfg.agent, AutoTokenizer.from_pretrained(model_path), None), Task(train=[], val=rows))
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        check_template_kwargs(tokenizer, cfg.agent.chat_template_kwargs)
+        check_row_tools(build_toolset(cfg.agent, tokenizer, None), Task(train=[], val=rows))
         connect(address or cfg.cluster.address)
         graph = build(cfg, model_path, with_trainer=False)
         try:

@@ -23,12 +23,16 @@ import ray
 from tqdm import tqdm
 
 from actors.agent_worker import build_toolset
-from actors.checkpoint import checkpoint_root, latest_checkpoint, load_buffer, read_state, resume_checkpoint, resumed_run_dir, save_checkpoint
+from actors.checkpoint import (
+    checkpoint_root, earlier_run, latest_checkpoint, load_buffer, read_state, remove_earlier_run, resume_checkpoint, resumed_run_dir,
+    save_checkpoint,
+)
 from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
 from actors.evaluate import evaluate
 from actors.metrics import record_step
 from actors.trainer import TrainerLost
-from raytool.agent.render import ChatRenderer, as_in_turn
+from raytool.agent.registry import check_agents
+from raytool.agent.render import ChatRenderer, as_in_turn, check_template_kwargs
 from raytool.config import ConfigError, RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
 from raytool.data.prompts import PromptRow, drop_too_long, with_system_prompt
@@ -192,25 +196,32 @@ class DriverState(msgspec.Struct):
     redo: list[tuple[str, PromptRow]] = []  # groups drawn but not finished at the checkpoint: rolled out again first, same keys and seeds
 
 
-def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None) -> Path:
+def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None,
+        overwrite: bool = False) -> Path:
     """Train per `cfg`, writing config.yaml, metrics.jsonl, traces.jsonl and checkpoints to run_dir.
-    `resume`: a checkpoint or run directory to continue from (the run directory is reused)."""
+    `resume`: a checkpoint or run directory to continue from (the run directory is reused); else a
+    run_dir holding an earlier run is refused, unless `overwrite` (its outputs are then replaced)."""
     checkpoint = resume_checkpoint(resume, cfg) if resume is not None else None
     if checkpoint is not None and run_dir is None:
         run_dir = resumed_run_dir(checkpoint)
-    # A missing model, a bad reward fn or unusable data stop the run here, before any actor starts.
+    run_dir = Path(run_dir) if run_dir else default_run_dir()
+    earlier = earlier_run(run_dir, overwrite) if checkpoint is None else []
+    # A missing model, a bad reward fn, unusable data or a name that resolves to nothing stop the
+    # run here, before any actor starts and before anything is written.
     model_path = resolve_model(cfg.model.path)
     validate_reward_fn(cfg.reward.fn)
     check_tools(cfg)
     validate_backends(cfg.logging)
     task = load_task(cfg)
+    check_agents(cfg.agent, task.train + task.val)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)  # renders the warm-up, decodes the traces' prompts
+    check_template_kwargs(tokenizer, cfg.agent.chat_template_kwargs)
     toolset = build_toolset(cfg.agent, tokenizer, None)  # the run's tools (names and schemas; no executor in the driver)
     check_row_tools(toolset, task)
     warmup = warmup_examples(cfg, task, tokenizer, random.Random(cfg.trainer.seed)) if cfg.trainer.sft_warmup_steps and checkpoint is None else []
-    run_dir = Path(run_dir) if run_dir else default_run_dir()
+    remove_earlier_run(run_dir, earlier)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with run_log(run_dir):
@@ -260,7 +271,7 @@ def check_row_tools(toolset: ToolSet, task: Task) -> None:
     for split, rows in (("train", task.train), ("validation", task.val)):
         for i, row in enumerate(rows):
             try:
-                toolset.check_names(row_tool_names(row.tools), f"{split} prompt row {i} (data source {row.data_source})")
+                toolset.check_names(row_tool_names(row.tools), row.origin or f"{split} prompt row {i} (data source {row.data_source})")
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
 

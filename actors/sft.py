@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from actors.compose import check_memory, run_namespace, wait_for_resources
-from actors.checkpoint import checkpoint_root, read_state, resume_checkpoint, resumed_run_dir, save_checkpoint
+from actors.checkpoint import checkpoint_root, earlier_run, read_state, remove_earlier_run, resume_checkpoint, resumed_run_dir, save_checkpoint
 from actors.pipeline import connect, default_run_dir, reforming, run_log
 from actors.trainer import TrainerGroup
 from raytool import storage
@@ -99,7 +99,8 @@ def _train(cfg: RunConfig, run_dir: Path, model_path: str, train_examples: list,
             trainer.shutdown()
 
 
-def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None) -> Path:
+def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None,
+            overwrite: bool = False) -> Path:
     from transformers import AutoTokenizer
 
     s = cfg.sft
@@ -108,6 +109,8 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     checkpoint = resume_checkpoint(resume, cfg) if resume is not None else None
     if checkpoint is not None and run_dir is None:
         run_dir = resumed_run_dir(checkpoint)
+    run_dir = Path(run_dir) if run_dir else default_run_dir()
+    earlier = earlier_run(run_dir, overwrite) if checkpoint is None else []
     model_path = resolve_model(cfg.model.path)
     validate_backends(cfg.logging)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -117,7 +120,7 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
         train, val = split_validation(train, s.val_fraction, seed=cfg.trainer.seed)
     train_examples = _examples(train, cfg, tokenizer)
     val_examples = _examples(val, cfg, tokenizer) if val else []
-    run_dir = Path(run_dir) if run_dir else default_run_dir()
+    remove_earlier_run(run_dir, earlier)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with run_log(run_dir):

@@ -8,7 +8,11 @@ A loop is a class constructed as `Loop(renderer, tools, generate, agent_cfg, rol
 
 from __future__ import annotations
 
+import difflib
 import importlib
+
+from raytool.config import AgentConfig, ConfigError
+from raytool.errors import one_line
 
 AGENT_LOOPS: dict[str, type] = {}
 
@@ -35,3 +39,44 @@ def get_agent_loop(name: str) -> type:
     except KeyError:
         raise ValueError(f"unknown agent loop '{name}'; registered: {sorted(AGENT_LOOPS)} "
                          "(register yours with raytool.agent.registry.register_agent_loop and list its module in agent.loop_modules)") from None
+
+
+def did_you_mean(name: str, choices) -> str:
+    """' (did you mean 'x'?)' for the closest of `choices`, or ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def check_agents(agent: AgentConfig, rows) -> None:
+    """Before any actor starts: the loop modules import, the default loop and every row's
+    `agent_name` (rows: PromptRows, named by their origin) name a loop, and the functions the
+    openai and langgraph loops run import. One ConfigError line naming the key, or the file and row."""
+    from raytool.imports import required_object
+
+    for module in agent.loop_modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # ModuleNotFoundError, or the module's own failure while importing
+            raise ConfigError(f"config key 'agent.loop_modules': cannot import {module!r} ({one_line(exc)})") from None
+    known = sorted(set(AGENT_LOOPS) | set(BUILTIN))
+    if agent.default_agent not in known:
+        raise ConfigError(f"config key 'agent.default_agent': no agent loop '{agent.default_agent}'{did_you_mean(agent.default_agent, known)}; "
+                          f"the loops: {', '.join(known)} (register yours in a module named in agent.loop_modules)")
+    used = {agent.default_agent}
+    for i, row in enumerate(rows):
+        if row.agent_name is None:
+            continue
+        if row.agent_name not in known:
+            where = row.origin or f"prompt row {i}"
+            raise ConfigError(f"{where}: agent_name '{row.agent_name}' is no agent loop{did_you_mean(row.agent_name, known)}; "
+                              f"the loops: {', '.join(known)} (register yours in a module named in agent.loop_modules)")
+        used.add(row.agent_name)
+    for name in sorted(used & set(BUILTIN)):
+        try:
+            get_agent_loop(name)
+        except ImportError as exc:  # langgraph's loop needs its optional extra
+            raise ConfigError(f"agent loop '{name}' cannot be used here: {one_line(exc)}") from None
+    if "openai" in used:
+        required_object(agent.openai_agent, "agent.openai_agent", "openai")
+    if "langgraph" in used:
+        required_object(agent.langgraph_graph, "agent.langgraph_graph", "langgraph")

@@ -98,6 +98,24 @@ def _describe(m: Message) -> str:
     return "assistant with reasoning" if "</think>" in m.content else "assistant without reasoning"
 
 
+def check_template_kwargs(tokenizer, kwargs: dict) -> None:
+    """agent.chat_template_kwargs must name variables the model's chat template reads: Jinja takes an
+    unknown one silently (a typo such as `enable_thinkng` would leave thinking on). One ConfigError line."""
+    from jinja2 import Environment, meta
+
+    from raytool.agent.registry import did_you_mean
+    from raytool.config import ConfigError
+
+    template = tokenizer.chat_template
+    sources = list(template.values()) if isinstance(template, dict) else [template or ""]
+    env = Environment()
+    read = set().union(*(meta.find_undeclared_variables(env.parse(source)) for source in sources))
+    for key in kwargs:
+        if key not in read:
+            raise ConfigError(f"config key 'agent.chat_template_kwargs': '{key}' is not a variable of the model's chat template"
+                              f"{did_you_mean(key, read)}; it reads: {', '.join(sorted(read))}")
+
+
 class ChatRenderer:
     """The chat template of one tokenizer (with the tools it lists and its extra kwargs, e.g.
     Qwen3's `enable_thinking`) as the agent loop and SFT use it."""

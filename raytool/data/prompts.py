@@ -37,6 +37,7 @@ class PromptRow(msgspec.Struct, kw_only=True):
     agent_name: str | None = None
     tools: list[dict] | None = None
     extra_info: dict = {}
+    origin: str = ""  # where it was read ('FILE row N (0-based)'), for errors that name the row; not written back
 
 
 def rows_to_table(rows: list[PromptRow]):
@@ -57,7 +58,7 @@ def write_prompt_rows(path: str | Path, rows: list[PromptRow]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".jsonl":
-        path.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
+        path.write_bytes(b"".join(msgspec.json.encode({k: v for k, v in msgspec.to_builtins(r).items() if k != "origin"}) + b"\n" for r in rows))
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -67,7 +68,7 @@ def write_prompt_rows(path: str | Path, rows: list[PromptRow]) -> Path:
     return path
 
 
-def _row(raw) -> PromptRow:
+def _row(raw, origin: str = "") -> PromptRow:
     if not isinstance(raw, dict):
         raise BadRow(f"a row must be an object, got {kind(raw)}")
     if raw.get("ground_truth") in (None, "") and raw.get("reward_model") not in (None, ""):  # verl's schema
@@ -87,7 +88,7 @@ def _row(raw) -> PromptRow:
     extra = json_object(raw.get("extra_info") or {}, "extra_info")
     return PromptRow(
         prompt=messages, ground_truth=_text(raw["ground_truth"]), data_source=str(raw["data_source"]),
-        agent_name=raw.get("agent_name") or None, tools=tools, extra_info=extra,
+        agent_name=raw.get("agent_name") or None, tools=tools, extra_info=extra, origin=origin,
     )
 
 
@@ -100,7 +101,7 @@ def load_prompt_rows(path: str | Path) -> tuple[list[PromptRow], list[str]]:
     """The usable prompt rows of a .parquet / .jsonl / .json file and one line per skipped row
     (`FILE row N: what is wrong`). Raises DataError when the file cannot be read or no row is usable."""
     path = Path(path)
-    return convert_rows(path, read_rows(path), lambda raw, _source: _row(raw), "usable prompt row")
+    return convert_rows(path, read_rows(path), _row, "usable prompt row")
 
 
 def load_prompt_files(paths: list[str]) -> list[PromptRow]:
