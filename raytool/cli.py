@@ -35,11 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                        help="continue a run from its checkpoint: a checkpoints/step_N directory or a run directory (its latest); "
                             "without PATH: the --run-dir given, else the newest run under runs/")
+    train.add_argument("--overwrite", action="store_true", help="start afresh in a --run-dir that holds a run (its outputs are removed)")
     sft = sub.add_parser("sft", help="multi-turn SFT on conversations with tool calls (sft.train_files), the ReTool cold start")
     _config_args(sft)
     sft.add_argument("--run-dir", help="where metrics and checkpoints go (default: runs/<timestamp>)")
     sft.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local instance)")
     sft.add_argument("--resume", nargs="?", const="latest", metavar="PATH", help="continue from a checkpoint (as for train)")
+    sft.add_argument("--overwrite", action="store_true", help="start afresh in a --run-dir that holds a run (its outputs are removed)")
     evaluate = sub.add_parser("eval", help="validation metrics of a model: acc mean@k / maj@k / pass@k per data source, turns, tool use")
     _config_args(evaluate)
     evaluate.add_argument("--model", required=True, help="a built-in model name, an HF directory, a raytool checkpoint or a run directory (its latest)")
@@ -62,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--output", help="the folder for report.html and the plots' PNG files (default: RUN_DIR/report)")
     plan = sub.add_parser("plan", help="predict the accelerator and host memory each role needs, and whether it fits a cluster")
     _config_args(plan)
-    plan.add_argument("--nodes", type=int, help="nodes in the cluster (default: 1)")
-    plan.add_argument("--gpus-per-node", type=int, help="accelerators per node (default: this machine's)")
-    plan.add_argument("--gpu-memory-gb", type=float, help="memory of one accelerator, GiB (default: this machine's)")
-    plan.add_argument("--host-memory-gb", type=float, help="host memory of one node, GiB (default: this machine's)")
+    plan.add_argument("--nodes", type=int, help="nodes in the cluster (default: cluster.nodes, else 1)")
+    plan.add_argument("--gpus-per-node", type=int, help="accelerators per node (default: cluster.gpus_per_node, else this machine's)")
+    plan.add_argument("--gpu-memory-gb", type=float, help="memory of one accelerator, GiB (default: cluster.gpu_memory_gb, else this machine's)")
+    plan.add_argument("--host-memory-gb", type=float, help="host memory of one node, GiB (default: cluster.host_memory_gb, else this machine's)")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object as the last line")
     show = sub.add_parser("config", help="print the resolved config as YAML")
     _config_args(show)
@@ -159,20 +161,37 @@ def _config_path(args, resume: str | Path | None) -> str | Path | None:
 
 
 def _plan(cfg, args) -> int:
-    from raytool.planner import Cluster, plan, table
+    from raytool.planner import PlanInputError, cluster_shape, plan, table
 
-    here = Cluster.this_machine()
-    cluster = Cluster(nodes=args.nodes or 1, gpus_per_node=here.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node,
-                      gpu_memory_gb=args.gpu_memory_gb or here.gpu_memory_gb, host_memory_gb=args.host_memory_gb or here.host_memory_gb)
+    flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_memory_gb": args.gpu_memory_gb, "host_memory_gb": args.host_memory_gb}
     try:
-        result = plan(cfg, cluster)
-    except FileNotFoundError as exc:
+        result = plan(cfg, cluster_shape(cfg, flags))
+    except (FileNotFoundError, PlanInputError) as exc:
         print(f"raytool: {exc}", file=sys.stderr)
         return 2
     print(table(result))
     if args.json:
         print(json.dumps(result.to_json()))
     return 0 if not result.problems else 1
+
+
+def _is_override(item: str) -> bool:
+    """`section.key=value` that is not a file: argparse hands such an item to a flag with optional
+    or many values (`--resume`, `--data`) that precedes it."""
+    return "=" in item and "." in item.partition("=")[0] and not Path(item).exists()
+
+
+def _take_back_overrides(args) -> None:
+    """Overrides that `--data FILE...` or a bare `--resume` swallowed go back to the overrides."""
+    taken = []
+    if getattr(args, "data", None):
+        taken = [item for item in args.data if _is_override(item)]
+        args.data = [item for item in args.data if not _is_override(item)]
+    if isinstance(getattr(args, "resume", None), str) and _is_override(args.resume):
+        taken.append(args.resume)
+        args.resume = "latest"
+    if taken:
+        args.overrides = [*args.overrides, *taken]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    _take_back_overrides(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "preprocess":
         return _preprocess(args)
@@ -256,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sft":
             from actors.sft import run_sft
 
-            run_dir = run_sft(cfg, args.run_dir, args.address, resume)
+            run_dir = run_sft(cfg, args.run_dir, args.address, resume, args.overwrite)
         else:
-            run_dir = pipeline.run(cfg, args.run_dir, args.address, resume)
+            run_dir = pipeline.run(cfg, args.run_dir, args.address, resume, args.overwrite)
     except (FileNotFoundError, ConfigError, RaytoolError) as exc:  # a missing model or file, a bad reward fn, a server that cannot start: one line
         where = f" (traceback in {exc.run_log})" if getattr(exc, "run_log", None) else ""
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():

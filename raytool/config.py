@@ -8,12 +8,13 @@ Unknown keys and wrong types fail with one line naming the key and the expected 
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -22,7 +23,18 @@ log = logging.getLogger(__name__)
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads `1e-5` as a string; accept scientific notation without a dot as a float."""
+    """YAML 1.1 reads `1e-5` as a string; accept scientific notation without a dot as a float.
+    A key given twice in one mapping is an error (PyYAML keeps the later one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key '{key}' is given twice in the same mapping "
+                                  f"(first on line {seen[key] + 1}); YAML would keep the later one silently")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(
@@ -34,6 +46,20 @@ _Loader.add_implicit_resolver(
 
 def _yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
+# Ranges of numeric knobs, declared with each knob below; msgspec checks them when a config loads.
+Count = Annotated[int, msgspec.Meta(ge=0)]  # 0, 1, 2, ...
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+PositiveNumber = Annotated[float, msgspec.Meta(gt=0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
+MemoryShare = Annotated[float, msgspec.Meta(gt=0, le=1)]
+TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
+TopK = Annotated[int, msgspec.Meta(ge=-1)]  # -1: off
+AboveOne = Annotated[float, msgspec.Meta(gt=1)]
+Restarts = Annotated[int, msgspec.Meta(ge=-1)]  # -1: no limit
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: a free one
 
 
 class ConfigError(ValueError):
@@ -54,59 +80,59 @@ class DataConfig(_Section):
     task: Literal["auto", "tool_arith", "files"] = "auto"  # tool_arith: the generated task; files: prompt rows from train_files / val_files; auto: files when train_files names any
     train_files: list[str] = msgspec.field(default_factory=list)  # files: raytool prompt rows (.parquet/.jsonl, as `raytool preprocess` writes them)
     val_files: list[str] = msgspec.field(default_factory=list)  # files: validation prompt rows (metrics per data source)
-    train_size: int = 2048  # tool_arith: generated problems in the train split
-    val_size: int = 64  # tool_arith: generated problems in the validation split
+    train_size: Positive = 2048  # tool_arith: generated problems in the train split
+    val_size: Count = 64  # tool_arith: generated problems in the validation split
     seed: int = 0  # task generation seed (train and val never overlap) and prompt shuffling
-    prompts_per_step: int = 4  # prompts per GRPO step (each sampled rollout.n times)
+    prompts_per_step: Positive = 4  # prompts per GRPO step (each sampled rollout.n times)
 
 
 class EvalConfig(_Section):
-    n: int = 4  # samples per validation prompt: acc/mean@n, maj@n, pass@n
-    temperature: float = 1.0  # validation sampling (the reference recipes sample, they do not decode greedily)
-    top_p: float = 1.0
-    max_prompts: int | None = None  # validate on the first this many prompts of the validation set (None: all)
+    n: Positive = 4  # samples per validation prompt: acc/mean@n, maj@n, pass@n
+    temperature: NonNegative = 1.0  # validation sampling (the reference recipes sample, they do not decode greedily)
+    top_p: TopP = 1.0
+    max_prompts: Positive | None = None  # validate on the first this many prompts of the validation set (None: all)
     before_train: bool = False  # validate before the first GRPO step (after the SFT warm-up)
-    every: int = 0  # validate every this many GRPO steps and after the last one (0: never during training)
+    every: Count = 0  # validate every this many GRPO steps and after the last one (0: never during training)
 
 
 class RolloutConfig(_Section):
     engine: Literal["vllm", "hf", "scripted"] = "vllm"  # rollout engine behind each RolloutServer (hf: tests, fallback; scripted: no model, a fixed two-cell tool conversation, for benchmarks of raytool itself)
-    num_servers: int = 1  # RolloutServer replicas behind the LLMManager
-    n: int = 4  # samples per prompt (the GRPO group size)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: no top-k
-    max_tokens_per_turn: int = 96  # generation budget of one assistant turn
+    num_servers: Positive = 1  # RolloutServer replicas behind the LLMManager
+    n: Positive = 4  # samples per prompt (the GRPO group size)
+    temperature: NonNegative = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1  # -1: no top-k
+    max_tokens_per_turn: Positive = 96  # generation budget of one assistant turn
     seed: int | None = None  # sampling seed per request from (seed, trajectory id, turn): reproducible rollouts (None: unseeded)
-    max_batch_size: int = 64  # sequences one engine runs at once (vLLM max_num_seqs)
-    num_cpus: float = 1.0  # Ray CPUs each server reserves
-    num_gpus: float = 0.0  # accelerators (cluster.accelerator: GPU or NPU) each server reserves (vLLM: set it to tensor_parallel_size)
-    tensor_parallel_size: int = 1  # vLLM: GPUs / NPUs one server's model is sharded over
-    gpu_memory_utilization: float = 0.85  # vLLM: fraction of accelerator memory the engine may take
-    max_model_len: int | None = None  # vLLM: longest prompt + response a request may have (None: the model's own limit)
-    cpu_kv_cache_gb: float = 1.0  # vLLM on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)
+    max_batch_size: Positive = 64  # sequences one engine runs at once (vLLM max_num_seqs)
+    num_cpus: NonNegative = 1.0  # Ray CPUs each server reserves
+    num_gpus: NonNegative = 0.0  # accelerators (cluster.accelerator: GPU or NPU) each server reserves (vLLM: set it to tensor_parallel_size)
+    tensor_parallel_size: Positive = 1  # vLLM: GPUs / NPUs one server's model is sharded over
+    gpu_memory_utilization: MemoryShare = 0.85  # vLLM: fraction of accelerator memory the engine may take
+    max_model_len: Positive | None = None  # vLLM: longest prompt + response a request may have (None: the model's own limit)
+    cpu_kv_cache_gb: PositiveNumber = 1.0  # vLLM on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)
     cpu_preload: bool = True  # vLLM on CPU: LD_PRELOAD tcmalloc (Debian libtcmalloc-minimal4) and Intel OpenMP (PyPI intel-openmp) where installed; +32% decode measured on 2 cores (`raytool bench engine`)
     enforce_eager: bool = True  # vLLM: no CUDA graphs / torch.compile: SmolLM2 on 2 CPU cores starts in 28 s instead of 106 s, decodes ~10% slower; set false on GPUs
-    engine_start_timeout_s: int = 600  # a server whose engine is not up by then fails to start
-    stall_timeout_s: float = 60.0  # a server whose engine produces no token for this long while requests wait on it (or that does not answer a probe within it: a hung process) is ejected and its requests retried elsewhere; long requests on a working server are never cut
+    engine_start_timeout_s: Positive = 600  # a server whose engine is not up by then fails to start
+    stall_timeout_s: PositiveNumber = 60.0  # a server whose engine produces no token for this long while requests wait on it (or that does not answer a probe within it: a hung process) is ejected and its requests retried elsewhere; long requests on a working server are never cut
     request_timeout_s: float | None = None  # deprecated: the total-time limit stall_timeout_s replaced (it ejected slow but healthy servers); ignored, with a warning
-    affinity_slack: int = 8  # GRPO siblings share a server unless it has more than this many requests in flight beyond the least busy
-    max_restarts: int = 10  # Ray restarts of a server whose process died (then re-synced and re-admitted; -1: no limit); one that dies after them stops the run in one line
-    max_group_retries: int = 2  # a GRPO group hit by an infrastructure failure (sandbox, engine, reward fn or a worker that died) is rolled out again this many times, same seeds; then it is left out of the loss and recorded as failed
-    health_probe_interval_s: float = 5.0  # how often the manager probes ejected servers for re-admission
-    scripted_delay_s: float = 0.5  # engine=scripted: seconds each request takes
+    affinity_slack: Count = 8  # GRPO siblings share a server unless it has more than this many requests in flight beyond the least busy
+    max_restarts: Restarts = 10  # Ray restarts of a server whose process died (then re-synced and re-admitted; -1: no limit); one that dies after them stops the run in one line
+    max_group_retries: Count = 2  # a GRPO group hit by an infrastructure failure (sandbox, engine, reward fn or a worker that died) is rolled out again this many times, same seeds; then it is left out of the loss and recorded as failed
+    health_probe_interval_s: PositiveNumber = 5.0  # how often the manager probes ejected servers for re-admission
+    scripted_delay_s: NonNegative = 0.5  # engine=scripted: seconds each request takes
     scripted_crash: str | None = None  # engine=scripted: every request kills the engine with this error ('Type: message'): a deliberately poisoned engine
 
 
 class AgentConfig(_Section):
     format: Literal["retool", "hermes"] = "retool"  # tool calls as ReTool <code> tags or Hermes/Qwen <tool_call> JSON
     observation_style: Literal["tool_message", "in_turn"] = "tool_message"  # retool: output as a tool message (verl's recipe) or as <interpreter>...</interpreter> inside the same assistant turn (the ReTool paper)
-    max_turns: int = 4  # assistant turns per trajectory (in_turn: tool rounds plus the answer)
-    max_response_tokens: int = 384  # token budget of everything after the prompt
-    max_tool_calls_per_turn: int = 4  # calls beyond this in one turn are answered with a too_many_calls error; the rest run concurrently
-    tool_output_tokens: int = 256  # longer tool output is cut in the middle, with a "... N tokens truncated ..." marker
-    max_trajectory_s: float = 600.0  # wall-clock limit of one trajectory (it ends with finish reason time_limit)
-    max_concurrent_trajectories: int = 256  # trajectories one agent worker runs at once
+    max_turns: Positive = 4  # assistant turns per trajectory (in_turn: tool rounds plus the answer)
+    max_response_tokens: Positive = 384  # token budget of everything after the prompt
+    max_tool_calls_per_turn: Positive = 4  # calls beyond this in one turn are answered with a too_many_calls error; the rest run concurrently
+    tool_output_tokens: Positive = 256  # longer tool output is cut in the middle, with a "... N tokens truncated ..." marker
+    max_trajectory_s: PositiveNumber = 600.0  # wall-clock limit of one trajectory (it ends with finish reason time_limit)
+    max_concurrent_trajectories: Positive = 256  # trajectories one agent worker runs at once
     tools: str | None = None  # verl-format tool YAML (tools: [{class_name, config, tool_schema}]); None: the code interpreter only
     default_agent: str = "tool_agent"  # agent loop of rows without an agent_name (registered in raytool.agent.registry)
     langgraph_graph: str | None = None  # rows with agent_name langgraph: 'package.module:function' building the LangGraph agent from a chat model
@@ -114,52 +140,52 @@ class AgentConfig(_Section):
     on_history_rewrite: Literal["truncate", "drop"] = "truncate"  # an agent (langgraph, openai) that rewrote its history: train on what was recorded up to there, or on none of it
     gateway: bool = False  # start an OpenAI-compatible gateway actor with the run, for agents outside raytool (its URL is logged and in RUN_DIR/gateway.json)
     gateway_host: str = "127.0.0.1"  # the gateway's interface (0.0.0.0: reachable from other machines, unauthenticated)
-    gateway_port: int = 0  # the gateway's TCP port (0: a free one)
+    gateway_port: Port = 0  # the gateway's TCP port (0: a free one)
     loop_modules: list[str] = msgspec.field(default_factory=list)  # modules the agent workers import first (where your own loops and tools register)
-    num_workers: int = 1  # AgentLoopWorker actors
+    num_workers: Positive = 1  # AgentLoopWorker actors
     system_prompt: str | None = None  # None: the task's own system prompt
     chat_template_kwargs: dict = msgspec.field(default_factory=dict)  # extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 (verl's apply_chat_template_kwargs)
 
 
 class SandboxConfig(_Section):
     backend: Literal["local", "sandbox_fusion", "e2b"] = "local"  # where code runs (local: isolated fork-server on the pool's node)
-    num_pools: int = 1  # SandboxPool actors; a trajectory's cells all go to one pool (by session)
+    num_pools: Positive = 1  # SandboxPool actors; a trajectory's cells all go to one pool (by session)
     pool_resources: dict[str, float] = msgspec.field(default_factory=dict)  # custom Ray resources each pool asks for, e.g. {sandbox: 1} to place pools on CPU nodes tagged with it
-    max_concurrency: int = 8  # cells running at once in one pool
-    max_queue: int = 256  # cells waiting for a slot in one pool; beyond it a cell is refused at once (back-pressure)
-    timeout_s: float = 5.0  # wall-clock limit of one cell
-    memory_mb: int = 1024  # memory a cell may allocate (address space beyond the preloaded interpreter)
-    max_output_bytes: int = 8192  # stdout/stderr kept per cell (the rest is dropped and flagged)
-    retries: int = 1  # re-runs of a cell whose backend failed (infra_error), not of failing code
-    breaker_failures: int = 5  # consecutive infrastructure failures that open a pool's circuit breaker
-    breaker_reset_s: float = 10.0  # an open breaker fails cells fast for this long, then lets one probe through
+    max_concurrency: Positive = 8  # cells running at once in one pool
+    max_queue: Positive = 256  # cells waiting for a slot in one pool; beyond it a cell is refused at once (back-pressure)
+    timeout_s: PositiveNumber = 5.0  # wall-clock limit of one cell
+    memory_mb: Positive = 1024  # memory a cell may allocate (address space beyond the preloaded interpreter)
+    max_output_bytes: Positive = 8192  # stdout/stderr kept per cell (the rest is dropped and flagged)
+    retries: Count = 1  # re-runs of a cell whose backend failed (infra_error), not of failing code
+    breaker_failures: Positive = 5  # consecutive infrastructure failures that open a pool's circuit breaker
+    breaker_reset_s: NonNegative = 10.0  # an open breaker fails cells fast for this long, then lets one probe through
     isolate: bool = True  # local: namespaces (no network, read-only file system, own PIDs); false only for debugging
-    warm_sessions: int = 4  # local: interpreters forked ahead so a new trajectory's first cell does not wait for a fork
-    idle_session_s: float = 600.0  # local: a session unused this long is ended
-    max_processes: int = 64  # local: processes (and threads) one session may run
-    disk_mb: int = 64  # local: size of a session's private working directory (tmpfs) and of any file it writes
+    warm_sessions: Count = 4  # local: interpreters forked ahead so a new trajectory's first cell does not wait for a fork
+    idle_session_s: PositiveNumber = 600.0  # local: a session unused this long is ended
+    max_processes: Positive = 64  # local: processes (and threads) one session may run
+    disk_mb: Positive = 64  # local: size of a session's private working directory (tmpfs) and of any file it writes
     fusion_url: str = "http://127.0.0.1:8080"  # sandbox_fusion: server base URL (or its /run_code endpoint)
     fusion_sessions: bool = False  # sandbox_fusion: keep interpreter state per trajectory (only `raytool sandbox serve` supports it)
     e2b_domain: str | None = None  # e2b: API domain (None: E2B's own; ap-shanghai.tencentags.com for Tencent AGS)
     e2b_api_key_env: str = "E2B_API_KEY"  # e2b: the environment variable holding the API key (never the key itself)
     e2b_template: str = "code-interpreter-v1"  # e2b: sandbox template
-    e2b_sandbox_timeout_s: int = 300  # e2b: a sandbox's lifetime from its creation
-    e2b_request_timeout_s: float = 30.0  # e2b: each API call
-    added_latency_median_s: float = 0.0  # every cell waits a further lognormal delay with this median (benchmarks: a remote sandbox's latency on the local backend; 0: none)
-    added_latency_p95_s: float = 0.0  # ... and this 95th percentile (>= the median)
+    e2b_sandbox_timeout_s: Positive = 300  # e2b: a sandbox's lifetime from its creation
+    e2b_request_timeout_s: PositiveNumber = 30.0  # e2b: each API call
+    added_latency_median_s: NonNegative = 0.0  # every cell waits a further lognormal delay with this median (benchmarks: a remote sandbox's latency on the local backend; 0: none)
+    added_latency_p95_s: NonNegative = 0.0  # ... and this 95th percentile (>= the median)
 
 
 class RewardConfig(_Section):
     fn: str = "math"  # registered reward (boxed_match: exact; math: 1/0 by math-verify; retool: +1/-1 shaped) or `path/to/file.py:function`
-    num_workers: int = 1  # RewardWorker actors
-    timeout_s: float = 5.0  # per-answer math-verify limit; a timed-out answer scores as wrong (metric verify_timeout)
-    call_timeout_s: float = 60.0  # one scoring call to a reward worker; a call that raises or outlives this is retried on the next worker
-    retries: int = 1  # scoring calls tried again after one failed (then the trajectory is infra-failed, never scored as wrong)
-    tool_call_bonus: float = 0.1  # retool: added to a wrong answer's -1 per tool call (verl's ReTool recipe: 0.1)
+    num_workers: Positive = 1  # RewardWorker actors
+    timeout_s: PositiveNumber = 5.0  # per-answer math-verify limit; a timed-out answer scores as wrong (metric verify_timeout)
+    call_timeout_s: PositiveNumber = 60.0  # one scoring call to a reward worker; a call that raises or outlives this is retried on the next worker
+    retries: Count = 1  # scoring calls tried again after one failed (then the trajectory is infra-failed, never scored as wrong)
+    tool_call_bonus: NonNegative = 0.1  # retool: added to a wrong answer's -1 per tool call (verl's ReTool recipe: 0.1)
     wrong_score_cap: float = -0.6  # retool: a wrong answer never scores above this, however many tool calls (< 1)
-    format_penalty: float = 0.0  # subtracted when the fn reports has_answer=0: no final answer in a known format (0: off)
-    overlong_buffer_tokens: int = 0  # DAPO overlong shaping over the last N tokens before agent.max_response_tokens (0: off)
-    overlong_penalty_factor: float = 1.0  # DAPO: the penalty at agent.max_response_tokens, rising linearly from 0 over the buffer
+    format_penalty: NonNegative = 0.0  # subtracted when the fn reports has_answer=0: no final answer in a known format (0: off)
+    overlong_buffer_tokens: Count = 0  # DAPO overlong shaping over the last N tokens before agent.max_response_tokens (0: off)
+    overlong_penalty_factor: NonNegative = 1.0  # DAPO: the penalty at agent.max_response_tokens, rising linearly from 0 over the buffer
 
 
 class RolloutCorrectionConfig(_Section):
@@ -168,84 +194,84 @@ class RolloutCorrectionConfig(_Section):
 
     decoupled: bool = True  # decoupled PPO: clip around the trainer's own log-probs before the update (proximal policy); false: around the engine's (no recompute)
     rollout_is: Literal["auto", "token", "sequence"] | None = "auto"  # importance weight trainer/engine per token or per sequence, truncated (null: off)
-    rollout_is_threshold: float = 2.0  # importance weights above this are cut to it
+    rollout_is_threshold: AboveOne = 2.0  # importance weights above this are cut to it
     rollout_rs: Literal["token", "sequence"] | None = None  # rejection: mask tokens (or whole sequences) whose trainer/engine ratio leaves [lower, upper] (null: off)
-    rollout_rs_threshold: float = 2.0  # rejection: upper bound of the ratio
-    rollout_rs_threshold_lower: float | None = None  # rejection: lower bound (null: 1 / upper)
+    rollout_rs_threshold: AboveOne = 2.0  # rejection: upper bound of the ratio
+    rollout_rs_threshold_lower: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None  # rejection: lower bound (null: 1 / upper)
 
 
 class AlgorithmConfig(_Section):
     adv_estimator: str = "grpo"  # registered advantage estimator (grpo, rloo)
     norm_adv_by_std: bool = True  # GRPO: divide by the group std (False: Dr. GRPO)
     policy_loss: str = "ppo_clip"  # registered policy loss
-    clip_ratio_low: float = 0.2  # PPO epsilon below 1
-    clip_ratio_high: float = 0.28  # PPO epsilon above 1 (DAPO clip-higher)
-    clip_ratio_c: float | None = 3.0  # dual-clip bound on the loss of negative-advantage tokens (> 1; None: off)
+    clip_ratio_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2  # PPO epsilon below 1
+    clip_ratio_high: NonNegative = 0.28  # PPO epsilon above 1 (DAPO clip-higher)
+    clip_ratio_c: AboveOne | None = 3.0  # dual-clip bound on the loss of negative-advantage tokens (> 1; None: off)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"  # token-mean counts tokens over the whole mini-batch, all ranks
     kl_type: Literal["k1", "k2", "k3"] = "k3"  # estimator of KL(policy || reference) (Schulman's k1/k2/k3)
-    kl_loss_coef: float = 0.0  # KL to the reference policy as a loss term (0: off, no reference model is kept)
-    kl_reward_coef: float = 0.0  # KL to the reference policy subtracted from each sequence's reward (0: off)
-    entropy_coeff: float = 0.0  # entropy bonus in the loss (the entropy is reported either way)
+    kl_loss_coef: NonNegative = 0.0  # KL to the reference policy as a loss term (0: off, no reference model is kept)
+    kl_reward_coef: NonNegative = 0.0  # KL to the reference policy subtracted from each sequence's reward (0: off)
+    entropy_coeff: NonNegative = 0.0  # entropy bonus in the loss (the entropy is reported either way)
     dynamic_sampling: bool = False  # DAPO: drop prompt groups whose rewards are all equal and roll out more prompts until the batch is full
-    max_sampling_rounds: int = 4  # dynamic sampling: rollout rounds one step may take at most (then it trains on the groups it has)
-    ppo_epochs: int = 1  # passes over each rollout batch
-    mini_batches: int = 1  # optimizer steps per pass
+    max_sampling_rounds: Positive = 4  # dynamic sampling: rollout rounds one step may take at most (then it trains on the groups it has)
+    ppo_epochs: Positive = 1  # passes over each rollout batch
+    mini_batches: Positive = 1  # optimizer steps per pass
     rollout_correction: RolloutCorrectionConfig = msgspec.field(default_factory=RolloutCorrectionConfig)
 
 
 class TrainerConfig(_Section):
-    total_steps: int = 12  # GRPO steps
-    lr: float = 5e-6  # peak learning rate of the GRPO phase
+    total_steps: Count = 12  # GRPO steps
+    lr: PositiveNumber = 5e-6  # peak learning rate of the GRPO phase
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after the warm-up
-    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
-    min_lr_ratio: float = 0.0  # cosine: the final learning rate as a fraction of the peak
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # global gradient-norm clip
+    warmup_steps: Count = 0  # linear learning-rate warm-up, in optimizer steps
+    min_lr_ratio: Fraction = 0.0  # cosine: the final learning rate as a fraction of the peak
+    weight_decay: NonNegative = 0.0
+    grad_clip: PositiveNumber = 1.0  # global gradient-norm clip
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # forward/backward dtype (auto: bfloat16 on GPU/NPU and on CPUs with native bf16, float32 on other CPUs); weights and optimizer state are always float32
-    micro_batch_tokens: int | Literal["auto"] = "auto"  # token budget of one forward/backward micro-batch (padded tokens; packed tokens when packing); auto: 4096 on a CPU, 16384 on an accelerator
+    micro_batch_tokens: Positive | Literal["auto"] = "auto"  # token budget of one forward/backward micro-batch (padded tokens; packed tokens when packing); auto: 4096 on a CPU, 16384 on an accelerator
     packing: bool | Literal["auto"] = "auto"  # sequences end to end in one row (auto: only with a varlen flash-attention kernel)
     activation_checkpointing: bool | Literal["auto"] = "auto"  # recompute decoder layers in backward; auto: off on a CPU, on an accelerator on only when the planner finds that the micro-batch's activations would not fit without it
     compile: bool = False  # torch.compile each decoder layer and the LM head's log-prob chunk (CUDA GPUs and CPUs; not with NPU, SP or 4-bit)
-    logprob_chunk_tokens: int = 2048  # the LM head and log-softmax run over this many scored tokens at a time (more: recomputed in backward)
+    logprob_chunk_tokens: Positive = 2048  # the LM head and log-softmax run over this many scored tokens at a time (more: recomputed in backward)
     cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in host memory
-    lora_rank: int = 0  # LoRA adapters of this rank instead of full fine-tuning (0: off; one trainer worker)
-    lora_alpha: int = 16  # LoRA scaling numerator
+    lora_rank: Count = 0  # LoRA adapters of this rank instead of full fine-tuning (0: off; one trainer worker)
+    lora_alpha: Positive = 16  # LoRA scaling numerator
     lora_target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])  # module names that get adapters
     load_in_4bit: bool = False  # QLoRA: the frozen base in bitsandbytes NF4 under the LoRA adapters (CUDA GPUs, one worker); weight sync sends it dequantized, adapters merged
-    num_workers: int = 1  # TrainerWorker actors (data parallel, FSDP2 when > 1)
-    sequence_parallel_size: int = 1  # Ulysses SP: each sequence split over this many consecutive workers (it divides num_workers and the attention heads)
-    num_cpus: float = 1.0  # Ray CPUs each trainer worker reserves
-    num_gpus: float = 0.0  # accelerators (cluster.accelerator: GPU or NPU) each trainer worker reserves
+    num_workers: Positive = 1  # TrainerWorker actors (data parallel, FSDP2 when > 1)
+    sequence_parallel_size: Positive = 1  # Ulysses SP: each sequence split over this many consecutive workers (it divides num_workers and the attention heads)
+    num_cpus: NonNegative = 1.0  # Ray CPUs each trainer worker reserves
+    num_gpus: NonNegative = 0.0  # accelerators (cluster.accelerator: GPU or NPU) each trainer worker reserves
     seed: int = 0
-    sft_warmup_steps: int = 12  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
+    sft_warmup_steps: Count = 12  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
     fresh_rl_optimizer: bool = True  # GRPO starts from a fresh AdamW state after the warm-up (false: keep SFT's moments)
-    save_every: int = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
+    save_every: Count = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
     save_final: bool = True  # write a resumable checkpoint and an HF export at the end of the run
-    keep_checkpoints: int = 0  # after each save, delete all but the newest this many checkpoints (0: keep all)
+    keep_checkpoints: Count = 0  # after each save, delete all but the newest this many checkpoints (0: keep all)
     checkpoint_dir: str = ""  # where checkpoints go: "" is RUN_DIR/checkpoints; else a path every node mounts, or an fsspec URI (s3://bucket/path; its fsspec package on every node), under which each run writes <run name>/step_N
-    max_failures: int = 3  # a trainer worker whose process dies or hangs: the whole actor graph is rebuilt and restored from the last checkpoint (none yet: the run starts over) this many times; then the run stops
-    weight_sync_bucket_mb: int = 64  # size of one ZMQ weight bucket (larger tensors are split)
+    max_failures: Count = 3  # a trainer worker whose process dies or hangs: the whole actor graph is rebuilt and restored from the last checkpoint (none yet: the run starts over) this many times; then the run stops
+    weight_sync_bucket_mb: Positive = 64  # size of one ZMQ weight bucket (larger tensors are split)
     weight_sync_in_place: bool = True  # servers on the trainer's node read its staging buffers in place (CUDA IPC, shared memory) instead of TCP
 
 
 class SFTConfig(_Section):
     train_files: list[str] = msgspec.field(default_factory=list)  # `raytool sft`: conversations (jsonl/parquet, messages + tools)
     val_files: list[str] = msgspec.field(default_factory=list)  # validation conversations (none: val_fraction of the train files)
-    val_fraction: float = 0.0  # share of the train conversations held out for validation loss when val_files is empty
-    epochs: int = 1
-    batch_size: int = 8  # conversations per optimizer step (also the in-run warm-up's batch)
-    lr: float = 1e-4  # peak learning rate (also the in-run warm-up's)
+    val_fraction: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0  # share of the train conversations held out for validation loss when val_files is empty
+    epochs: Positive = 1
+    batch_size: Positive = 8  # conversations per optimizer step (also the in-run warm-up's batch)
+    lr: PositiveNumber = 1e-4  # peak learning rate (also the in-run warm-up's)
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = 0  # linear learning-rate warm-up of `raytool sft`
-    max_length: int = 4096  # tokens per conversation; longer ones are cut (and counted)
-    val_every: int = 0  # validation loss every this many steps (0: after each epoch)
-    save_every: int = 0  # resumable checkpoint every this many steps (0: only at the end)
+    warmup_steps: Count = 0  # linear learning-rate warm-up of `raytool sft`
+    max_length: Positive = 4096  # tokens per conversation; longer ones are cut (and counted)
+    val_every: Count = 0  # validation loss every this many steps (0: after each epoch)
+    save_every: Count = 0  # resumable checkpoint every this many steps (0: only at the end)
 
 
 class AsyncConfig(_Section):
     """Asynchronous training: rollout runs on while the trainer updates (0: the synchronous loop)."""
 
-    max_staleness: int = 0  # policy versions a trained token may lag the trainer by; groups running or buffered ahead stay within (max_staleness + 1) steps (0: synchronous)
+    max_staleness: Count = 0  # policy versions a trained token may lag the trainer by; groups running or buffered ahead stay within (max_staleness + 1) steps (0: synchronous)
     partial_rollout: Literal["continue", "abort", "wait"] = "continue"  # requests in flight at a weight load: frozen and continued on the new weights (vLLM pause keep), aborted and resumed from their tokens on the new weights, or finished on the old weights first
 
 
@@ -253,22 +279,26 @@ class LoggingConfig(_Section):
     logger: list[Literal["console", "tensorboard", "wandb"]] = msgspec.field(default_factory=lambda: ["console", "tensorboard"])  # trackers besides metrics.jsonl (always written), as verl's trainer.logger: a line per step on stderr, event files in RUN_DIR/tensorboard, Weights & Biases in RUN_DIR/wandb (online with WANDB_API_KEY set, else offline)
     project_name: str = "raytool"  # wandb: the W&B project
     experiment_name: str | None = None  # wandb: the W&B run name (None: the run directory's name)
-    trace_samples: int = 2  # full trajectories written to traces.jsonl each step
-    val_trace_samples: int = 2  # validation trajectories per data source written to val_traces.jsonl at each validation (0: none)
+    trace_samples: Count = 2  # full trajectories written to traces.jsonl each step
+    val_trace_samples: Count = 2  # validation trajectories per data source written to val_traces.jsonl at each validation (0: none)
     progress: bool = True  # progress bar while rolling out
 
 
 class ClusterConfig(_Section):
     address: str | None = None  # Ray address; None: RAY_ADDRESS if set, else a new local instance
-    torch_threads: int = 0  # intra-op threads of engine and trainer actors (0: the machine's cores)
-    light_actor_cpus: float = 0.0  # Ray CPUs of manager, agent, sandbox and reward actors
+    torch_threads: Count = 0  # intra-op threads of engine and trainer actors (0: the machine's cores)
+    light_actor_cpus: NonNegative = 0.0  # Ray CPUs of manager, agent, sandbox and reward actors
     accelerator: Literal["GPU", "NPU"] = "GPU"  # the Ray resource rollout.num_gpus / trainer.num_gpus count (NPU: Ascend nodes started with --resources '{"NPU": 8}')
     env_vars: dict[str, str] = msgspec.field(default_factory=dict)  # environment of every actor, e.g. HCCL_* or NCCL_* settings of your network
     namespace: str | None = None  # Ray namespace of the run's actors (None: raytool-<run directory name>-<6 random hex digits>)
-    wait_for_resources_s: float = 0.0  # an autoscaling cluster: wait this long for nodes before a missing resource is an error (0: fail at once)
-    placement_timeout_s: float = 600.0  # the trainer's placement group not placed by then is an error naming what it waits for
-    max_actor_restarts: int = 10  # Ray restarts of the LLM manager, an agent worker, reward worker or sandbox pool whose process died (-1: no limit); their work is retried
-    heartbeat_s: float = 30.0  # the driver pings every actor of the run (trainer ranks included) this often; one alive but silent for a whole interval (hung, stopped) is killed and restarted (a trainer rank: the group re-forms): found within twice this (0: off)
+    wait_for_resources_s: NonNegative = 0.0  # an autoscaling cluster: wait this long for nodes before a missing resource is an error (0: fail at once)
+    placement_timeout_s: PositiveNumber = 600.0  # the trainer's placement group not placed by then is an error naming what it waits for
+    max_actor_restarts: Restarts = 10  # Ray restarts of the LLM manager, an agent worker, reward worker or sandbox pool whose process died (-1: no limit); their work is retried
+    heartbeat_s: NonNegative = 30.0  # the driver pings every actor of the run (trainer ranks included) this often; one alive but silent for a whole interval (hung, stopped) is killed and restarted (a trainer rank: the group re-forms): found within twice this (0: off)
+    nodes: Positive | None = None  # `raytool plan`: nodes of the cluster this run is for (None: 1; --nodes overrides)
+    gpus_per_node: Count | None = None  # `raytool plan`: accelerators (cluster.accelerator) per node, 0 for CPU nodes (None: this machine's; --gpus-per-node overrides)
+    gpu_memory_gb: PositiveNumber | None = None  # `raytool plan`: memory of one accelerator, GiB (None: this machine's; --gpu-memory-gb overrides)
+    host_memory_gb: PositiveNumber | None = None  # `raytool plan`: host memory of one node, GiB (None: this machine's; --host-memory-gb overrides)
 
 
 class RunConfig(_Section):
@@ -311,15 +341,37 @@ def _allowed_values(key: str) -> str | None:
     return None
 
 
-def _error_from_msgspec(err: msgspec.ValidationError, source: str) -> ConfigError:
-    # msgspec says e.g. "Expected `int`, got `str` - at `$.trainer.total_steps`" (no "at" at the root).
+def _did_you_mean(section: str, field: str) -> str:
+    """' (did you mean 'trainer.total_steps'?)' for a mistyped key of `section` ('' : a section), or ''."""
+    import difflib
+
+    node: Any = RunConfig
+    for part in section.split(".") if section else []:
+        hints = typing.get_type_hints(node)
+        part = next((f.name for f in msgspec.structs.fields(node) if f.encode_name == part), part)
+        node = hints.get(part)
+        if not (isinstance(node, type) and issubclass(node, msgspec.Struct)):
+            return ""
+    names = [f.encode_name for f in msgspec.structs.fields(node)]
+    close = difflib.get_close_matches(field, names, n=1, cutoff=0.6)
+    return f" (did you mean '{f'{section}.{close[0]}' if section else close[0]}'?)" if close else ""
+
+
+def _error_from_msgspec(err: msgspec.ValidationError, source: str, raw: dict | None = None) -> ConfigError:
+    # msgspec says e.g. "Expected `int`, got `str` - at `$.trainer.total_steps`" (no "at" at the root),
+    # or for a value out of its declared range "Expected `int` >= 1 - at `$.rollout.n`".
     msg, sep, where = str(err).rpartition(" - at `")
     if not sep:
         msg, where = str(err), "$`"
     key = where.rstrip("`").removeprefix("$").lstrip(".")
     if msg.startswith("Object contains unknown field"):
         field = msg.split("`")[1]
-        return ConfigError(f"{source}: unknown config key '{f'{key}.{field}' if key else field}'")
+        return ConfigError(f"{source}: unknown config key '{f'{key}.{field}' if key else field}'{_did_you_mean(key, field)}")
+    if re.match(r"Expected `\w+` [<>]=? ", msg):  # the right type, out of range: say what was given
+        value: Any = raw
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return ConfigError(f"{source}: config key '{key}': {msg[0].lower()}{msg[1:]}, got {value!r}")
     allowed = _allowed_values(key)
     if allowed is not None:
         msg += f"; expected {allowed}"
@@ -355,7 +407,7 @@ def from_dict(raw: dict, source: str = "config") -> RunConfig:
     try:
         return msgspec.convert(raw, RunConfig)
     except msgspec.ValidationError as err:
-        raise _error_from_msgspec(err, source) from None
+        raise _error_from_msgspec(err, source, raw) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -370,62 +422,57 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
         try:
             raw = _yaml_load(text) or {}
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of config sections, got {type(raw).__name__}")
-    cfg = from_dict(apply_overrides(raw, list(overrides)), source)
+    try:
+        cfg = _checked(apply_overrides(copy.deepcopy(raw), list(overrides)), source)
+    except ConfigError as exc:
+        if not overrides or not _valid(raw, source):
+            raise
+        # The file (or the embedded default) is fine alone: the command line's overrides are at fault.
+        raise ConfigError(str(exc).replace(f"{source}: ", "command line: ", 1)) from None
+    return cfg
+
+
+def _checked(raw: dict, source: str) -> RunConfig:
+    """The config `raw` describes (verl's keys read as raytool's), its keys, types, ranges and
+    cross-key rules checked."""
+    from raytool.verl_keys import VerlKeyError, translate
+
+    try:
+        raw = translate(raw)
+    except VerlKeyError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    cfg = from_dict(raw, source)
     validate(cfg, source)
     return cfg
 
 
+def _valid(raw: dict, source: str) -> bool:
+    try:
+        _checked(copy.deepcopy(raw), source)
+        return True
+    except ConfigError:
+        return False
+
+
 def validate(cfg: RunConfig, source: str = "config") -> None:
-    """Checks across keys that types alone cannot express."""
+    """The declared ranges (checked here too for a config built in Python, which msgspec does not
+    check), and the rules across keys that types alone cannot express."""
+    builtins = msgspec.to_builtins(cfg)
+    try:
+        msgspec.convert(builtins, RunConfig)
+    except msgspec.ValidationError as err:
+        raise _error_from_msgspec(err, source, builtins) from None
     if cfg.rollout.request_timeout_s is not None:
         log.warning("%s: config key 'rollout.request_timeout_s' is deprecated and ignored: a server is ejected when it stops "
                     "making progress (rollout.stall_timeout_s=%g), not when a request is long", source, cfg.rollout.stall_timeout_s)
-    if not cfg.rollout.stall_timeout_s > 0:
-        raise ConfigError(f"{source}: config key 'rollout.stall_timeout_s': expected a positive number of seconds, got {cfg.rollout.stall_timeout_s}")
-    if cfg.rollout.scripted_delay_s < 0:
-        raise ConfigError(f"{source}: config key 'rollout.scripted_delay_s': expected >= 0 seconds, got {cfg.rollout.scripted_delay_s}")
-    positive = {
-        "rollout.n": cfg.rollout.n,
-        "rollout.num_servers": cfg.rollout.num_servers,
-        "rollout.max_tokens_per_turn": cfg.rollout.max_tokens_per_turn,
-        "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-        "agent.max_turns": cfg.agent.max_turns,
-        "agent.num_workers": cfg.agent.num_workers,
-        "data.prompts_per_step": cfg.data.prompts_per_step,
-        "trainer.num_workers": cfg.trainer.num_workers,
-        "trainer.logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
-        "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs,
-        "algorithm.mini_batches": cfg.algorithm.mini_batches,
-        "sft.batch_size": cfg.sft.batch_size,
-        "sft.max_length": cfg.sft.max_length,
-        "sandbox.max_concurrency": cfg.sandbox.max_concurrency,
-        "agent.max_tool_calls_per_turn": cfg.agent.max_tool_calls_per_turn,
-        "agent.tool_output_tokens": cfg.agent.tool_output_tokens,
-        "agent.max_concurrent_trajectories": cfg.agent.max_concurrent_trajectories,
-        "sandbox.num_pools": cfg.sandbox.num_pools,
-        "sandbox.max_queue": cfg.sandbox.max_queue,
-        "sandbox.max_processes": cfg.sandbox.max_processes,
-        "sandbox.disk_mb": cfg.sandbox.disk_mb,
-        "sandbox.breaker_failures": cfg.sandbox.breaker_failures,
-        "reward.num_workers": cfg.reward.num_workers,
-        "eval.n": cfg.eval.n,
-        "algorithm.max_sampling_rounds": cfg.algorithm.max_sampling_rounds,
-    }
-    if cfg.rollout.max_model_len is not None:
-        positive["rollout.max_model_len"] = cfg.rollout.max_model_len
-    if cfg.trainer.micro_batch_tokens != "auto":
-        positive["trainer.micro_batch_tokens"] = cfg.trainer.micro_batch_tokens
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{source}: config key '{key}': expected a positive integer, got {value}")
     if cfg.agent.observation_style == "in_turn" and cfg.agent.format != "retool":
         raise ConfigError(f"{source}: config key 'agent.observation_style': in_turn needs agent.format=retool (hermes observations are tool messages)")
-    if cfg.algorithm.clip_ratio_c is not None and cfg.algorithm.clip_ratio_c <= 1.0:
-        raise ConfigError(f"{source}: config key 'algorithm.clip_ratio_c': the dual-clip bound must be > 1 (or null to turn it off), got {cfg.algorithm.clip_ratio_c}")
     if cfg.trainer.cpu_offload and not cfg.trainer.num_gpus:
         raise ConfigError(f"{source}: config key 'trainer.cpu_offload': offloading moves accelerator memory to the host; give the trainer GPUs (trainer.num_gpus) or set it false")
     validate_4bit(cfg, source)
@@ -447,41 +494,20 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'data.val_files': validation files without data.train_files would validate on "
                           "files while training on the generated task; give data.train_files too")
     sp = cfg.trainer.sequence_parallel_size
-    if sp < 1 or cfg.trainer.num_workers % sp:
-        raise ConfigError(f"{source}: config key 'trainer.sequence_parallel_size' is {sp}: it must be >= 1 and divide trainer.num_workers "
+    if cfg.trainer.num_workers % sp:
+        raise ConfigError(f"{source}: config key 'trainer.sequence_parallel_size' is {sp}: it must divide trainer.num_workers "
                           f"({cfg.trainer.num_workers}), each group of {sp} workers sharing its sequences")
     if sp > 1 and cfg.model.attn_implementation.startswith("flash_attention"):
         raise ConfigError(f"{source}: config key 'trainer.sequence_parallel_size' > 1 runs attention in PyTorch SDPA; model.attn_implementation "
                           f"{cfg.model.attn_implementation} with sequence parallelism is not supported yet: set model.attn_implementation=sdpa")
-    if cfg.trainer.total_steps < 0 or cfg.trainer.sft_warmup_steps < 0:
-        raise ConfigError(f"{source}: config key 'trainer.total_steps'/'trainer.sft_warmup_steps' must be >= 0")
     validate_async(cfg, source)
     s = cfg.sandbox
-    if s.added_latency_median_s < 0 or (s.added_latency_median_s > 0 and s.added_latency_p95_s < s.added_latency_median_s):
-        raise ConfigError(f"{source}: config key 'sandbox.added_latency_p95_s': expected a median >= 0 and a 95th percentile >= it, "
+    if s.added_latency_median_s > 0 and s.added_latency_p95_s < s.added_latency_median_s:
+        raise ConfigError(f"{source}: config key 'sandbox.added_latency_p95_s': expected a 95th percentile >= the median, "
                           f"got {s.added_latency_median_s} and {s.added_latency_p95_s}")
     r = cfg.reward
-    for key in ("timeout_s", "call_timeout_s"):
-        if not getattr(r, key) > 0:
-            raise ConfigError(f"{source}: config key 'reward.{key}': expected a positive number of seconds, got {getattr(r, key)}")
-    for key, value in {"reward.retries": r.retries, "rollout.max_group_retries": cfg.rollout.max_group_retries}.items():
-        if value < 0:
-            raise ConfigError(f"{source}: config key '{key}': expected a count >= 0, got {value}")
-    if cfg.cluster.heartbeat_s < 0:
-        raise ConfigError(f"{source}: config key 'cluster.heartbeat_s': expected seconds >= 0 (0: no heartbeats), got {cfg.cluster.heartbeat_s}")
-    if cfg.trainer.max_failures < 0:
-        raise ConfigError(f"{source}: config key 'trainer.max_failures': expected a count >= 0, got {cfg.trainer.max_failures}")
-    if cfg.trainer.keep_checkpoints < 0:
-        raise ConfigError(f"{source}: config key 'trainer.keep_checkpoints': expected a count >= 0 (0: keep all), got {cfg.trainer.keep_checkpoints}")
-    if cfg.rollout.max_restarts < -1:
-        raise ConfigError(f"{source}: config key 'rollout.max_restarts': expected a count >= 0, or -1 for no limit, got {cfg.rollout.max_restarts}")
-    if cfg.cluster.max_actor_restarts < -1:
-        raise ConfigError(f"{source}: config key 'cluster.max_actor_restarts': expected a count >= 0, or -1 for no limit, got {cfg.cluster.max_actor_restarts}")
     if r.wrong_score_cap >= 1.0:
         raise ConfigError(f"{source}: config key 'reward.wrong_score_cap': must be < 1 (a correct answer's score) so a wrong answer never scores as high, got {r.wrong_score_cap}")
-    for key in ("tool_call_bonus", "format_penalty", "overlong_buffer_tokens", "overlong_penalty_factor"):
-        if getattr(r, key) < 0:
-            raise ConfigError(f"{source}: config key 'reward.{key}': expected >= 0, got {getattr(r, key)}")
     if r.overlong_buffer_tokens >= cfg.agent.max_response_tokens:
         raise ConfigError(f"{source}: config key 'reward.overlong_buffer_tokens': must be below agent.max_response_tokens "
                           f"({cfg.agent.max_response_tokens}), got {r.overlong_buffer_tokens}")
@@ -508,9 +534,7 @@ def validate_4bit(cfg: RunConfig, source: str) -> None:
 
 def validate_async(cfg: RunConfig, source: str = "config") -> None:
     """Asynchronous training and off-policy correction: what the engine and the trainer can honour."""
-    a, c = cfg.async_, cfg.algorithm.rollout_correction
-    if a.max_staleness < 0:
-        raise ConfigError(f"{source}: config key 'async.max_staleness': expected >= 0 (0: synchronous), got {a.max_staleness}")
+    a = cfg.async_
     if a.max_staleness > 0 and cfg.rollout.engine == "hf" and a.partial_rollout != "wait":
         raise ConfigError(f"{source}: config key 'async.partial_rollout': {a.partial_rollout} needs an engine that pauses mid-sequence (rollout.engine=vllm); "
                           "the hf engine finishes each batch on the weights it started with: use wait")
@@ -518,12 +542,6 @@ def validate_async(cfg: RunConfig, source: str = "config") -> None:
         key = "rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k"
         raise ConfigError(f"{source}: config key '{key}': in asynchronous mode the engine's log-probs are compared with the trainer's, which "
                           "does not truncate the distribution; train with top_p=1 and top_k=-1 (validation may still use eval.top_p)")
-    if not c.rollout_is_threshold > 1.0:
-        raise ConfigError(f"{source}: config key 'algorithm.rollout_correction.rollout_is_threshold': expected > 1, got {c.rollout_is_threshold}")
-    lower = c.rollout_rs_threshold_lower if c.rollout_rs_threshold_lower is not None else 1.0 / c.rollout_rs_threshold
-    if not 0.0 < lower < 1.0 < c.rollout_rs_threshold:
-        raise ConfigError(f"{source}: config key 'algorithm.rollout_correction.rollout_rs_threshold': expected 0 < lower < 1 < upper, "
-                          f"got lower {lower:g}, upper {c.rollout_rs_threshold:g}")
 
 
 def sandbox_backend_options(s: SandboxConfig) -> dict:

@@ -3,8 +3,10 @@
 From the model's architecture (its config.json; for the recipes' models, a table when the
 checkpoint is not on this machine) and the config, it predicts for one trainer worker and one
 rollout server the accelerator and host memory, part by part, and checks them against a cluster
-shape (nodes, accelerators per node, accelerator and host memory). When something does not fit
-it says in one line which config key to change.
+shape (nodes, accelerators per node, accelerator and host memory: flags, else the config's
+cluster.* keys, else this machine). It counts the accelerators each role takes against the
+cluster's, as Ray would place them. When something does not fit it says in one line which config
+key to change; its verdict is the first line of the table.
 
 The model (bytes; P parameters, P_t of them trained, W trainer workers, SP sequence-parallel
 size, T = trainer.micro_batch_tokens / SP tokens on a rank, c the compute dtype's size):
@@ -38,7 +40,9 @@ from pathlib import Path
 
 import msgspec
 
+from raytool import placement
 from raytool.config import RunConfig
+from raytool.errors import RaytoolError
 from raytool.training.sequence_parallel import check_heads
 
 GiB = 1024**3
@@ -147,6 +151,61 @@ class Cluster:
         return cls(1, 0, 0.0, host)
 
 
+class PlanInputError(RaytoolError):
+    """A cluster shape no cluster has (no nodes, negative accelerators or memory): one line naming the flag or config key."""
+
+
+# A Cluster field: its `raytool plan` flag, what a real cluster has, and that in words
+SHAPE = {
+    "nodes": ("--nodes", lambda v: v >= 1, "at least 1 node"),
+    "gpus_per_node": ("--gpus-per-node", lambda v: v >= 0, "0 or more accelerators (0: CPU nodes)"),
+    "gpu_memory_gb": ("--gpu-memory-gb", lambda v: v >= 0, "0 or more GiB (0: not known)"),
+    "host_memory_gb": ("--host-memory-gb", lambda v: v > 0, "more than 0 GiB"),
+}
+
+
+def cluster_shape(cfg: RunConfig, flags: dict[str, float | None]) -> Cluster:
+    """The cluster `raytool plan` checks against: each figure from its flag, else from the
+    config's cluster.* key, else this machine's (one node). An impossible figure is a
+    PlanInputError naming the flag or key it came from."""
+    here = None
+    shape = {}
+    for name, (flag, possible, expected) in SHAPE.items():
+        value, source = flags.get(name), flag
+        if value is None:
+            value, source = getattr(cfg.cluster, name), f"config key 'cluster.{name}'"
+        if value is None:
+            here = here or Cluster.this_machine()
+            value = getattr(here, name)
+        elif not possible(value):  # `not`: NaN is no size either
+            raise PlanInputError(f"{source}: expected {expected}, got {value:g}")
+        shape[name] = value
+    return Cluster(**shape)
+
+
+def accelerator_demands(cfg: RunConfig, with_servers: bool = True) -> list[placement.Demand]:
+    """What each role takes of the nodes' accelerators: a trainer worker trainer.num_gpus, a
+    rollout server rollout.num_gpus, or with vLLM at least tensor_parallel_size (its engine
+    shards the model over that many accelerators, all on the server's node)."""
+    r, t, acc = cfg.rollout, cfg.trainer, cfg.cluster.accelerator
+    per_server = max(r.num_gpus, r.tensor_parallel_size) if r.num_gpus and r.engine == "vllm" and r.tensor_parallel_size > 1 else r.num_gpus
+    wanted = [placement.Demand("rollout server", r.num_servers, {acc: per_server}, "rollout.num_servers, rollout.num_gpus, rollout.tensor_parallel_size")]
+    wanted = wanted if with_servers else []
+    wanted.append(placement.Demand("trainer worker", t.num_workers, {acc: t.num_gpus}, "trainer.num_workers, trainer.num_gpus"))
+    return [d for d in wanted if d.count and d.bundle[acc]]
+
+
+def accelerator_shortfall(cfg: RunConfig, cluster: Cluster, with_servers: bool = True) -> str | None:
+    """Why the run's accelerators cannot be placed on `cluster` (one line), or None."""
+    acc = cfg.cluster.accelerator
+    nodes = [{acc: float(cluster.gpus_per_node)} for _ in range(cluster.nodes)]
+    reason = placement.shortfall(accelerator_demands(cfg, with_servers), nodes)
+    if reason is None:
+        return None
+    return (f"{reason}; the cluster is {cluster.nodes} node(s) x {cluster.gpus_per_node} {acc}s "
+            f"(cluster.nodes x cluster.gpus_per_node, or --nodes x --gpus-per-node)")
+
+
 @dataclass
 class RoleMemory:
     role: str
@@ -175,6 +234,8 @@ class Plan:
     problems: list[str]  # one line each: what does not fit and the key to change
     loading: float = 0.0  # rank 0's extra host memory while it loads the checkpoint
     notes: list[str] = field(default_factory=list)  # the "auto" settings decided for this cluster, one line each
+    accelerators: dict[str, float] = field(default_factory=dict)  # role -> the accelerators all its actors take
+    accelerator: str = "GPU"  # what they are (cluster.accelerator)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -307,6 +368,8 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
     accelerator memory is 0 (not known) is checked for host memory alone. with_servers=False:
     the trainer alone (`raytool sft`)."""
     arch = architecture(model_path or cfg.model.path)
+    shortfall = accelerator_shortfall(cfg, cluster, with_servers)
+    problems: list[str] = [shortfall] if shortfall else []  # first: without its accelerators no memory figure matters
     trainer_acc = cfg.trainer.num_gpus > 0 and cluster.gpus_per_node > 0
     server_acc = with_servers and cfg.rollout.num_gpus > 0 and cluster.gpus_per_node > 0
     gpu = cluster.gpu_memory_gb * GiB
@@ -315,7 +378,6 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
     t, r = cfg.trainer, cfg.rollout
     trainer = trainer_memory(cfg, arch, trainer_acc)
     server = server_memory(cfg, arch, server_acc, gpu)
-    problems: list[str] = []
     p = arch.params()
     if trainer_acc and known:
         budget = trainer_budget(cfg, gpu, with_servers)
@@ -350,7 +412,9 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
     except ValueError as exc:
         problems.append(str(exc))
     roles = [trainer, server] if with_servers else [trainer]
-    return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems, loading, notes)
+    accelerators = {d.role: d.count * d.bundle[cfg.cluster.accelerator] for d in accelerator_demands(cfg, with_servers)}
+    return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems, loading, notes,
+                accelerators, cfg.cluster.accelerator)
 
 
 def _trainer_advice(cfg: RunConfig, role: RoleMemory) -> str:
@@ -367,9 +431,24 @@ def _trainer_advice(cfg: RunConfig, role: RoleMemory) -> str:
     return f"its largest part is {biggest} ({_gib(role.accelerator[biggest])}): raise trainer.num_workers"
 
 
+def verdict(result: Plan) -> str:
+    """One line: "fits" and the accelerators the roles take of the cluster's, or "does not fit"
+    and the first problem."""
+    if result.problems:
+        more = len(result.problems) - 1
+        return f"does not fit: {result.problems[0]}" + (f" (and {more} more problem{'s' if more > 1 else ''} below)" if more else "")
+    c = result.cluster
+    if not result.accelerators:
+        return f"fits on {c.nodes} node(s) of {c.host_memory_gb:.1f} GiB host memory (no {result.accelerator}s asked)"
+    roles = ", ".join(f"{n:g} for the {role}s" for role, n in result.accelerators.items())
+    return (f"fits: {sum(result.accelerators.values()):g} of {c.nodes * c.gpus_per_node} {result.accelerator}s ({roles}) "
+            f"on {c.nodes} node(s) x {c.gpus_per_node}")
+
+
 def table(result: Plan) -> str:
     a, c = result.architecture, result.cluster
-    lines = [f"model {result.model}: {result.params / 1e9:.3f}B parameters ({result.trained_params / 1e9:.3f}B trained), "
+    lines = [verdict(result),
+             f"model {result.model}: {result.params / 1e9:.3f}B parameters ({result.trained_params / 1e9:.3f}B trained), "
              f"{a.layers} layers, hidden {a.hidden}, {a.heads}/{a.kv_heads} heads, vocabulary {a.vocab} [{a.source}]",
              f"cluster: {c.nodes} node(s) x {c.gpus_per_node} accelerator(s) of {c.gpu_memory_gb:.0f} GiB, {c.host_memory_gb:.1f} GiB host memory each",
              *result.notes,

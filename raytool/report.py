@@ -23,6 +23,8 @@ from raytool.tracking import verl_names
 
 log = logging.getLogger(__name__)
 
+RUN_FILES = ("config.yaml", "metrics.jsonl", "sft_metrics.jsonl")  # a run directory holds at least one of these
+
 
 @dataclass
 class Plot:
@@ -194,6 +196,8 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> Repor
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RaytoolError(f"{run_dir} is not a directory (expected a run directory holding metrics.jsonl, traces.jsonl)")
+    if not any((run_dir / name).is_file() for name in RUN_FILES):
+        raise RaytoolError(f"{run_dir} holds no run (none of {', '.join(RUN_FILES)}): give the directory a run wrote, e.g. runs/<timestamp>")
     out = Path(output) if output else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     data = load_run(run_dir)

@@ -72,3 +72,18 @@ def test_overwrite_removes_only_the_earlier_runs_outputs(files):
     remove_earlier_run(earlier, held)
     assert sorted(p.name for p in earlier.iterdir()) == ["notes.txt"]
     assert earlier_run(earlier, overwrite=False) == [] and earlier_run(Path(files["d"], "absent"), overwrite=False) == []
+
+
+def test_data_and_resume_flags_never_take_an_override_as_a_file():
+    from raytool.cli import _take_back_overrides, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["eval", "--model", "tiny-random", "--data", "tests/fixtures/sources/gsm8k.jsonl", "eval.n=2"])
+    _take_back_overrides(args)
+    assert args.data == ["tests/fixtures/sources/gsm8k.jsonl"] and args.overrides == ["eval.n=2"]
+    args = parser.parse_args(["train", "--resume", "trainer.total_steps=5"])
+    _take_back_overrides(args)
+    assert args.resume == "latest" and args.overrides == ["trainer.total_steps=5"]
+    args = parser.parse_args(["train", "--resume", "runs/a", "trainer.total_steps=5"])
+    _take_back_overrides(args)
+    assert args.resume == "runs/a" and args.overrides == ["trainer.total_steps=5"]

@@ -3,7 +3,6 @@ shape, and against what a trainer step really takes on this CPU."""
 
 import json
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,22 +15,74 @@ from raytool.planner import GiB, Cluster, architecture, plan
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 RECIPES = ["retool_qwen2.5_32b_sandbox_fusion.yaml", "retool_qwen3_4b_dapo_ags.yaml", "retool_qwen3_4b_ascend.yaml", "gsm8k_lora_qwen2.5_1.5b.yaml"]
+RECIPE_32B = str(EXAMPLES / "retool_qwen2.5_32b_sandbox_fusion.yaml")
 
 
-def _header_plan(name: str) -> list[str]:
-    """The `raytool plan` arguments a recipe's header gives for the cluster it names."""
-    line = next(line for line in (EXAMPLES / name).read_text().splitlines() if line.startswith("#   raytool plan "))
-    return shlex.split(line.removeprefix("#   raytool ").split("#")[0])
-
-
-@pytest.mark.parametrize("name", RECIPES)
-def test_every_recipe_fits_the_cluster_its_header_names(name, capsys, monkeypatch):
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_every_recipe_answers_alone_on_the_cluster_it_carries(name, capsys, monkeypatch):
+    """`raytool plan -c RECIPE`, no flags: the recipe's cluster.* keys are the cluster (the embedded
+    default's are null: this machine), the verdict is the first line, and each recipe fits its own."""
     monkeypatch.chdir(EXAMPLES.parent)
-    assert main([*_header_plan(name), "--json"]) == 0
+    cfg = load_config(str(EXAMPLES / name), [])
+    header = [line for line in (EXAMPLES / name).read_text().splitlines() if line.startswith("#   raytool plan ")]
+    assert all(line.split("#")[1].split() == ["raytool", "plan", "-c", f"examples/{name}"] for line in header), header  # no flags to copy
+    code = main(["plan", "-c", f"examples/{name}", "--json"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    if name == "tiny_cpu.yaml":  # this machine: its verdict, whichever it is
+        assert cfg.cluster.nodes is None and out["cluster"] == {**out["cluster"], **Cluster.this_machine().__dict__}
+        assert code == (0 if out["fits"] else 1) and lines[0].startswith("fits" if out["fits"] else "does not fit: ")
+        return
+    c = cfg.cluster
+    carried = {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu_memory_gb": c.gpu_memory_gb, "host_memory_gb": c.host_memory_gb}
+    assert out["cluster"] == {**out["cluster"], **{k: v for k, v in carried.items() if v is not None}}  # CPU recipes leave gpu_memory_gb out
+    assert code == 0 and out["fits"] and out["problems"] == [], out["problems"]
+    assert lines[0].startswith("fits"), lines[0]
+    if name in RECIPES:
+        trainer, server = out["roles"]
+        assert trainer["role"] == "trainer worker" and server["kv_tokens"] >= cfg.rollout.max_model_len
+        assert sum(out["accelerators"].values()) == c.nodes * c.gpus_per_node  # each GPU recipe uses its whole cluster
+
+
+def test_the_32_gpu_recipe_does_not_fit_one_node_of_8_nor_nodes_without_gpus(capsys):
+    """Flags override the recipe's cluster; the accelerators are counted per role against it."""
+    assert main(["plan", "-c", RECIPE_32B, "--nodes", "1", "--gpus-per-node", "8"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("does not fit: the run needs 32 GPU (4 rollout servers x 4, 16 trainer workers x 1) but the cluster has 8 "), first
+    assert "the cluster is 1 node(s) x 8 GPUs (cluster.nodes x cluster.gpus_per_node, or --nodes x --gpus-per-node)" in first
+    assert main(["plan", "-c", RECIPE_32B, "--gpus-per-node", "0"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("does not fit: no node can hold one rollout server, which asks for 4 GPU: the largest node has 0 GPU"), first
+    # a vLLM server shards over tensor_parallel_size accelerators even when rollout.num_gpus asks for fewer
+    assert main(["plan", "-c", RECIPE_32B, "--nodes", "2", "rollout.num_gpus=1", "trainer.num_workers=8"]) == 1
+    assert capsys.readouterr().out.startswith("does not fit: the run needs 24 GPU (4 rollout servers x 4, 8 trainer workers x 1) but the cluster has 16 ")
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--nodes", "-2"], r"raytool: --nodes: expected at least 1 node, got -2"),
+    (["--nodes", "0"], r"raytool: --nodes: expected at least 1 node, got 0"),
+    (["--gpus-per-node", "-8"], r"raytool: --gpus-per-node: expected 0 or more accelerators \(0: CPU nodes\), got -8"),
+    (["--gpu-memory-gb", "-80"], r"raytool: --gpu-memory-gb: expected 0 or more GiB \(0: not known\), got -80"),
+    (["--host-memory-gb", "0"], r"raytool: --host-memory-gb: expected more than 0 GiB, got 0"),
+    (["--host-memory-gb", "nan"], r"raytool: --host-memory-gb: expected more than 0 GiB, got nan"),
+    # the config's keys: refused where the config is loaded (its range), else by the planner
+    (["cluster.nodes=0"], r"raytool: .*config key 'cluster.nodes': expected .*, got 0"),
+    (["cluster.gpus_per_node=-1"], r"raytool: .*config key 'cluster.gpus_per_node': expected .*, got -1"),
+    (["cluster.gpu_memory_gb=-1.5"], r"raytool: .*config key 'cluster.gpu_memory_gb': expected .*, got -1.5"),
+    (["cluster.host_memory_gb=-64"], r"raytool: .*config key 'cluster.host_memory_gb': expected .*, got -64"),
+    (["cluster.nodes=four"], r"raytool: .*config key 'cluster.nodes': expected .*int.*, got .*str.*"),
+])
+def test_an_impossible_cluster_is_one_line_naming_the_flag_or_key(args, line, capsys):
+    assert main(["plan", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and re.fullmatch(line + "\n", err), err
+
+
+def test_flags_override_the_recipes_cluster_key_by_key(capsys):
+    assert main(["plan", "-c", RECIPE_32B, "--nodes", "8", "--host-memory-gb", "2048", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["fits"] and out["problems"] == []
-    trainer, server = out["roles"]
-    assert trainer["role"] == "trainer worker" and server["kv_tokens"] >= load_config(str(EXAMPLES / name), []).rollout.max_model_len
+    assert out["cluster"] == {"nodes": 8, "gpus_per_node": 8, "gpu_memory_gb": 80, "host_memory_gb": 2048}
+    assert out["accelerators"] == {"rollout server": 16, "trainer worker": 16}  # 32 of the 64 GPUs
 
 
 def test_the_32b_recipe_holds_its_states_on_the_host_and_says_what_to_change_when_it_cannot_fit():

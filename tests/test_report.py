@@ -111,6 +111,21 @@ def test_cli_report_prints_the_page_and_refuses_a_missing_run_dir(small_run, tmp
     assert "is not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("files", [[], ["traces.jsonl", "notes.txt"]])
+def test_cli_report_of_a_directory_without_a_run_is_one_line_and_writes_nothing(files, tmp_path, capsys):
+    """No config.yaml, metrics.jsonl or sft_metrics.jsonl: not a run (an empty page would say nothing)."""
+    folder = tmp_path / "not_a_run"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_text("")
+    assert main(["report", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"raytool: {folder} holds no run (none of config.yaml, metrics.jsonl, sft_metrics.jsonl): "
+                                 "give the directory a run wrote, e.g. runs/<timestamp>\n")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(files)  # no report/ folder
+    assert main(["report", str(folder), "--output", str(tmp_path / "out")]) == 2 and not (tmp_path / "out").exists()
+
+
 def test_trajectory_browser_in_headless_chromium_shows_the_selected_call_and_output(report, browser_page):
     from playwright.sync_api import expect
 

@@ -168,7 +168,7 @@ def test_reward_view_carries_the_response_length():
 
 def test_reward_keys_are_validated():
     for key, value, expected in [("wrong_score_cap", 1.0, "must be < 1"), ("tool_call_bonus", -0.1, ">= 0"),
-                                 ("timeout_s", 0.0, "positive"), ("overlong_buffer_tokens", 10_000, "below agent.max_response_tokens")]:
+                                 ("timeout_s", 0.0, "> 0.0, got 0.0"), ("overlong_buffer_tokens", 10_000, "below agent.max_response_tokens")]:
         with pytest.raises(ConfigError, match=f"reward.{key}'.*{expected}"):
             validate(RunConfig(reward=RewardConfig(**{key: value})))
 

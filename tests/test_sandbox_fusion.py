@@ -48,6 +48,26 @@ def post(url: str, data: bytes) -> tuple[int, object]:
         return exc.code, json.loads(exc.read())
 
 
+def test_sandbox_serve_on_a_busy_or_bad_port_is_one_line(capsys):
+    """`raytool sandbox serve`: the port is bound before the sandbox starts, so a taken or impossible
+    one ends in one line and exit code 2, not an aiohttp traceback."""
+    from raytool.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        for args, line in [
+            (["--port", str(busy)], f"sandbox serve: port {busy} is in use: stop what listens there or pass another --port"),
+            (["--port", "70000"], "sandbox serve: port 70000 is not a TCP port (1-65535): pass --port 8080 or another free port"),
+            (["--port", "0"], "sandbox serve: port 0 is not a TCP port (1-65535): pass --port 8080 or another free port"),
+            (["--port", "-1"], "sandbox serve: port -1 is not a TCP port (1-65535): pass --port 8080 or another free port"),
+        ]:
+            assert main(["sandbox", "serve", *args]) == 2, args
+            out, err = capsys.readouterr()
+            assert out == "" and err == f"raytool: {line}\n", err
+
+
 @pytest.fixture(scope="module")
 def server_url():
     port = free_port()

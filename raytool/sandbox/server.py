@@ -14,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import errno
 import logging
 import posixpath
+import socket
 
 from aiohttp import web
 
+from raytool.errors import RaytoolError
 from raytool.types import ExecResult
 
 log = logging.getLogger(__name__)
@@ -204,10 +207,28 @@ def make_app(backend, max_concurrency: int = 32) -> web.Application:
     return app
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port, bound before anything else starts: a port that is taken,
+    privileged or not a port is a RaytoolError in one line naming it."""
+    if not 1 <= port <= 65535:
+        raise RaytoolError(f"sandbox serve: port {port} is not a TCP port (1-65535): pass --port 8080 or another free port")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except socket.gaierror as exc:
+        raise RaytoolError(f"sandbox serve: --host {host} is not an address ({exc.strerror})") from exc
+    except OSError as exc:
+        why = {errno.EADDRINUSE: f"port {port} is in use: stop what listens there or pass another --port",
+               errno.EACCES: f"port {port} needs more privileges than this user has (ports below 1024: root): pass --port 8080",
+               errno.EADDRNOTAVAIL: f"--host {host} is not an address of this machine: pass one of its addresses, or 0.0.0.0"}
+        raise RaytoolError(f"sandbox serve: {why.get(exc.errno, f'cannot listen on {host}:{port}: {exc.strerror}')}") from exc
+
+
 def serve(host: str, port: int, backend_options: dict, max_concurrency: int = 32) -> None:
     """Serve a local backend built with `backend_options` until interrupted (blocking)."""
     from raytool.sandbox import make_backend
 
+    sock = listen(host, port)  # first: a busy port is one line, before the backend's processes start
     backend = make_backend("local", **backend_options)
     app = make_app(backend, max_concurrency)
 
@@ -222,4 +243,4 @@ def serve(host: str, port: int, backend_options: dict, max_concurrency: int = 32
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
-    web.run_app(app, host=host, port=port, print=None, access_log=None)
+    web.run_app(app, sock=sock, print=None, access_log=None)
