@@ -231,7 +231,7 @@ class TrainerConfig(_Section):
     micro_batch_tokens: Positive | Literal["auto"] = "auto"  # token budget of one forward/backward micro-batch (padded tokens; packed tokens when packing); auto: 4096 on a CPU, 16384 on an accelerator
     packing: bool | Literal["auto"] = "auto"  # sequences end to end in one row (auto: only with a varlen flash-attention kernel)
     activation_checkpointing: bool | Literal["auto"] = "auto"  # recompute decoder layers in backward; auto: off on a CPU, on an accelerator on only when the planner finds that the micro-batch's activations would not fit without it
-    compile: bool = False  # torch.compile each decoder layer and the LM head's log-prob chunk (CUDA GPUs and CPUs; not with NPU, SP or 4-bit)
+    compile: bool | Literal["auto"] = "auto"  # torch.compile each decoder layer and the LM head's log-prob chunk (CUDA GPUs and CPUs; not with NPU, SP or 4-bit); auto: on for CUDA GPUs (1.45x measured on an H100), off on CPUs and where it cannot run
     logprob_chunk_tokens: Positive = 2048  # the LM head and log-softmax run over this many scored tokens at a time (more: recomputed in backward)
     cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in host memory
     lora_rank: Count = 0  # LoRA adapters of this rank instead of full fine-tuning (0: off; one trainer worker)
@@ -476,7 +476,7 @@ def validate(cfg: RunConfig, source: str = "config") -> None:
     if cfg.trainer.cpu_offload and not cfg.trainer.num_gpus:
         raise ConfigError(f"{source}: config key 'trainer.cpu_offload': offloading moves accelerator memory to the host; give the trainer GPUs (trainer.num_gpus) or set it false")
     validate_4bit(cfg, source)
-    if cfg.trainer.compile:
+    if cfg.trainer.compile is True:
         why = ("inductor has no NPU backend: set it false on cluster.accelerator NPU" if cfg.cluster.accelerator == "NPU" and cfg.trainer.num_gpus else
                "with sequence parallelism (its attention's all-to-all) is not supported yet: set it false or trainer.sequence_parallel_size=1"
                if cfg.trainer.sequence_parallel_size > 1 else

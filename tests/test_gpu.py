@@ -20,6 +20,7 @@ def test_engine_and_trainer_on_cuda(tiny_model_path):
     out = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=8), "r0"))
     # compute_dtype auto: bf16 forward/backward on the GPU, fp32 master weights.
     trainer = Trainer(load_config(None, ["trainer.lr=1e-3"]), tiny_model_path, device="cuda")
+    assert trainer.cfg.trainer.compile is True  # trainer.compile auto: on for a CUDA GPU
     ids = prompt + out.token_ids
     lay = layout([ids], [list(range(len(prompt) - 1, len(ids) - 1))], trainer.pad_id, packed=False, device="cuda")
     with torch.no_grad():
@@ -40,7 +41,7 @@ def test_offloaded_checkpointed_bf16_step_on_cuda(tiny_model_path):
     from raytool.types import Trajectory
 
     cfg = load_config(None, ["trainer.cpu_offload=true", "trainer.num_gpus=1", "trainer.activation_checkpointing=true", "trainer.logprob_chunk_tokens=4",
-                             "trainer.lr=1e-6"])
+                             "trainer.lr=1e-6", "trainer.compile=false"])  # eager offload (compile: its own test)
     trainer = Trainer(cfg, tiny_model_path, device="cuda")
     before = {n: w.clone() for n, w in trainer.named_weights()}
     # Different responses: two copies of one sequence with opposite advantages would cancel to a zero gradient.
@@ -70,7 +71,9 @@ def test_the_planner_predicts_the_trainer_peak_on_cuda(tmp_path):
     model.save_pretrained(tmp_path / "model")
     del model
     torch.cuda.empty_cache()
-    overrides = ["trainer.num_gpus=1", "trainer.micro_batch_tokens=16384", "trainer.activation_checkpointing=true", "trainer.lr=1e-6"]
+    # The planner's activation model is of the eager step (compile: its own test).
+    overrides = ["trainer.num_gpus=1", "trainer.micro_batch_tokens=16384", "trainer.activation_checkpointing=true", "trainer.lr=1e-6",
+                 "trainer.compile=false"]
     cfg = load_config(None, overrides)
     torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, str(tmp_path / "model"), device="cuda")
@@ -126,7 +129,7 @@ def test_the_micro_batch_loop_does_not_synchronize_on_cuda(tiny_model_path):
     from raytool.training import Trainer
 
     cfg = load_config(None, ["trainer.lr=1e-3", "algorithm.kl_loss_coef=0.1", "algorithm.mini_batches=2", "trainer.activation_checkpointing=true",
-                             "trainer.logprob_chunk_tokens=8", "trainer.micro_batch_tokens=48"])
+                             "trainer.logprob_chunk_tokens=8", "trainer.micro_batch_tokens=48", "trainer.compile=false"])  # the eager loop
     trainer = Trainer(cfg, tiny_model_path, device="cuda")
     batch = _varied_batch()
     trainer.rl_step(batch)  # first step: FSDP2's lazy initialisation, the allocators

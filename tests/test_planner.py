@@ -190,7 +190,17 @@ def test_auto_micro_batches_and_checkpointing_follow_the_device_and_its_memory(t
     assert decided(141, "trainer.micro_batch_tokens=65536")[:2] == (65536, True)  # a set value is kept, and decides
     assert decided(24, "trainer.activation_checkpointing=false")[:2] == (16384, False)  # set by hand: kept, the plan then objects
     assert decided(0)[1:] == (True, ["trainer.micro_batch_tokens auto: 16384 (on an accelerator)",
-                                     "trainer.activation_checkpointing auto: on (the accelerator's memory is not known)"])
+                                     "trainer.activation_checkpointing auto: on (the accelerator's memory is not known)",
+                                     "trainer.compile auto: on (a CUDA GPU)"])
+    def compiled(*extra, on_accelerator=True):
+        cfg, notes = resolve_auto(load_config(None, [*base, *extra]), arch, on_accelerator, 80 * GiB)
+        return cfg.trainer.compile, notes[-1]
+
+    assert compiled() == (True, "trainer.compile auto: on (a CUDA GPU)")
+    assert compiled(on_accelerator=False) == (False, "trainer.compile auto: off (on a CPU)")
+    assert compiled("cluster.accelerator=NPU") == (False, "trainer.compile auto: off (inductor has no NPU backend)")
+    assert compiled("trainer.num_workers=2", "trainer.sequence_parallel_size=2") == (False, "trainer.compile auto: off (sequence parallelism)")
+    assert resolve_auto(load_config(None, [*base, "trainer.compile=false"]), arch, True, 80 * GiB)[0].trainer.compile is False  # set: kept
     # sharing the GPU with the engine: the trainer has 1 - rollout.gpu_memory_utilization of it
     assert decided(141, "trainer.num_gpus=0.5", "rollout.num_gpus=0.5", "rollout.gpu_memory_utilization=0.5")[:2] == (16384, True)
 

@@ -91,10 +91,10 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_auto_settings(cfg: RunConfig, model_path: str, device: torch.device, log_notes: bool = True) -> RunConfig:
-    """trainer.micro_batch_tokens and trainer.activation_checkpointing "auto" decided for this
-    device and its memory, as `raytool plan` decides them (raytool.planner.resolve_auto)."""
+    """trainer.micro_batch_tokens, trainer.activation_checkpointing and trainer.compile "auto"
+    decided for this device and its memory, as `raytool plan` decides them (raytool.planner.resolve_auto)."""
     t = cfg.trainer
-    if t.micro_batch_tokens != "auto" and t.activation_checkpointing != "auto":
+    if "auto" not in (t.micro_batch_tokens, t.activation_checkpointing, t.compile):
         return cfg
     from raytool.planner import architecture, resolve_auto
 
@@ -369,6 +369,7 @@ class Trainer:
         out.update(metrics)
         (tokens,) = self._global_sums([tokens])
         elapsed = time.perf_counter() - start
+        self._note_compile_time(len(grad_norms), elapsed)
         out.update({
             "actor/grad_norm": float(torch.stack(grad_norms).double().mean()), "actor/lr": lr, "adv/abs_mean": adv.abs().mean().item(),
             "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
@@ -451,10 +452,17 @@ class Trainer:
                 total += loss.detach().double()
         return self._global_sums([float(total)])[0], n_tokens
 
+    def _note_compile_time(self, optimizer_steps: int, elapsed: float) -> None:
+        """Once: how long the trainer's first step (`optimizer_steps` optimizer steps) took while compiling."""
+        if self.cfg.trainer.compile and self.rank == 0 and self.step == optimizer_steps:
+            log.info("trainer.compile: the first step took %.1f s, compiling included (later steps reuse the compiled code)", elapsed)
+
     def sft_step(self, examples: list[SFTExample], lr: float) -> dict:
         """One supervised step on this rank's slice of a batch."""
+        start = time.perf_counter()
         loss, n_tokens = self.sft_loss(examples, train=True)
         grad_norm = self._optimizer_step(lr)
+        self._note_compile_time(1, time.perf_counter() - start)
         return {"sft/loss": loss, "sft/grad_norm": float(grad_norm), "sft/lr": lr, "sft/tokens": n_tokens}
 
     @torch.no_grad()
