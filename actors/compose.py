@@ -389,8 +389,9 @@ def check_memory(cfg: RunConfig, model_path: str, with_servers: bool = True) -> 
 
 def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:
     """Apply the sandbox settings a verl tool YAML (agent.tools) implies, e.g. an E2B domain or a
-    SandboxFusion URL, where the run config left the default; a setting both give differently is
-    an error naming both."""
+    SandboxFusion URL, where the run config left the default. Where the run config sets one too
+    (`sandbox.fusion_url=...` on the command line: the service of this cluster), the config's
+    value is used and a line says so; a different backend is an error naming both."""
     if not cfg.agent.tools:
         return cfg
     from raytool.tools.registry import tool_config_sandbox_overrides
@@ -401,7 +402,10 @@ def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:
     for key, value in wanted.items():
         have = getattr(current, key)
         if have != getattr(defaults, key) and have != value:
-            raise ConfigError(f"config key 'sandbox.{key}' is {have!r} but {cfg.agent.tools} sets {value!r}; keep one of them")
+            if key == "backend":
+                raise ConfigError(f"config key 'sandbox.backend' is {have!r} but the tools of {cfg.agent.tools} run on {value!r}; keep one of them")
+            log.info("sandbox.%s: %r from the run config, not %r from %s", key, have, value, cfg.agent.tools)
+            continue
         changes[key] = value
     return msgspec.structs.replace(cfg, sandbox=msgspec.structs.replace(current, **changes))
 

@@ -532,6 +532,20 @@ def test_a_runs_tool_yaml_configures_its_sandbox_where_the_config_left_defaults(
         with_tool_sandbox_settings(load_config(None, [f"agent.tools={yaml_path}", "sandbox.backend=sandbox_fusion"]))
 
 
+def test_the_run_configs_sandbox_url_wins_over_the_tool_yamls_and_says_so(caplog):
+    """A recipe's tool YAML names a SandboxFusion URL; the cluster's service is set on the command line."""
+    import logging
+
+    from actors.compose import with_tool_sandbox_settings
+    from raytool.config import load_config
+
+    yaml_path = str(REPO / "examples/tools/sandbox_fusion.yaml")
+    with caplog.at_level(logging.INFO):
+        cfg = with_tool_sandbox_settings(load_config(None, [f"agent.tools={yaml_path}", "sandbox.fusion_url=http://sandbox-node:8080/run_code"]))
+    assert (cfg.sandbox.backend, cfg.sandbox.fusion_url, cfg.sandbox.timeout_s) == ("sandbox_fusion", "http://sandbox-node:8080/run_code", 30.0)
+    assert "sandbox.fusion_url: 'http://sandbox-node:8080/run_code' from the run config, not 'http://127.0.0.1:8080/run_code'" in caplog.text
+
+
 def test_a_row_sees_only_its_tools_created_with_its_tools_kwargs_and_its_prompt_lists_only_them(tokenizer):
     from raytool.agent.loop import ToolAgentLoop
     from raytool.agent.render import ChatRenderer
