@@ -37,8 +37,9 @@ CASES = [
     (["train", *TINY, "agent.default_agent=openai", "agent.openai_agent={d}/agnt.py:run"],
      r"config key 'agent.openai_agent': file {d}/agnt.py not found"),
     (["train", *TINY, "agent.default_agent=openai"], r"config key 'agent.openai_agent': rows with agent_name 'openai' need it"),
-    (["train", *TINY, "agent.chat_template_kwargs={{enable_thinkng: false}}"],
-     r"config key 'agent.chat_template_kwargs': 'enable_thinkng' is not a variable of the model's chat template"),
+    (["train", *TINY, "agent.chat_template_kwargs={{add_generation_promt: true}}"],
+     r"config key 'agent.chat_template_kwargs': 'add_generation_promt' is not a variable of the model's chat template "
+     r"\(did you mean 'add_generation_prompt'\?\)"),
     (["train", *TINY, "data.task=tool_arith", "data.train_files=[{d}/good.jsonl]"], r"config key 'data.task': tool_arith generates its prompts"),
     (["train", *TINY, "--run-dir", "{d}/earlier"],
      r"--run-dir {d}/earlier holds a run \(config.yaml, metrics.jsonl, checkpoints\): continue it with --resume, start elsewhere "
@@ -87,3 +88,25 @@ def test_data_and_resume_flags_never_take_an_override_as_a_file():
     args = parser.parse_args(["train", "--resume", "runs/a", "trainer.total_steps=5"])
     _take_back_overrides(args)
     assert args.resume == "runs/a" and args.overrides == ["trainer.total_steps=5"]
+
+
+def test_chat_template_kwargs_are_checked_against_the_models_own_templates(tokenizer, caplog):
+    """Qwen3's template reads enable_thinking: a typo of it is refused. Qwen3-Instruct-2507's has no
+    thinking mode: verl configs' generic enable_thinking=false there is only said, not refused."""
+    import copy
+    import logging
+
+    from raytool.agent.render import check_template_kwargs
+    from raytool.config import ConfigError
+
+    templates = Path(__file__).parent / "fixtures" / "templates"
+    qwen3 = copy.copy(tokenizer)
+    qwen3.chat_template = (templates / "qwen3.jinja").read_text()
+    check_template_kwargs(qwen3, {"enable_thinking": False})
+    with pytest.raises(ConfigError, match=r"'enable_thinkng' is not a variable of the model's chat template \(did you mean 'enable_thinking'\?\)"):
+        check_template_kwargs(qwen3, {"enable_thinkng": False})
+    instruct = copy.copy(tokenizer)
+    instruct.chat_template = (templates / "qwen3_instruct_2507.jinja").read_text()
+    with caplog.at_level(logging.WARNING):
+        check_template_kwargs(instruct, {"enable_thinking": False})
+    assert "'enable_thinking' is not a variable of the model's chat template: it has no effect" in caplog.text

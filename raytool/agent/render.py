@@ -99,21 +99,33 @@ def _describe(m: Message) -> str:
 
 
 def check_template_kwargs(tokenizer, kwargs: dict) -> None:
-    """agent.chat_template_kwargs must name variables the model's chat template reads: Jinja takes an
-    unknown one silently (a typo such as `enable_thinkng` would leave thinking on). One ConfigError line."""
-    from jinja2 import Environment, meta
+    """agent.chat_template_kwargs should name variables the model's chat template reads: Jinja takes
+    an unknown one silently. One close to a variable the template reads is a typo (`enable_thinkng`
+    would leave thinking on): a ConfigError line. Any other is said in a warning line, not refused
+    (verl configs pass `enable_thinking: false` to templates that have no thinking mode)."""
+    from jinja2 import Environment, TemplateSyntaxError, meta
+    from jinja2.ext import loopcontrols
 
     from raytool.agent.registry import did_you_mean
     from raytool.config import ConfigError
 
+    if not kwargs:
+        return
     template = tokenizer.chat_template
     sources = list(template.values()) if isinstance(template, dict) else [template or ""]
-    env = Environment()
-    read = set().union(*(meta.find_undeclared_variables(env.parse(source)) for source in sources))
+    env = Environment(extensions=[loopcontrols])
+    try:
+        read = set().union(*(meta.find_undeclared_variables(env.parse(source)) for source in sources))
+    except TemplateSyntaxError as exc:  # a tag of transformers' own environment ({% generation %}): cannot tell
+        log.info("agent.chat_template_kwargs not checked against the chat template (%s)", exc)
+        return
     for key in kwargs:
-        if key not in read:
-            raise ConfigError(f"config key 'agent.chat_template_kwargs': '{key}' is not a variable of the model's chat template"
-                              f"{did_you_mean(key, read)}; it reads: {', '.join(sorted(read))}")
+        if key in read:
+            continue
+        line = f"config key 'agent.chat_template_kwargs': '{key}' is not a variable of the model's chat template"
+        if did_you_mean(key, read):
+            raise ConfigError(f"{line}{did_you_mean(key, read)}; it reads: {', '.join(sorted(read))}")
+        log.warning("%s: it has no effect", line)
 
 
 class ChatRenderer:
