@@ -65,18 +65,25 @@ def test_more_servers_than_the_cluster_has_cpus_stops_at_once_instead_of_waiting
 
 
 def test_an_actor_that_fails_to_start_is_named_with_its_cause_and_the_traceback_is_in_the_run_log(ray_cluster, tmp_path):
-    done = run_cli(ray_cluster, tmp_path, "agent.loop_modules=[no_such_loop_module]", "rollout.num_cpus=0.5", "trainer.num_cpus=0.5")
+    """A reward fn file that imports in the driver (the start's checks pass) but not inside an
+    actor, as one that needs a package only the driver's machine has."""
+    reward = tmp_path / "driver_only_reward.py"
+    reward.write_text("import ray\nif ray.get_runtime_context().get_actor_id():\n"
+                      "    raise ModuleNotFoundError(\"No module named 'package_of_the_driver_only'\")\n"
+                      "def score(view, ground_truth, extra):\n    return 0.0\n")
+    done = run_cli(ray_cluster, tmp_path, f"reward.fn={reward}:score", "rollout.num_cpus=0.5", "trainer.num_cpus=0.5")
     assert done.returncode == 2, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("raytool: agent-worker-0 failed to start: ModuleNotFoundError: No module named 'no_such_loop_module'"), last
+    assert last.startswith("raytool: reward-worker-0 failed to start: "), last
+    assert "No module named 'package_of_the_driver_only'" in last
     log = tmp_path / "run" / "run.log"
     assert last.endswith(f"(traceback in {log})")
     text = log.read_text()
-    assert "Traceback" in text and "agent_worker.py" in text and "no_such_loop_module" in text
+    assert "Traceback" in text and "reward_worker.py" in text and "package_of_the_driver_only" in text
     # nothing of the failed run is left on the cluster
     import ray
     from ray.util.state import list_actors
 
     run_actors = {a.name: a.state for a in list_actors(limit=10_000) if a.ray_namespace.startswith("raytool-run-")}
-    assert "agent-worker-0" in run_actors and "llm-manager" in run_actors and ray.is_initialized()
+    assert "reward-worker-0" in run_actors and "llm-manager" in run_actors and ray.is_initialized()
     assert set(run_actors.values()) == {"DEAD"}, run_actors
