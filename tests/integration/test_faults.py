@@ -73,7 +73,9 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
     counts = audit(run_dir)
     assert counts["drawn"] == counts["trained"] == 6 and set(counts) == {"drawn", "trained"}
     log = (run_dir / "run.log").read_text()
-    assert "rolling it out again" in log and "scripted failure of the reward fn" in log
+    # The reward fn raised (its 2nd call) and the run went on. Whether that raise alone cost a group
+    # depends on which trajectory's retry met the restarted worker first: its retry may score.
+    assert "rolling it out again" in log and (faults / "call-2").exists()
     assert re.search(r"watchdog: reward-worker-0 \(pid \d+\) did not answer a heartbeat within cluster.heartbeat_s=2s", log)
     # The only server came back on its base weights; it was synced to v2 within step 3 (its requests waited for it).
     assert "rollout servers ['rollout-server-0'] were restarted (base weights): weight sync v2 to them" in log
