@@ -76,9 +76,9 @@ def test_tiny_run_checkpoints_and_a_resumed_run_repeats_step_three_exactly(ray_c
 
 
 def test_readme_composition_example_runs(ray_cluster):
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "guide.md").read_text()
     block = re.search(r"<!-- compose-example -->\s*```python\n(.*?)```", readme, re.DOTALL)
-    assert block, "README.md lost its composition example"
+    assert block, "docs/guide.md lost its composition example"
     namespace: dict = {}
     exec(compile(block.group(1), "README.md:compose-example", "exec"), namespace)
     stats = namespace["stats"]
