@@ -343,7 +343,7 @@ def _allowed_values(key: str) -> str | None:
 
 def _did_you_mean(section: str, field: str) -> str:
     """' (did you mean 'trainer.total_steps'?)' for a mistyped key of `section` ('' : a section), or ''."""
-    import difflib
+    from raytool.errors import did_you_mean
 
     node: Any = RunConfig
     for part in section.split(".") if section else []:
@@ -352,9 +352,7 @@ def _did_you_mean(section: str, field: str) -> str:
         node = hints.get(part)
         if not (isinstance(node, type) and issubclass(node, msgspec.Struct)):
             return ""
-    names = [f.encode_name for f in msgspec.structs.fields(node)]
-    close = difflib.get_close_matches(field, names, n=1, cutoff=0.6)
-    return f" (did you mean '{f'{section}.{close[0]}' if section else close[0]}'?)" if close else ""
+    return did_you_mean(field, [f.encode_name for f in msgspec.structs.fields(node)], f"{section}." if section else "")
 
 
 def _error_from_msgspec(err: msgspec.ValidationError, source: str, raw: dict | None = None) -> ConfigError:
@@ -447,8 +445,8 @@ def _checked(raw: dict, source: str) -> RunConfig:
         raw = translate(raw)
     except VerlKeyError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    cfg = from_dict(raw, source)
-    validate(cfg, source)
+    cfg = from_dict(raw, source)  # keys, types and ranges
+    validate_rules(cfg, source)
     return cfg
 
 
@@ -461,13 +459,18 @@ def _valid(raw: dict, source: str) -> bool:
 
 
 def validate(cfg: RunConfig, source: str = "config") -> None:
-    """The declared ranges (checked here too for a config built in Python, which msgspec does not
-    check), and the rules across keys that types alone cannot express."""
+    """The declared ranges (for a config built in Python: msgspec checks them only when it decodes),
+    and the rules across keys that types alone cannot express."""
     builtins = msgspec.to_builtins(cfg)
     try:
         msgspec.convert(builtins, RunConfig)
     except msgspec.ValidationError as err:
         raise _error_from_msgspec(err, source, builtins) from None
+    validate_rules(cfg, source)
+
+
+def validate_rules(cfg: RunConfig, source: str = "config") -> None:
+    """The rules across keys that types alone cannot express (a decoded config's ranges are checked)."""
     if cfg.rollout.request_timeout_s is not None:
         log.warning("%s: config key 'rollout.request_timeout_s' is deprecated and ignored: a server is ejected when it stops "
                     "making progress (rollout.stall_timeout_s=%g), not when a request is long", source, cfg.rollout.stall_timeout_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from pathlib import Path
@@ -81,3 +82,9 @@ def start_failure(exc: BaseException) -> str:
         if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line):
             return line[:400]
     return one_line(exc)
+
+
+def did_you_mean(name: str, choices, prefix: str = "") -> str:
+    """' (did you mean 'PREFIX<closest>'?)' for the closest of `choices` to a mistyped `name`, or ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""

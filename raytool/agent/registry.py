@@ -8,11 +8,10 @@ A loop is a class constructed as `Loop(renderer, tools, generate, agent_cfg, rol
 
 from __future__ import annotations
 
-import difflib
 import importlib
 
 from raytool.config import AgentConfig, ConfigError
-from raytool.errors import one_line
+from raytool.errors import did_you_mean, one_line
 
 AGENT_LOOPS: dict[str, type] = {}
 
@@ -39,12 +38,6 @@ def get_agent_loop(name: str) -> type:
     except KeyError:
         raise ValueError(f"unknown agent loop '{name}'; registered: {sorted(AGENT_LOOPS)} "
                          "(register yours with raytool.agent.registry.register_agent_loop and list its module in agent.loop_modules)") from None
-
-
-def did_you_mean(name: str, choices) -> str:
-    """' (did you mean 'x'?)' for the closest of `choices`, or ''."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def check_agents(agent: AgentConfig, rows) -> None:

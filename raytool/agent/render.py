@@ -106,8 +106,8 @@ def check_template_kwargs(tokenizer, kwargs: dict) -> None:
     from jinja2 import Environment, TemplateSyntaxError, meta
     from jinja2.ext import loopcontrols
 
-    from raytool.agent.registry import did_you_mean
     from raytool.config import ConfigError
+    from raytool.errors import did_you_mean
 
     if not kwargs:
         return
@@ -123,8 +123,9 @@ def check_template_kwargs(tokenizer, kwargs: dict) -> None:
         if key in read:
             continue
         line = f"config key 'agent.chat_template_kwargs': '{key}' is not a variable of the model's chat template"
-        if did_you_mean(key, read):
-            raise ConfigError(f"{line}{did_you_mean(key, read)}; it reads: {', '.join(sorted(read))}")
+        typo = did_you_mean(key, read)
+        if typo:
+            raise ConfigError(f"{line}{typo}; it reads: {', '.join(sorted(read))}")
         log.warning("%s: it has no effect", line)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import traceback as tb
 
@@ -101,15 +100,11 @@ class _CrashRecorder(logging.Handler):
         super().__init__(logging.ERROR)
         self.path = path
         self._done = False
-        self._lock_ = threading.Lock()
 
-    def emit(self, record: logging.LogRecord) -> None:
-        if not record.exc_info or record.exc_info[1] is None:
+    def emit(self, record: logging.LogRecord) -> None:  # under the handler's own lock (Handler.handle)
+        if self._done or not record.exc_info or record.exc_info[1] is None:
             return
-        with self._lock_:
-            if self._done:
-                return
-            self._done = True
+        self._done = True
         crash = EngineCrash.of(record.exc_info[1], f"{record.processName} pid={record.process}")
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
