@@ -21,6 +21,7 @@ import msgspec
 import ray
 
 from actors.common import named, until_alive
+from actors.dataplane import data_plane, follow
 from raytool.agent.loop import reward_view
 from raytool.agent.registry import get_agent_loop
 from raytool.agent.render import ChatRenderer
@@ -43,14 +44,20 @@ def build_toolset(agent: AgentConfig, tokenizer, executor) -> ToolSet:
 
 @ray.remote
 class AgentLoopWorker:
-    def __init__(self, model_path: str, manager, sandbox_pools: list, reward_workers: list, cfg: RunConfig, namespace: str | None = None):
-        """`manager`, `sandbox_pools`, `reward_workers`: handles, or names in `namespace` (see actors.common.named)."""
+    def __init__(self, model_path: str, manager, servers: list[str], sandbox_pools: list, reward_workers: list, cfg: RunConfig,
+                 namespace: str | None = None, role: str = "agent-worker"):
+        """`manager`, `sandbox_pools`, `reward_workers`: handles, or names in `namespace` (see
+        actors.common.named); `servers`: the rollout servers' names, which this worker's data plane
+        calls directly (the manager, the control plane, says which of them serve)."""
         from transformers import AutoTokenizer
 
         for module in cfg.agent.loop_modules:  # where users register their own loops and tools
             importlib.import_module(module)
         self.cfg = cfg
         self.manager = named(manager, namespace)
+        self.plane = data_plane(dict(zip(servers, named(servers, namespace))), self.manager, cfg.rollout, role)
+        # Ray runs an async actor's constructor in its event loop: membership follows from now on.
+        self._following = asyncio.get_running_loop().create_task(follow(self.plane, self.manager))
         self.sandbox_pools = named(sandbox_pools, namespace)
         self.reward_workers = itertools.cycle(named(reward_workers, namespace))
         # Sandbox sessions are named per attempt of a trajectory and per worker process, so a group
@@ -115,15 +122,8 @@ class AgentLoopWorker:
     async def _one(self, messages: list[Message], ground_truth: str, uid: str, group_id: str, agent_name: str,
                    extra: dict, rollout: RolloutConfig, attempt: int) -> Trajectory:
         async def generate(prompt_ids, sampling, request_id, session):
-            call = self.manager.generate.remote(prompt_ids, sampling, request_id, session, group_id)
-            try:
-                return await call
-            except asyncio.CancelledError:  # past agent.max_trajectory_s: free the request's engine slot, not only this wait
-                ray.cancel(call)
-                raise
-            except ray.exceptions.RayActorError:  # the manager died: the trajectory is infra-failed, its retry finds the manager back
-                await until_alive(self.manager)
-                raise
+            # Cancelled past agent.max_trajectory_s, the data plane cancels the call on its server too.
+            return await self.plane.generate(prompt_ids, sampling, request_id, session, group_id)
 
         # The row's tools (extra["tools"]: names; None: all), created with its verl tools_kwargs, and their renderer.
         tools = self.toolset.for_row(extra.get("tools"), (extra.get("extra_info") or {}).get("tools_kwargs"))
@@ -133,7 +133,7 @@ class AgentLoopWorker:
             try:
                 traj = await loop.run(messages, ground_truth, uid, group_id)
             finally:  # whatever happened, the trajectory's interpreter and routing state are released
-                self.manager.end_session.remote(uid)
+                self.plane.end_session(uid)
                 del self.sessions[uid]
                 if session in self.started:
                     self.started.discard(session)
@@ -155,3 +155,7 @@ class AgentLoopWorker:
         rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
         trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id, name, extra, rollout, attempt) for i in range(n)))
         return list(trajs), [trajectory_stats(t) for t in trajs]
+
+    def routing_stats(self) -> dict:
+        """This worker's data plane: its router's counters, calls, retries and membership epoch."""
+        return self.plane.stats()

@@ -284,8 +284,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward) for i in range(cfg.reward.num_workers)]
     agent_workers = [
         AgentLoopWorker.options(**options(f"agent-worker-{i}", light), **restarts).remote(
-            model_path, "llm-manager", [f"sandbox-pool-{i}" for i in range(len(sandbox_pools))],
-            [f"reward-worker-{i}" for i in range(len(reward_workers))], cfg, namespace=ns)
+            model_path, "llm-manager", list(servers), [f"sandbox-pool-{i}" for i in range(len(sandbox_pools))],
+            [f"reward-worker-{i}" for i in range(len(reward_workers))], cfg, namespace=ns, role=f"agent-worker-{i}")
         for i in range(cfg.agent.num_workers)
     ]
     graph = Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, None, ns)
@@ -304,7 +304,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
             from actors.gateway import GatewayActor
 
             a = cfg.agent
-            graph.gateway = GatewayActor.options(**options("gateway", light), **restarts).remote(model_path, "llm-manager", cfg, ns,
+            graph.gateway = GatewayActor.options(**options("gateway", light), **restarts).remote(model_path, "llm-manager", list(servers), cfg, ns,
                                                                                                a.gateway_host, a.gateway_port)
             graph.gateway_url = wait_started({"gateway": (graph.gateway, graph.gateway.start)})["gateway"]
         graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None

@@ -1,5 +1,5 @@
-"""GatewayActor: raytool.agent.gateway's OpenAI-compatible HTTP API as a Ray actor over the LLM
-manager, for agents that run outside raytool (`raytool serve`, or `agent.gateway: true` beside a
+"""GatewayActor: raytool.agent.gateway's OpenAI-compatible HTTP API as a Ray actor over the rollout
+servers (its own data plane, raytool.dataplane), for agents that run outside raytool (`raytool serve`, or `agent.gateway: true` beside a
 run). Its URL is `http://<node>:<port>`; `open` gives a trajectory's own URL, recorded token-exactly,
 and `finish` returns what it recorded. Ray restarts a gateway that died (cluster.max_actor_restarts)
 and it serves again; its open trajectories are lost (their URLs answer 404), and with port 0 it
@@ -13,6 +13,7 @@ import logging
 import ray
 
 from actors.common import named
+from actors.dataplane import data_plane, follow
 from raytool.agent.gateway import Gateway
 from raytool.agent.render import ChatRenderer
 from raytool.config import RunConfig
@@ -23,10 +24,15 @@ log = logging.getLogger(__name__)
 
 @ray.remote
 class GatewayActor:
-    def __init__(self, model_path: str, manager, cfg: RunConfig, namespace: str | None = None, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, model_path: str, manager, servers: list[str], cfg: RunConfig, namespace: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0):
+        """`manager`: the control plane (handle or name in `namespace`); `servers`: the rollout
+        servers' names, which the gateway's own data plane calls directly."""
         from transformers import AutoTokenizer
 
         self.manager = named(manager, namespace)
+        self.plane = data_plane(dict(zip(servers, named(servers, namespace))), self.manager, cfg.rollout, "gateway")
+        self._following = asyncio.get_running_loop().create_task(follow(self.plane, self.manager))
         self.host, self.port = host, port
         r = cfg.rollout
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), template_kwargs=cfg.agent.chat_template_kwargs)
@@ -47,7 +53,7 @@ class GatewayActor:
         return url
 
     async def _generate(self, prompt_ids, sampling, request_id, session):
-        return await self.manager.generate.remote(prompt_ids, sampling, request_id, session, session)
+        return await self.plane.generate(prompt_ids, sampling, request_id, session, session)
 
     async def start(self) -> str:
         """The base URL once serving (the node's address when listening on every interface)."""

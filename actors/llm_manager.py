@@ -1,25 +1,29 @@
-"""LLMManager: the router every generate call goes through (policy in raytool.routing.Router).
+"""LLMManager: the control plane of the rollout servers. Generate calls do not go through it: each
+agent-loop worker and gateway routes its own (raytool.dataplane, actors.dataplane).
 
-Failure handling, in order of what a user sees:
-- a server that dies, is unreachable, raises, or stalls is ejected, and the request is retried on
-  another server (the hung call is cancelled, so no request is answered twice); a request the
-  engine rejects as invalid (ValueError) goes back to its caller instead: every server would
-  reject it. Stalled means no progress, not a long request: after `stall_timeout_s` without an
-  answer the manager asks the server how long its engine has gone without producing a token while
-  requests wait on it (`progress()`); a server whose answer is over `stall_timeout_s`, or that
-  does not answer within it (a hung or stopped process), is stalled. A long turn on a busy,
-  working server is never cut.
-- a caller that gives up on a request (an agent loop past `agent.max_trajectory_s`) cancels it,
-  and the cancel reaches the server, whose engine frees the request's slot.
-- ejected servers are probed in the background (`ready()` then a one-token generate, each under a
-  timeout). One that answers on the current policy version is re-admitted; one that answers on an
-  older version (Ray restarted its process: fresh engine, base weights) is handed to the next
-  weight sync by `weight_targets()` and re-admitted by `synced()` once its weights are current.
+It owns, and nobody else holds a copy they act on:
+- **membership**: which servers serve and why the others do not, as numbered `Membership`
+  snapshots the data planes long-poll (`membership`) and get back from their reports;
+- **the policy version** and which servers are behind it (`stale`: restarted or failed a sync);
+- **health**: a data plane that saw a server fail reports it (`report`); the manager confirms it
+  before every plane drops the server: an error the server raised is its own word; a server said to
+  have died or be unreachable is ejected when it does not answer a health probe within
+  `stall_timeout_s` or answers on an older policy version (Ray restarted it); a stalled one when its
+  own progress report agrees, and it is then killed (Ray restarts it with a fresh engine, handled
+  like a kill). A server that answers well stays in, and the reporting plane takes it back.
+- **re-admission**: ejected servers are probed in the background (`ready()` then a one-token
+  generate, each under a timeout). One on the current policy version is re-admitted; one on an
+  older version is handed to the next weight sync by `weight_targets()` and re-admitted by
+  `synced()` once its weights are current.
 - the manager itself is restarted by Ray when its process dies (`cluster.max_actor_restarts`); the
   new one rebuilds its state from the servers on the first call that needs it (`_rebuild`): their
   weight receivers' addresses from `ready()`, the policy version from `health()` (the newest any
   server holds; servers behind it go to the next sync, servers that do not answer are ejected).
-  Routing state (in-flight counts, sticky sessions) starts afresh; callers retry once it is back.
+  Data planes keep serving on their last membership meanwhile, and take the new one's snapshots
+  (a new `incarnation`) when it is back.
+
+`generate` routes through a data plane held here: the central layout, kept for callers that hold
+only the manager and as `raytool bench scale`'s baseline.
 """
 
 from __future__ import annotations
@@ -27,23 +31,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+import warnings
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.common import named
+from actors.dataplane import RayTransport
 from actors.metrics import ManagerMetrics
+from raytool.dataplane import DataPlane, FailureKind, Membership
 from raytool.errors import one_line
-from raytool.routing import NoHealthyServer, Router
 from raytool.types import SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
 
 _PROBE = SamplingParams(max_tokens=1, temperature=0.0)
-
-
-class _Stalled(Exception):
-    """A server made no progress on the requests waiting on it for stall_timeout_s."""
 
 
 @ray.remote
@@ -53,18 +56,49 @@ class LLMManager:
         if not isinstance(servers, dict):  # names of RolloutServer actors in `namespace` (see actors.common.named)
             servers = dict(zip(servers, named(servers, namespace)))
         self.servers = servers  # name -> RolloutServer handle
-        self.router = Router(list(servers), affinity_slack=affinity_slack)
+        self.ejected: dict[str, str] = {}  # server -> why it is out of rotation
         self.stall_timeout_s = stall_timeout_s
-        self.no_server_wait_s = no_server_wait_s
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.policy_version = 0
         self.stale: dict[str, list[str]] = {}  # alive again but behind on weights -> its receiver addresses
         self.addresses: dict[str, list[str]] = {}  # server -> weight receiver addresses (set by the driver)
-        self.retries = 0
-        self.rebuilt = False  # False in a manager Ray restarted, until _rebuild ran (a fresh one gets set_addresses)
+        self.retries = 0  # calls the data planes retried elsewhere (one per report)
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.epoch = 0
+        self._changed = asyncio.Event()  # set (and replaced) on every membership change
+        self._confirming: dict[str, asyncio.Task] = {}  # server -> the check of a report on it
         self._probe_task: asyncio.Task | None = None
-        self.metrics = ManagerMetrics(lambda: len(self.router.healthy))
+        # A manager Ray restarted rebuilds its state from the servers; a fresh one is told by the driver.
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated `actor_id` inside
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.rebuilt = not ray.get_runtime_context().was_current_actor_reconstructed
+        self.metrics = ManagerMetrics(lambda: len(self.servers) - len(self.ejected))
+        self.plane = DataPlane(list(servers), RayTransport(servers), self._central_report, affinity_slack=affinity_slack,
+                               stall_timeout_s=stall_timeout_s, no_server_wait_s=no_server_wait_s, role="llm-manager")
+        self.plane.apply(self._snapshot())
+
+    # -- membership -------------------------------------------------------------------------------
+
+    def _snapshot(self) -> Membership:
+        return Membership(self.incarnation, self.epoch, list(self.servers), dict(self.ejected), self.policy_version)
+
+    def _changed_now(self) -> None:
+        self.epoch += 1
+        self.plane.apply(self._snapshot())
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def membership(self, incarnation: str = "", epoch: int = -1, timeout_s: float = 30.0) -> Membership:
+        """The current snapshot: at once when the caller's (incarnation, epoch) is not it, else on
+        the next change or after timeout_s (a long poll)."""
+        await self._rebuild()
+        if incarnation == self.incarnation and epoch == self.epoch:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self._snapshot()
 
     def set_addresses(self, addresses: dict) -> None:
         self.addresses.update(addresses)
@@ -91,90 +125,86 @@ class LLMManager:
                 continue
             self.addresses[name] = list(answer[0])
             if versions[name] != self.policy_version:
-                self.router.eject(name, f"on policy version {versions[name]}, behind {self.policy_version}")
+                self._eject(name, f"on policy version {versions[name]}, behind {self.policy_version}", probe=False)
                 self.stale[name] = list(answer[0])
+        self._changed_now()
         log.warning("llm manager restarted: state rebuilt from %d servers (policy version %d, %d behind, %d not answering)",
                     len(versions), self.policy_version, len(self.stale), len(names) - len(versions))
 
-    async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str, session: str | None = None, group: str | None = None
-    ) -> TokenOutput:
-        """Route one request; on a server failure eject it and retry on another. With no healthy
-        server left (the only one was restarted, say) it waits up to no_server_wait_s for one to be
-        re-admitted, then raises NoHealthyServer."""
-        tried: set[str] = set()
-        deadline = time.monotonic() + self.no_server_wait_s
-        while True:
+    # -- health -----------------------------------------------------------------------------------
+
+    async def report(self, server: str, kind: FailureKind, cause: str, role: str = "") -> Membership:
+        """A data plane saw `server` fail a call (and retried it elsewhere): confirm, decide, and
+        answer with the membership decided."""
+        await self._rebuild()
+        if server not in self.servers:
+            raise ValueError(f"report on unknown rollout server {server!r} (known: {sorted(self.servers)})")
+        self.retries += 1
+        self.metrics.retried(server)
+        if server not in self.ejected:
+            if server not in self._confirming:
+                self._confirming[server] = asyncio.get_running_loop().create_task(self._confirm(server, kind, cause, role))
+            task = self._confirming[server]
             try:
-                name = self.router.pick(session, group, exclude=tried)
-            except NoHealthyServer:
-                if time.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(1.0)
-                tried.clear()  # the servers this request failed on were ejected: they can only come back re-admitted
-                continue
-            start = time.monotonic()
-            ref = self.servers[name].generate.remote(prompt_ids, sampling, request_id)
-            ok = False
-            try:
-                out = await self._answer(name, ref)
-                ok = True
-                return out
-            except asyncio.CancelledError:  # the caller gave up: free the engine's slot too
-                ray.cancel(ref)
-                ok = True  # not the server's failure
-                raise
-            except _Stalled as exc:
-                ray.cancel(ref)
-                first = name not in self.router.ejected  # its other requests stall too: one kill for all of them
-                self._eject(name, f"request {request_id}: {exc}")
-                if first:
-                    # A stalled engine does not come back by itself: kill the server's process, Ray
-                    # restarts it with a fresh engine, and the next sync re-loads it (handled like a kill).
-                    ray.kill(self.servers[name], no_restart=False)
-            except RayTaskError as exc:
-                if isinstance(exc.cause, ValueError):  # the request itself is invalid: no server would take it
-                    raise exc.cause from None
-                self._eject(name, one_line(exc))
-            except RayActorError as exc:  # died, restarting, or unreachable
-                self._eject(name, one_line(exc))
+                await asyncio.shield(task)
             finally:
-                self.router.done(name, ok=ok, latency_s=time.monotonic() - start)
-            tried.add(name)
-            self.retries += 1
-            self.metrics.retried(name)
+                if task.done():
+                    self._confirming.pop(server, None)
+        return self._snapshot()
 
-    async def _answer(self, name: str, ref) -> TokenOutput:
-        """The server's answer to `ref`; _Stalled when its engine makes no progress for stall_timeout_s."""
-        answer = asyncio.ensure_future(ref)
-        while True:
-            try:
-                return await asyncio.wait_for(asyncio.shield(answer), self.stall_timeout_s)
-            except asyncio.TimeoutError:
-                pass  # a long request: is the engine still producing tokens?
-            try:
-                progress = await asyncio.wait_for(self.servers[name].progress.remote(), self.stall_timeout_s)
-            except asyncio.TimeoutError:
-                raise _Stalled(f"no answer to a progress probe within {self.stall_timeout_s:g}s (a hung process)") from None
-            if progress["idle_s"] > self.stall_timeout_s:
-                raise _Stalled(f"its engine produced no token for {progress['idle_s']:.0f}s with {progress['in_flight']} requests "
-                               f"waiting (rollout.stall_timeout_s={self.stall_timeout_s:g})")
+    async def _central_report(self, server: str, kind: FailureKind, cause: str) -> Membership:
+        return await self.report(server, kind, cause, "llm-manager")
 
-    def _eject(self, name: str, reason: str) -> None:
-        if name not in self.router.ejected:
+    async def _confirm(self, server: str, kind: FailureKind, cause: str, role: str) -> None:
+        why = f"{kind}: {cause}" + (f" (seen by {role})" if role else "")
+        handle = self.servers[server]
+        if kind == "raised":  # the server's own answer
+            self._eject(server, why)
+            return
+        try:
+            if kind == "stalled":
+                progress = await asyncio.wait_for(handle.progress.remote(), self.stall_timeout_s)
+                confirmed = progress["idle_s"] > self.stall_timeout_s
+            else:
+                health = await asyncio.wait_for(handle.health.remote(), self.stall_timeout_s)
+                confirmed = health["policy_version"] != self.policy_version
+                if confirmed:
+                    why += f"; back on policy version {health['policy_version']}, behind {self.policy_version}"
+        except (asyncio.TimeoutError, GetTimeoutError, RayTaskError, RayActorError) as exc:
+            confirmed = True
+            why += f"; confirmed: {one_line(exc) if not isinstance(exc, asyncio.TimeoutError) else f'no answer within {self.stall_timeout_s:g}s'}"
+        if not confirmed:
+            log.info("rollout server %s reported %s, but it answers on the current policy version: kept in rotation", server, why)
+            return
+        self._eject(server, why)
+        if kind == "stalled":
+            # A stalled engine does not come back by itself: kill the server's process, Ray restarts
+            # it with a fresh engine, and the next sync re-loads it (handled like a kill).
+            ray.kill(handle, no_restart=False)
+
+    def _eject(self, name: str, reason: str, probe: bool = True) -> None:
+        """Out of every plane's rotation. An already ejected server keeps its first reason: later
+        failures (its other requests failing while it restarts) are consequences, not the cause."""
+        if name not in self.ejected:
             log.warning("ejecting rollout server %s: %s", name, reason)
             self.metrics.ejected(name)
-        self.router.eject(name, reason)
-        self._ensure_probing()
+            self.ejected[name] = reason
+            self._changed_now()
+        if probe:
+            self._ensure_probing()
+
+    def _readmit(self, name: str) -> None:
+        if self.ejected.pop(name, None) is not None:
+            self._changed_now()
 
     def _ensure_probing(self) -> None:
         if self._probe_task is None or self._probe_task.done():
             self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
 
     async def _probe_loop(self) -> None:
-        while self.router.ejected:
+        while self.ejected:
             await asyncio.sleep(self.probe_interval_s)
-            await asyncio.gather(*(self._probe(name) for name in list(self.router.ejected) if name not in self.stale))
+            await asyncio.gather(*(self._probe(name) for name in list(self.ejected) if name not in self.stale))
 
     async def _probe(self, name: str) -> None:
         """Re-admit an ejected server that answers on the current weights; hand one on other weights
@@ -188,22 +218,24 @@ class LLMManager:
         except (asyncio.TimeoutError, GetTimeoutError):
             return  # still restarting or still hung: try again later
         except (RayTaskError, RayActorError) as exc:  # keep why it was ejected, with the latest probe's answer
-            cause = self.router.ejected.get(name, "").split(" (last probe failed: ")[0]
-            self.router.ejected[name] = f"{cause} (last probe failed: {one_line(exc)})"
+            cause = self.ejected.get(name, "").split(" (last probe failed: ")[0]
+            self.ejected[name] = f"{cause} (last probe failed: {one_line(exc)})"
             return
         self.addresses[name] = list(addresses)
         if health["policy_version"] == self.policy_version:
             log.info("re-admitting rollout server %s (policy version %d)", name, self.policy_version)
-            self.router.readmit(name)
+            self._readmit(name)
         else:
             log.info("rollout server %s is back on policy version %d; re-admitted after the next weight sync", name, health["policy_version"])
             self.stale[name] = list(addresses)
+
+    # -- weight syncs -----------------------------------------------------------------------------
 
     async def weight_targets(self) -> dict:
         """The servers the next weight sync goes to -> their receiver addresses: every healthy one,
         plus the recovered ones waiting for current weights."""
         await self._rebuild()
-        targets = {name: self.addresses[name] for name in self.router.healthy}
+        targets = {name: self.addresses[name] for name in self.servers if name not in self.ejected}
         targets.update(self.stale)
         return targets
 
@@ -215,43 +247,53 @@ class LLMManager:
         if version > self.policy_version:
             log.warning("llm manager: the trainer is on policy version %d, not %d: checking every server's version", version, self.policy_version)
             self.policy_version = version
-            names = self.router.healthy
+            self._changed_now()
+            names = [n for n in self.servers if n not in self.ejected]
             healths = await asyncio.gather(*(asyncio.wait_for(self.servers[n].health.remote(), self.probe_timeout_s) for n in names),
                                            return_exceptions=True)
             for name, health in zip(names, healths):
                 if isinstance(health, BaseException):
                     self._eject(name, f"no health answer: {one_line(health)}")
                 elif health["policy_version"] != version:
-                    self.router.eject(name, f"on policy version {health['policy_version']}, behind {version}")
+                    self._eject(name, f"on policy version {health['policy_version']}, behind {version}", probe=False)
                     self.stale[name] = self.addresses[name]
         return sorted(self.stale)
 
     def synced(self, version: int, acked: list[str], failed: dict) -> None:
         """After a weight sync: the new policy version (versions only go up); re-admit recovered
         servers that took it, eject servers that did not."""
-        self.policy_version = max(self.policy_version, version)
+        if version > self.policy_version:
+            self.policy_version = version
+            self._changed_now()
         for name in acked:
             if self.stale.pop(name, None) is not None:
                 log.info("re-admitting rollout server %s after its weight re-sync (v%d)", name, version)
-                self.router.readmit(name)
+                self._readmit(name)
         for name, reason in failed.items():
             self.stale.pop(name, None)
-            if name not in self.router.ejected:
-                log.warning("ejecting rollout server %s: weight sync v%d failed: %s", name, version, reason)
-                self.metrics.ejected(name)
-            self.router.eject(name, f"weight sync v{version} failed: {reason}")
+            self._eject(name, f"weight sync v{version} failed: {reason}", probe=False)
         if failed:
             self._ensure_probing()
 
+    # -- the central layout, stats ----------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
+                       session: str | None = None, group: str | None = None) -> TokenOutput:
+        """Route one request from here (the central layout; see raytool.dataplane.DataPlane.generate)."""
+        await self._rebuild()
+        return await self.plane.generate(prompt_ids, sampling, request_id, session, group)
+
+    def end_session(self, session: str) -> None:
+        self.plane.end_session(session)
+
     async def server_stats(self) -> dict:
         """Each healthy server's own engine stats (in flight, queued, tokens/s, prefix-cache hits)."""
-        names = self.router.healthy
+        names = [n for n in self.servers if n not in self.ejected]
         results = await asyncio.gather(*(self.servers[n].stats.remote() for n in names), return_exceptions=True)
         return {n: r if isinstance(r, dict) else {"error": one_line(r)} for n, r in zip(names, results)}
 
-    def end_session(self, session: str) -> None:
-        self.router.end_session(session)
-
     async def stats(self) -> dict:
         await self._rebuild()
-        return {**self.router.stats(), "policy_version": self.policy_version, "stale": sorted(self.stale), "retries": self.retries}
+        return {"servers": list(self.servers), "healthy": [n for n in self.servers if n not in self.ejected], "ejected": dict(self.ejected),
+                "policy_version": self.policy_version, "stale": sorted(self.stale), "retries": self.retries,
+                "membership": f"{self.incarnation}/{self.epoch}", "central": self.plane.stats()}

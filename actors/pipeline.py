@@ -103,7 +103,7 @@ def serving_metrics(graph: Graph, server_stats: dict) -> dict:
     engines = [e for e in server_stats.values() if "error" not in e]
     hits = [e["prefix_cache_hit_rate"] for e in engines if e.get("prefix_cache_hit_rate") is not None]
     metrics = {
-        "rollout/servers_healthy": len(manager["in_flight"]) - len(manager["ejected"]),
+        "rollout/servers_healthy": len(manager["healthy"]),
         "rollout/retries": manager["retries"],
     }
     if hits:

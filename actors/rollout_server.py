@@ -77,6 +77,7 @@ class RolloutServer:
             self.requests.pop(request_id, None)
         self.metrics.request_done(len(out.token_ids), time.perf_counter() - start)
         out.server = self.name
+        out.server_in_flight = self.in_flight
         return out
 
     async def receive_weights(self, version: int, timeout_s: float = 300.0, attempt: int = 0) -> dict:

@@ -10,17 +10,24 @@ Picks a server per request, in this order:
    servers instead of scattering its prompt over all of them. The default slack of 8 keeps a group
    of 8 whole when a GRPO step arrives at once (`raytool bench router`: slack 4 without re-homing
    got 83% prefix hits and a 6% longer makespan, against 90% now);
-3. else the server with the fewest requests in flight (ties: fewest requests ever assigned, then the
-   order the servers were given).
+3. else the least loaded server: its requests in flight from this router, plus those from other
+   routers that the server itself reported on its last answer, if that answer is under
+   `load_ttl_s` old (`observe`; each agent-loop worker routes for itself, see raytool.dataplane).
+   Ties: fewest requests ever assigned, then the order the servers were given. A fleet larger
+   than `scan` servers is not scanned whole: the least loaded of `scan` servers drawn at random
+   (the "power of d choices": with d >= 2 the most loaded server stays within a few requests of
+   the mean), so a pick costs about the same at 1,024 servers as at 8 (`raytool bench scale`).
 
 A pin (session -> server, group -> server) made before a server's ejection is void: sessions and
 groups on an ejected server move on their next pick and do not come back when it is readmitted.
-Both tables are LRU-bounded by `max_sessions`. A pick costs one pass over the servers.
+Both tables are LRU-bounded by `max_sessions`.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -44,7 +51,8 @@ class _Counters:
 
 
 class Router:
-    def __init__(self, servers: list[str], affinity_slack: int = 8, max_sessions: int = 100_000):
+    def __init__(self, servers: list[str], affinity_slack: int = 8, max_sessions: int = 100_000, load_ttl_s: float = 2.0,
+                 scan: int = 8, seed: int = 0):
         if not servers:
             raise ValueError("Router needs at least one server")
         if len(set(servers)) != len(servers):
@@ -52,6 +60,11 @@ class Router:
         self.in_flight: dict[str, int] = {s: 0 for s in servers}
         self.ejected: dict[str, str] = {}  # server -> why
         self.affinity_slack = affinity_slack
+        self.load_ttl_s = load_ttl_s
+        self.scan = scan
+        self._names = list(servers)
+        self._random = random.Random(seed)
+        self._others: dict[str, tuple[int, float]] = {}  # server -> (its requests from other routers, when it said so)
         self.max_sessions = max_sessions
         self._counters: dict[str, _Counters] = {s: _Counters() for s in servers}
         self._sessions: OrderedDict[str, tuple[str, int]] = OrderedDict()  # session -> (server, epoch)
@@ -63,13 +76,12 @@ class Router:
 
     def pick(self, session: str | None = None, group: str | None = None, exclude: Collection[str] = ()) -> str:
         """Choose a server for one request (never one in `exclude`) and count it as in flight."""
+        now = time.monotonic() if self._others else 0.0
         least, least_key = None, None
-        for name, n in self.in_flight.items():
-            if name in self.ejected or name in exclude:
-                continue
-            key = (n, self._counters[name].requests)
-            if least_key is None or key < least_key:
-                least, least_key = name, key
+        if len(self._names) > self.scan:  # a large fleet: the least loaded of a random few
+            least, least_key = self._least(self._random.sample(self._names, self.scan), exclude, now)
+        if least is None:  # a small fleet, or every drawn server was out
+            least, least_key = self._least(self._names, exclude, now)
         if least is None:
             raise NoHealthyServer(self._nothing_left(exclude))
         choice = None
@@ -81,7 +93,7 @@ class Router:
             if home is None or not self._alive(home):  # a new group, or its server was ejected: re-home
                 home = (least, self._counters[least].epoch)
             if home[0] not in exclude:  # (a retry elsewhere leaves the group where its prompt is cached)
-                if self.in_flight[home[0]] - least_key[0] <= self.affinity_slack:
+                if self.in_flight[home[0]] + self._others_on(home[0], now) - least_key[0] <= self.affinity_slack:
                     choice = home[0]
                 else:  # overflow: the siblings still to come follow this one instead of scattering
                     home = (least, self._counters[least].epoch)
@@ -93,6 +105,16 @@ class Router:
         self.in_flight[choice] += 1
         self._counters[choice].requests += 1
         return choice
+
+    def _least(self, names, exclude: Collection[str], now: float) -> tuple[str | None, tuple | None]:
+        least, least_key = None, None
+        for name in names:
+            if name in self.ejected or name in exclude:
+                continue
+            key = (self.in_flight[name] + self._others_on(name, now), self._counters[name].requests)
+            if least_key is None or key < least_key:
+                least, least_key = name, key
+        return least, least_key
 
     def done(self, server: str, *, ok: bool = True, latency_s: float | None = None) -> None:
         """A request picked onto `server` finished (ok or failed); call exactly once per pick."""
@@ -110,6 +132,16 @@ class Router:
         if latency_s is not None:
             c.latency_sum_s += latency_s
             c.latency_n += 1
+
+    def observe(self, server: str, server_in_flight: int) -> None:
+        """`server` answered one of this router's requests and said how many requests it holds
+        now (from every router, this answer's own request already gone)."""
+        mine = self.in_flight.get(server, 0) - 1  # this answer's request is still counted here until done()
+        self._others[server] = (max(0, server_in_flight - max(0, mine)), time.monotonic())
+
+    def _others_on(self, server: str, now: float) -> int:
+        seen = self._others.get(server)
+        return seen[0] if seen is not None and now - seen[1] < self.load_ttl_s else 0
 
     def eject(self, server: str, reason: str) -> None:
         """Take `server` out of rotation; its sessions and groups re-home on their next pick. An

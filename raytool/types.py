@@ -32,6 +32,7 @@ class TokenOutput(msgspec.Struct):
     server: str = ""  # which rollout server produced it (for metrics and debugging)
     policy_version: int = 0  # the version the engine held when the request ended
     versions: list[int] = []  # the policy version that produced each token ([]: all policy_version)
+    server_in_flight: int = 0  # requests the server still held when it answered (for the callers' routers)
 
     def token_versions(self) -> list[int]:
         return list(self.versions) if self.versions else [self.policy_version] * len(self.token_ids)

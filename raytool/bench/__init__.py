@@ -37,6 +37,12 @@ def _load(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
+def _scale(cfg: RunConfig) -> tuple[str, dict]:
+    from actors.bench_scale import bench  # lazy: the Ray layer
+
+    return bench(cfg)
+
+
 def _gateway(cfg: RunConfig) -> tuple[str, dict]:
     from raytool.bench.gateway import bench
 
@@ -67,4 +73,4 @@ def _engine(cfg: RunConfig) -> tuple[str, dict]:
     return bench(cfg)
 
 
-BENCHES: dict[str, Bench] = {"engine": _engine, "gateway": _gateway, "load": _load, "pipeline": _pipeline, "router": _router, "rollout": _rollout, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}
+BENCHES: dict[str, Bench] = {"engine": _engine, "gateway": _gateway, "load": _load, "pipeline": _pipeline, "router": _router, "rollout": _rollout, "scale": _scale, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}

@@ -128,7 +128,7 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
         outs = burst("r")
         assert all(o.server == "rollout-server-1" and len(o.token_ids) == 4 for o in outs)
         stats = ray.get(graph.manager.stats.remote())
-        assert "rollout-server-0" in stats["ejected"] and stats["in_flight"] == {"rollout-server-0": 0, "rollout-server-1": 0}
+        assert "rollout-server-0" in stats["ejected"] and stats["central"]["in_flight"] == {"rollout-server-0": 0, "rollout-server-1": 0}
         # Ray restarts it with a fresh engine on the base weights: the probe finds it behind ...
         deadline = time.time() + 180
         while ray.get(graph.manager.stats.remote())["stale"] != ["rollout-server-0"]:

@@ -1,9 +1,12 @@
-"""The LLMManager actor under failure: servers that raise, hang past the request timeout, or die
-are ejected, their requests complete on another server (none lost, none answered twice), and a
-server that recovers is re-admitted (after a weight re-sync when its process was restarted).
+"""The control plane (LLMManager) and the data planes under failure: servers that raise, hang past
+the request timeout, or die are ejected, their requests complete on another server (none lost, none
+answered twice), and a server that recovers is re-admitted (after a weight re-sync when its process
+was restarted).
 
 The servers here are small fake actors with the RolloutServer interface whose failure mode the
-test sets; the manager is the real one. Real vLLM servers killed mid-run: test_end_to_end.py.
+test sets; the manager is the real one, and requests go through a caller actor that holds a data
+plane exactly as an agent-loop worker does (actors.dataplane), or, where said, through the
+manager's own (the central layout). Real vLLM servers killed mid-run: test_end_to_end.py.
 """
 
 from __future__ import annotations
@@ -68,8 +71,26 @@ class _Rejecting(_Fake):
         raise ValueError("prompt is longer than max_model_len")
 
 
+class _Caller:
+    """What an agent-loop worker holds: a data plane over the servers that follows the manager."""
+
+    def __init__(self, servers: dict, manager, stall_timeout_s: float):
+        from actors.dataplane import data_plane, follow
+        from raytool.config import RolloutConfig
+
+        self.plane = data_plane(servers, manager, RolloutConfig(stall_timeout_s=stall_timeout_s, engine_start_timeout_s=60), "test-caller")
+        self._following = asyncio.get_running_loop().create_task(follow(self.plane, manager))
+
+    async def generate(self, prompt_ids, sampling, request_id, session=None, group=None) -> TokenOutput:
+        return await self.plane.generate(prompt_ids, sampling, request_id, session, group)
+
+    def stats(self) -> dict:
+        return self.plane.stats()
+
+
 FakeServer = ray.remote(max_restarts=1, max_task_retries=0, num_cpus=0)(_Fake)
 Rejecting = ray.remote(num_cpus=0)(_Rejecting)
+Caller = ray.remote(num_cpus=0)(_Caller)
 
 
 @pytest.fixture
@@ -79,15 +100,17 @@ def fleet(ray_cluster):
     servers = {f"s{i}": FakeServer.remote(f"s{i}") for i in range(3)}
     manager = LLMManager.options(num_cpus=0).remote(servers, stall_timeout_s=2.0, probe_interval_s=0.3, probe_timeout_s=5.0)
     ray.get(manager.set_addresses.remote({n: [f"tcp://fake/{n}"] for n in servers}))
-    yield servers, manager
-    for actor in [manager, *servers.values()]:
+    caller = Caller.remote(servers, manager, 2.0)
+    yield servers, manager, caller
+    for actor in [caller, manager, *servers.values()]:
         ray.kill(actor)
 
 
-def _burst(manager, tag: str, n: int = 24):
-    """n concurrent requests, 4 per trajectory session, 8 per group -> {request_id: output}."""
+def _burst(caller, tag: str, n: int = 24):
+    """n concurrent requests through `caller` (a data plane's holder, or the manager), 4 per
+    trajectory session, 8 per group -> {request_id: output}."""
     ids = [f"{tag}-{i}" for i in range(n)]
-    refs = [manager.generate.remote([1, 2, 3], SamplingParams(max_tokens=1), rid, f"{tag}-sess{i // 4}", f"{tag}-g{i // 8}")
+    refs = [caller.generate.remote([1, 2, 3], SamplingParams(max_tokens=1), rid, f"{tag}-sess{i // 4}", f"{tag}-g{i // 8}")
             for i, rid in enumerate(ids)]
     return dict(zip(ids, ray.get(refs, timeout=60)))
 
@@ -115,19 +138,21 @@ def _check_exactly_once(outs: dict, servers) -> None:
 
 @pytest.mark.parametrize("mode", ["raise", "hang", "frozen"])
 def test_a_failing_server_is_ejected_its_requests_complete_elsewhere_and_it_comes_back(fleet, mode):
-    servers, manager = fleet
+    servers, manager, caller = fleet
     from actors.common import wait_until_alive
 
     ray.get(servers["s1"].set_mode.remote(mode))
     start = time.time()
-    outs = _burst(manager, mode)
+    outs = _burst(caller, mode)
     assert {o.server for o in outs.values()} <= {"s0", "s2"}
-    stats = ray.get(manager.stats.remote())  # before the background probe replaces the ejection's reason
+    # The caller dropped s1 at once and reported it; the manager confirms before everyone drops it.
+    _wait_for(lambda: "s1" in ray.get(manager.stats.remote())["ejected"])
+    stats = ray.get(manager.stats.remote())
     if mode != "raise":  # a stalled server is killed, once, and Ray restarts it (a fresh engine)
         assert wait_until_alive(servers["s1"], timeout_s=30)
     _check_exactly_once(outs, servers)
-    assert "s1" in stats["ejected"] and stats["retries"] >= 1
-    assert all(n == 0 for n in stats["in_flight"].values()), stats["in_flight"]
+    assert stats["retries"] >= 1
+    assert all(n == 0 for n in ray.get(caller.stats.remote())["in_flight"].values())
     if mode == "hang":
         assert "produced no token for" in stats["ejected"]["s1"] and time.time() - start < 30
     elif mode == "frozen":  # found within twice the stall timeout: one wait for the answer, one for the probe
@@ -137,21 +162,22 @@ def test_a_failing_server_is_ejected_its_requests_complete_elsewhere_and_it_come
     # It recovers: the background probe re-admits it (same process, current weights).
     ray.get(servers["s1"].set_mode.remote("ok"))
     _wait_for(lambda: "s1" not in ray.get(manager.stats.remote())["ejected"])
-    outs = _burst(manager, f"{mode}-after", n=48)
+    _wait_for(lambda: "s1" not in ray.get(caller.stats.remote())["ejected"])  # the caller learns it from the manager
+    outs = _burst(caller, f"{mode}-after", n=48)
     assert "s1" in {o.server for o in outs.values()}
 
 
 def test_a_killed_server_is_restarted_resynced_then_readmitted(fleet):
-    servers, manager = fleet
+    servers, manager, caller = fleet
     for s in servers.values():
         ray.get(s.set_version.remote(5))
     ray.get(manager.synced.remote(5, list(servers), {}))
     # Kill s0 while requests are in flight on it; Ray restarts its process (max_restarts=1).
-    refs = [manager.generate.remote([1], SamplingParams(max_tokens=1), f"k-{i}", f"k-sess{i}", None) for i in range(12)]
+    refs = [caller.generate.remote([1], SamplingParams(max_tokens=1), f"k-{i}", f"k-sess{i}", None) for i in range(12)]
     ray.kill(servers["s0"], no_restart=False)
     outs = dict(zip([f"k-{i}" for i in range(12)], ray.get(refs, timeout=60)))
     assert len(outs) == 12 and all(len(o.token_ids) == 1 for o in outs.values())
-    assert "s0" in ray.get(manager.stats.remote())["ejected"]
+    _wait_for(lambda: "s0" in ray.get(manager.stats.remote())["ejected"])
     # The restarted process answers on policy version 0: it waits for the next weight sync.
     _wait_for(lambda: ray.get(manager.stats.remote())["stale"] == ["s0"])
     targets = ray.get(manager.weight_targets.remote())
@@ -162,17 +188,19 @@ def test_a_killed_server_is_restarted_resynced_then_readmitted(fleet):
     ray.get(manager.synced.remote(6, ["s0", "s1", "s2"], {}))
     stats = ray.get(manager.stats.remote())
     assert stats["ejected"] == {} and stats["stale"] == [] and stats["policy_version"] == 6
-    outs = _burst(manager, "k-after", n=48)
+    _wait_for(lambda: ray.get(caller.stats.remote())["ejected"] == {})
+    outs = _burst(caller, "k-after", n=48)
     assert "s0" in {o.server for o in outs.values()}
 
 
 def test_a_server_that_fails_its_weight_sync_is_ejected_and_the_rest_serve(fleet):
-    servers, manager = fleet
+    servers, manager, caller = fleet
     ray.get(manager.synced.remote(3, ["s0", "s2"], {"s1": "TimeoutError: no bucket 0 within 300s"}))
     stats = ray.get(manager.stats.remote())
     assert stats["ejected"]["s1"].startswith("weight sync v3 failed") and stats["policy_version"] == 3
     assert set(ray.get(manager.weight_targets.remote())) == {"s0", "s2"}
-    outs = _burst(manager, "sync")
+    _wait_for(lambda: "s1" in ray.get(caller.stats.remote())["ejected"])  # pushed to the caller by its long poll
+    outs = _burst(caller, "sync")
     assert {o.server for o in outs.values()} <= {"s0", "s2"}
 
 
@@ -216,7 +244,7 @@ def test_a_killed_manager_is_restarted_and_rebuilds_its_state_from_the_servers(r
         assert stats["policy_version"] == 7 and stats["stale"] == ["s2"] and set(stats["ejected"]) == {"s2"}
         assert ray.get(manager.weight_targets.remote()) == {n: [f"tcp://fake/{n}"] for n in servers}
         outs = _burst(manager, "after-restart")
-        assert len(outs) == 24 and {o.server for o in outs.values()} <= {"s0", "s1"}
+        assert len(outs) == 24 and {o.server for o in outs.values()} <= {"s0", "s1"}  # the central layout, after the restart
         # Killed together with s0 and s1 too, it would rebuild on their base weights: the driver
         # says which version the trainer holds, and every server behind it waits for a sync.
         for s in servers.values():
@@ -249,11 +277,12 @@ def test_a_cancelled_request_is_cancelled_on_its_server_and_a_long_one_on_a_work
 
     servers = {"s0": Slow.remote("s0")}
     manager = LLMManager.options(num_cpus=0).remote(servers, stall_timeout_s=1.0)
+    caller = Caller.remote(servers, manager, 1.0)
     try:
         ray.get(manager.set_addresses.remote({"s0": ["tcp://fake/s0"]}))
-        out = ray.get(manager.generate.remote([1], SamplingParams(max_tokens=3), "long"), timeout=30)  # 3 s > stall_timeout_s
+        out = ray.get(caller.generate.remote([1], SamplingParams(max_tokens=3), "long"), timeout=30)  # 3 s > stall_timeout_s
         assert out.server == "s0" and ray.get(manager.stats.remote())["ejected"] == {}
-        ref = manager.generate.remote([1], SamplingParams(max_tokens=60), "given-up")
+        ref = caller.generate.remote([1], SamplingParams(max_tokens=60), "given-up")
         time.sleep(0.5)
         ray.cancel(ref)
         with pytest.raises((ray.exceptions.TaskCancelledError, asyncio.CancelledError)):
@@ -261,5 +290,5 @@ def test_a_cancelled_request_is_cancelled_on_its_server_and_a_long_one_on_a_work
         _wait_for(lambda: "cancelled:given-up" in ray.get(servers["s0"].answered_ids.remote()), timeout_s=10)
         assert ray.get(manager.stats.remote())["ejected"] == {}
     finally:
-        for actor in [manager, *servers.values()]:
+        for actor in [caller, manager, *servers.values()]:
             ray.kill(actor)
