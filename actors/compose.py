@@ -31,13 +31,13 @@ from actors.reward_worker import RewardWorker
 from actors.rollout_server import RolloutServer
 from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
-from raytool.config import ConfigError, RunConfig, SandboxConfig, sandbox_backend_options
+from raytool.config import RunConfig, sandbox_backend_options
 from raytool.data.prompts import PromptRow, with_system_prompt
 from raytool.tools.registry import row_tool_names
-from raytool.device import engine_dtype
 from raytool import placement
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
+from raytool.resolve import resolve
 from raytool.streaming import GroupFailed, group_failure
 from raytool.weightsync import WeightSyncError
 
@@ -253,7 +253,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     Watchdog (graph.watchdog; stopped by shutdown) heartbeats the actors from the moment they are
     created, so one stopped while the graph starts is killed and restarted instead of waited for."""
     model_path = model_path or resolve_model(cfg.model.path)
-    cfg = with_engine_dtype(with_tool_sandbox_settings(cfg))
+    cfg = resolve(cfg)  # a no-op for the resolved config of a run (raytool.resolve)
     wait_for_resources(cfg, skip={"trainer worker"} if not with_trainer else set())
     if with_trainer:
         check_memory(cfg, model_path)
@@ -387,29 +387,6 @@ def check_memory(cfg: RunConfig, model_path: str, with_servers: bool = True) -> 
         raise RaytoolError(f"the run does not fit ({'; '.join(result.problems)}); `raytool plan` shows each part")
 
 
-def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:
-    """Apply the sandbox settings a verl tool YAML (agent.tools) implies, e.g. an E2B domain or a
-    SandboxFusion URL, where the run config left the default. Where the run config sets one too
-    (`sandbox.fusion_url=...` on the command line: the service of this cluster), the config's
-    value is used and a line says so; a different backend is an error naming both."""
-    if not cfg.agent.tools:
-        return cfg
-    from raytool.tools.registry import tool_config_sandbox_overrides
-
-    wanted = tool_config_sandbox_overrides(cfg.agent.tools)
-    defaults, current = SandboxConfig(), cfg.sandbox
-    changes = {}
-    for key, value in wanted.items():
-        have = getattr(current, key)
-        if have != getattr(defaults, key) and have != value:
-            if key == "backend":
-                raise ConfigError(f"config key 'sandbox.backend' is {have!r} but the tools of {cfg.agent.tools} run on {value!r}; keep one of them")
-            log.info("sandbox.%s: %r from the run config, not %r from %s", key, have, value, cfg.agent.tools)
-            continue
-        changes[key] = value
-    return msgspec.structs.replace(cfg, sandbox=msgspec.structs.replace(current, **changes))
-
-
 def build_sandbox_pools(cfg: RunConfig, options=None) -> list:
     """`sandbox.num_pools` SandboxPool actors, each asking for `sandbox.pool_resources` (e.g. a
     custom resource that only CPU nodes offer) and accepting enough calls to fill its queue.
@@ -429,18 +406,6 @@ def build_sandbox_pools(cfg: RunConfig, options=None) -> list:
         )
         for i in range(s.num_pools)
     ]
-
-
-def with_engine_dtype(cfg: RunConfig) -> RunConfig:
-    """`cfg` with model.dtype resolved (auto: see `raytool.device.engine_dtype`), so that the engines
-    and the weight syncs that feed them agree; a dtype the rollout device cannot run stops here."""
-    try:
-        dtype, why = engine_dtype(cfg.model.dtype, on_accelerator=cfg.rollout.num_gpus > 0, engine=cfg.rollout.engine)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if dtype != cfg.model.dtype:
-        log.info("model.dtype %s: %s (%s)", cfg.model.dtype, dtype, why)
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype=dtype))
 
 
 def engine_options(cfg: RunConfig, seed: int) -> dict:

@@ -27,7 +27,7 @@ from actors.checkpoint import (
     checkpoint_root, earlier_run, latest_checkpoint, load_buffer, read_state, remove_earlier_run, resume_checkpoint, resumed_run_dir,
     save_checkpoint,
 )
-from actors.compose import Graph, build, run_namespace, with_tool_sandbox_settings
+from actors.compose import Graph, build, run_namespace
 from actors.evaluate import evaluate
 from actors.metrics import record_step
 from actors.trainer import TrainerLost
@@ -37,8 +37,9 @@ from raytool.config import ConfigError, RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
 from raytool.data.prompts import PromptRow, drop_too_long, with_system_prompt
 from raytool.data.task import Task, load_task
+from raytool import reaper, storage
 from raytool.errors import RaytoolError
-from raytool import storage
+from raytool.resolve import resolve, with_tool_sandbox_settings
 from raytool.evaluation import table as eval_table
 from raytool.ledger import FILE as LEDGER_FILE, Ledger, outcome_metrics
 from raytool.models import resolve_model
@@ -89,10 +90,13 @@ def check_tools(cfg: RunConfig) -> None:
 
 
 def connect(address: str | None) -> None:
-    """Attach to `address` (or RAY_ADDRESS), else start a private local Ray instance."""
+    """Attach to `address` (or RAY_ADDRESS), else start a private local Ray instance, which a reaper
+    process ends if this driver is killed (raytool.reaper: Ray's agents outlive a killed driver)."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        reaper.start_for(os.getpid())
     ray.init(address=address or "local", log_to_driver=True)
 
 
@@ -211,6 +215,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     model_path = resolve_model(cfg.model.path)
     validate_reward_fn(cfg.reward.fn)
     check_tools(cfg)
+    cfg = resolve(cfg)  # the one config every actor receives and config.yaml records
     validate_backends(cfg.logging)
     task = load_task(cfg)
     check_agents(cfg.agent, task.train + task.val)
@@ -390,7 +395,6 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
         cut_after_step(run_dir, saved.step)
     tracker = Tracker(run_dir, cfg.logging, config=msgspec.to_builtins(cfg))
     loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)
-    kl_on = cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     try:
         if cfg.trainer.save_every or cfg.trainer.save_final:  # a run that never saves needs no storage
             graph.trainer.check_storage(root)
@@ -405,7 +409,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
                      checkpoint, state.step, len(state.redo), len(buffered))
         elif cfg.trainer.sft_warmup_steps:
             run_sft_warmup(graph, cfg, warmup, tracker)
-            graph.trainer.start_rl(snapshot_reference=kl_on)  # the KL reference is the cold-started policy
+            graph.trainer.start_rl(snapshot_reference=cfg.algorithm.kl_on)  # the KL reference is the cold-started policy
             state.version += 1
             graph.sync_weights(state.version)
         if cfg.eval.before_train and task.val and state.step == 0:

@@ -218,6 +218,11 @@ class AlgorithmConfig(_Section):
     mini_batches: Positive = 1  # optimizer steps per pass
     rollout_correction: RolloutCorrectionConfig = msgspec.field(default_factory=RolloutCorrectionConfig)
 
+    @property
+    def kl_on(self) -> bool:
+        """A KL term is in the loss or in the reward: the trainer keeps a reference policy."""
+        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0
+
 
 class TrainerConfig(_Section):
     total_steps: Count = 12  # GRPO steps

@@ -114,12 +114,12 @@ def test_the_graph_gets_one_resolved_engine_dtype(cpu, caplog, monkeypatch):
     import msgspec
     from vllm.platforms import current_platform
 
-    from actors.compose import with_engine_dtype
+    from raytool.resolve import with_engine_dtype
     from raytool.config import ConfigError, RunConfig
 
     cfg = RunConfig()
     cpu(False)
-    with caplog.at_level(logging.INFO, logger="actors.compose"):
+    with caplog.at_level(logging.INFO, logger="raytool.resolve"):
         assert with_engine_dtype(cfg).model.dtype == "float32"
     assert "model.dtype auto: float32 (CPU without native bf16" in caplog.text
     cpu(True)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.compose import with_tool_sandbox_settings
+from raytool.resolve import with_tool_sandbox_settings
 from raytool.config import load_config
 from raytool.data.conversations import load_conversations
 from raytool.data.preprocess import preprocess

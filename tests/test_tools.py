@@ -522,7 +522,7 @@ def test_code_tool_without_an_executor_answers_sandbox_error():
 
 
 def test_a_runs_tool_yaml_configures_its_sandbox_where_the_config_left_defaults():
-    from actors.compose import with_tool_sandbox_settings
+    from raytool.resolve import with_tool_sandbox_settings
     from raytool.config import load_config
 
     yaml_path = str(REPO / "examples/tools/retool_e2b_ags.yaml")
@@ -536,7 +536,7 @@ def test_the_run_configs_sandbox_url_wins_over_the_tool_yamls_and_says_so(caplog
     """A recipe's tool YAML names a SandboxFusion URL; the cluster's service is set on the command line."""
     import logging
 
-    from actors.compose import with_tool_sandbox_settings
+    from raytool.resolve import with_tool_sandbox_settings
     from raytool.config import load_config
 
     yaml_path = str(REPO / "examples/tools/sandbox_fusion.yaml")

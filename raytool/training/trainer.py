@@ -31,6 +31,7 @@ import torch.distributed as dist
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
 from raytool.algos.correction import rollout_correction
 from raytool.config import RunConfig
+from raytool.resolve import with_rollout_correction
 from raytool import device as device_info
 from raytool import storage
 from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right, to_device
@@ -148,9 +149,7 @@ class Trainer:
         self.pad_id = self.lm.config.pad_token_id or 0
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = self._new_optimizer()
-        c, asynchronous = cfg.algorithm.rollout_correction, cfg.async_.max_staleness > 0
-        # auto: truncated token-level importance weights in asynchronous mode, none in synchronous mode
-        self.rollout_is = ("token" if asynchronous else None) if c.rollout_is == "auto" else c.rollout_is
+        self.rollout_is = with_rollout_correction(cfg).algorithm.rollout_correction.rollout_is  # auto decided (raytool.resolve)
         self.reference: PolicyModel | None = None  # built on first use (KL on); LoRA uses the base model instead
         self.step = 0  # optimizer steps taken
         self.rl_updates = 0  # optimizer steps of the RL phase (drive its learning-rate schedule)
@@ -323,7 +322,7 @@ class Trainer:
             for t in trajectories
         ]
         on_policy = a.ppo_epochs == 1 and a.mini_batches == 1
-        kl_on = a.kl_loss_coef > 0 or a.kl_reward_coef > 0
+        kl_on = a.kl_on
         if kl_on:
             self._fill(seqs, "ref", self._reference())
         if not on_policy or a.kl_reward_coef > 0:

@@ -1,0 +1,75 @@
+"""The config resolved once: every `auto` and every setting derived from another, decided in one
+place before any actor starts, into the one RunConfig every actor receives and config.yaml records.
+
+`resolve(cfg)` applies, in order:
+- the sandbox settings a verl tool YAML implies (`agent.tools`: an E2B domain, a SandboxFusion URL),
+  where the run config left the default;
+- `model.dtype: auto` -> the dtype the rollout engine runs on its device (raytool.device.engine_dtype);
+- `algorithm.rollout_correction.rollout_is: auto` -> `token` in asynchronous mode, null (off) in
+  synchronous mode.
+It is idempotent: a resolved config comes back unchanged. What depends on the trainer's own device
+and memory (`trainer.compile`, micro-batch sizes: raytool.planner.resolve_auto) is decided by the
+trainer ranks, which are the only ones that see that device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from raytool.config import ConfigError, RunConfig, SandboxConfig
+from raytool.device import engine_dtype
+
+log = logging.getLogger(__name__)
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """`cfg` with its autos and derived settings decided (see the module's docstring)."""
+    return with_rollout_correction(with_engine_dtype(with_tool_sandbox_settings(cfg)))
+
+
+def with_rollout_correction(cfg: RunConfig) -> RunConfig:
+    """rollout_is auto: truncated token-level importance weights in asynchronous mode (the engine's
+    tokens come from older weights than the trainer's), none in synchronous mode."""
+    c = cfg.algorithm.rollout_correction
+    if c.rollout_is != "auto":
+        return cfg
+    decided = "token" if cfg.async_.max_staleness > 0 else None
+    c = msgspec.structs.replace(c, rollout_is=decided)
+    return msgspec.structs.replace(cfg, algorithm=msgspec.structs.replace(cfg.algorithm, rollout_correction=c))
+
+
+def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:
+    """Apply the sandbox settings a verl tool YAML (agent.tools) implies, e.g. an E2B domain or a
+    SandboxFusion URL, where the run config left the default. Where the run config sets one too
+    (`sandbox.fusion_url=...` on the command line: the service of this cluster), the config's
+    value is used and a line says so; a different backend is an error naming both."""
+    if not cfg.agent.tools:
+        return cfg
+    from raytool.tools.registry import tool_config_sandbox_overrides
+
+    wanted = tool_config_sandbox_overrides(cfg.agent.tools)
+    defaults, current = SandboxConfig(), cfg.sandbox
+    changes = {}
+    for key, value in wanted.items():
+        have = getattr(current, key)
+        if have != getattr(defaults, key) and have != value:
+            if key == "backend":
+                raise ConfigError(f"config key 'sandbox.backend' is {have!r} but the tools of {cfg.agent.tools} run on {value!r}; keep one of them")
+            log.info("sandbox.%s: %r from the run config, not %r from %s", key, have, value, cfg.agent.tools)
+            continue
+        changes[key] = value
+    return msgspec.structs.replace(cfg, sandbox=msgspec.structs.replace(current, **changes))
+
+
+def with_engine_dtype(cfg: RunConfig) -> RunConfig:
+    """`cfg` with model.dtype resolved (auto: see `raytool.device.engine_dtype`), so that the engines
+    and the weight syncs that feed them agree; a dtype the rollout device cannot run stops here."""
+    try:
+        dtype, why = engine_dtype(cfg.model.dtype, on_accelerator=cfg.rollout.num_gpus > 0, engine=cfg.rollout.engine)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if dtype != cfg.model.dtype:
+        log.info("model.dtype %s: %s (%s)", cfg.model.dtype, dtype, why)
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype=dtype))

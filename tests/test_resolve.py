@@ -1,0 +1,24 @@
+"""The config resolved once (raytool.resolve): every auto decided before any actor starts, the
+same answer the second time, and the derived flags defined on the config."""
+
+from __future__ import annotations
+
+from raytool.config import load_config, to_yaml
+from raytool.resolve import resolve
+
+
+def test_the_autos_are_decided_and_a_resolved_config_comes_back_unchanged():
+    sync = resolve(load_config(None, ["model.path=tiny-random", "async.max_staleness=0"]))
+    asyn = resolve(load_config(None, ["model.path=tiny-random", "async.max_staleness=2"]))
+    assert sync.algorithm.rollout_correction.rollout_is is None and asyn.algorithm.rollout_correction.rollout_is == "token"
+    assert sync.model.dtype != "auto"  # the engine's dtype on this machine's CPU
+    assert resolve(sync) == sync and resolve(asyn) == asyn
+    assert "auto" not in to_yaml(sync).split("rollout_correction:")[1].split("\n")[1]  # config.yaml records the decision
+    chosen = resolve(load_config(None, ["model.path=tiny-random", "algorithm.rollout_correction.rollout_is=sequence"]))
+    assert chosen.algorithm.rollout_correction.rollout_is == "sequence"  # what the user named is kept
+
+
+def test_kl_on_is_one_definition_for_the_loss_and_the_reward_term():
+    assert not load_config(None, []).algorithm.kl_on
+    assert load_config(None, ["algorithm.kl_loss_coef=0.01"]).algorithm.kl_on
+    assert load_config(None, ["algorithm.kl_reward_coef=0.01"]).algorithm.kl_on
