@@ -29,7 +29,7 @@ import psutil
 import ray
 
 from actors.compose import build
-from actors.pipeline import connect
+from actors.session import connect
 from raytool.config import RunConfig
 from raytool.data import make_splits
 from raytool.data.tool_arith import prompt_row

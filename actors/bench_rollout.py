@@ -22,7 +22,7 @@ import msgspec
 import ray
 
 from actors.compose import build
-from actors.pipeline import connect
+from actors.session import connect
 from raytool.config import RunConfig
 from raytool.data import make_splits
 from raytool.data.tool_arith import prompt_row

@@ -36,7 +36,7 @@ from actors.common import actor_options
 from actors.compose import engine_options
 from actors.dataplane import data_plane, follow
 from actors.llm_manager import LLMManager
-from actors.pipeline import connect
+from actors.session import connect
 from actors.rollout_server import RolloutServer
 from raytool.config import RolloutConfig, RunConfig
 from raytool.engines.scripted import SCRIPT

@@ -19,11 +19,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import msgspec
 import ray
 from tqdm import tqdm
 
 from actors.agent_worker import AgentLoopWorker
+from actors.gateway import GatewayActor
 from actors.common import RESTART_WAIT_S, actor_options, wait_until_alive
 from actors.watchdog import Watchdog
 from actors.llm_manager import LLMManager
@@ -301,8 +301,6 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, r.engine_start_timeout_s))
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
         if cfg.agent.gateway:  # the OpenAI-compatible API over the manager, for agents outside raytool (actors.gateway)
-            from actors.gateway import GatewayActor
-
             a = cfg.agent
             graph.gateway = GatewayActor.options(**options("gateway", light), **restarts).remote(model_path, "llm-manager", list(servers), cfg, ns,
                                                                                                a.gateway_host, a.gateway_port)

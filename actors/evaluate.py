@@ -72,7 +72,7 @@ def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | N
     from transformers import AutoTokenizer
 
     from actors.agent_worker import build_toolset
-    from actors.pipeline import check_row_tools, connect
+    from actors.session import check_row_tools, connect
     from raytool.agent.registry import check_agents
     from raytool.agent.render import check_template_kwargs
     from raytool.data.task import Task

@@ -6,16 +6,12 @@ which case RAY_ADDRESS points at the cluster and the driver attaches to it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
-import os
 import random
 import time
-import traceback
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
 import msgspec
@@ -28,76 +24,29 @@ from actors.checkpoint import (
     save_checkpoint,
 )
 from actors.compose import Graph, build, run_namespace
+from actors.session import check_row_tools, check_tools, connect, default_run_dir, run_log
 from actors.evaluate import evaluate
 from actors.metrics import record_step
 from actors.trainer import TrainerLost
 from raytool.agent.registry import check_agents
 from raytool.agent.render import ChatRenderer, as_in_turn, check_template_kwargs
-from raytool.config import ConfigError, RunConfig, to_yaml
+from raytool.config import RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
 from raytool.data.prompts import PromptRow, drop_too_long, with_system_prompt
 from raytool.data.task import Task, load_task
-from raytool import reaper, storage
+from raytool import storage
 from raytool.errors import RaytoolError
-from raytool.resolve import resolve, with_tool_sandbox_settings
+from raytool.resolve import resolve
 from raytool.evaluation import table as eval_table
 from raytool.ledger import FILE as LEDGER_FILE, Ledger, outcome_metrics
 from raytool.models import resolve_model
 from raytool.rewards import validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
-from raytool.tools.registry import ToolSet, load_tool_config, row_tool_names
+from raytool.tools.registry import ToolSet
 from raytool.tracking import Tracker, cut_after_step, validate_backends
 from raytool.training import lr_at
 
 log = logging.getLogger(__name__)
-
-
-def default_run_dir() -> Path:
-    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
-@contextlib.contextmanager
-def run_log(run_dir: Path):
-    """Copy the driver's log records to RUN_DIR/run.log; an exception that ends the run leaves its
-    full traceback there (remote ones included) and names the file on `exc.run_log`, so the console
-    can stay at one line."""
-    path = run_dir / "run.log"
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    try:
-        yield path
-    except BaseException as exc:
-        handler.stream.write("".join(traceback.format_exception(exc)))
-        exc.run_log = str(path)
-        raise
-    finally:
-        root.removeHandler(handler)
-        handler.close()
-
-
-def check_tools(cfg: RunConfig) -> None:
-    """The tool YAML (agent.tools) must load in the driver: its classes import and build, and its
-    sandbox settings agree with the run's; otherwise the first agent worker would be the one to say."""
-    if not cfg.agent.tools:
-        return
-    try:
-        with_tool_sandbox_settings(cfg)
-        load_tool_config(cfg.agent.tools)
-    except ConfigError as exc:
-        raise ConfigError(f"config key 'agent.tools': {exc}") from None
-
-
-def connect(address: str | None) -> None:
-    """Attach to `address` (or RAY_ADDRESS), else start a private local Ray instance, which a reaper
-    process ends if this driver is killed (raytool.reaper: Ray's agents outlive a killed driver)."""
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        reaper.start_for(os.getpid())
-    ray.init(address=address or "local", log_to_driver=True)
 
 
 def serving_metrics(graph: Graph, server_stats: dict) -> dict:
@@ -269,16 +218,6 @@ def context_length(cfg: RunConfig, model_path: str) -> int | None:
     from transformers import AutoConfig
 
     return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-
-
-def check_row_tools(toolset: ToolSet, task: Task) -> None:
-    """Every prompt row's `tools` names tools of the run's tool set: one line naming the row otherwise."""
-    for split, rows in (("train", task.train), ("validation", task.val)):
-        for i, row in enumerate(rows):
-            try:
-                toolset.check_names(row_tool_names(row.tools), row.origin or f"{split} prompt row {i} (data source {row.data_source})")
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
 
 
 def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer, toolset: ToolSet) -> Task:

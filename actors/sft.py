@@ -16,7 +16,8 @@ import msgspec
 
 from actors.compose import check_memory, run_namespace, wait_for_resources
 from actors.checkpoint import checkpoint_root, earlier_run, read_state, remove_earlier_run, resume_checkpoint, resumed_run_dir, save_checkpoint
-from actors.pipeline import connect, default_run_dir, reforming, run_log
+from actors.pipeline import reforming
+from actors.session import connect, default_run_dir, run_log
 from actors.trainer import TrainerGroup
 from raytool import storage
 from raytool.agent.render import as_in_turn

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return _eval(cfg, args)
         if args.command == "serve":
-            from actors.gateway import serve
+            from actors.serve import serve
 
             serve(cfg, args.host, args.port, args.address)
             return 0

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 DRIVER = """
 import ray
-from actors.pipeline import connect
+from actors.session import connect
 
 connect(None)
 

@@ -89,7 +89,7 @@ def test_raytool_serve_answers_until_stopped_and_then_leaves_nothing_running(ray
 
     import ray
 
-    from actors.gateway import serve
+    from actors.serve import serve
 
     port = free_port()
     cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "rollout.num_cpus=0.5",
