@@ -39,7 +39,7 @@ from raytool.errors import ActorStartError, RaytoolError, one_line, start_failur
 from raytool.models import resolve_model
 from raytool.resolve import resolve
 from raytool.streaming import GroupFailed, group_failure
-from raytool.weightsync import WeightSyncError
+from raytool.weightsync import ServerSyncFailure, WeightSyncError, chain_culprits
 
 log = logging.getLogger(__name__)
 
@@ -161,30 +161,26 @@ class Graph:
         failed = self._unresponsive(targets)
         targets = {name: addresses for name, addresses in targets.items() if name not in failed}
         sent, acks, broken = self._send_and_ack(targets, version, timeout_s)
-        culprits = {name for name, (_, is_dead, _) in broken.items() if is_dead}
-        undelivered = {address for _, _, error in broken.values() if error is not None and error.kind == "undelivered" for address in error.addresses}
-        culprits |= {name for name in broken if undelivered & set(targets[name])}
-        collateral = {name: targets[name] for name in broken if name not in culprits}
+        culprits, collateral = chain_culprits(targets, broken)
         if culprits and collateral:
             log.warning("weight sync v%d: %s broke the chain; syncing %s again without them", version, sorted(culprits), sorted(collateral))
             sent_again, more_acks, broken_again = self._send_and_ack(collateral, version, timeout_s)
             sent = sent if sent["bytes"] else sent_again
             acks += more_acks
             broken = {name: broken[name] for name in culprits} | broken_again
-        failed.update({name: reason for name, (reason, _, _) in broken.items()})
+        failed.update({name: f.reason for name, f in broken.items()})
         self.ask_manager("synced", version, [a["server"] for a in acks], failed)
         return {"sent": sent, "acks": acks, "failed": failed}
 
     def _send_and_ack(self, targets: dict, version: int, timeout_s: float) -> tuple[dict, list, dict]:
-        """One pass: every target listens, the trainer sends. Returns (sender stats, acks, and per
-        failed server (one-line reason, whether its actor died, its WeightSyncError if it had one))."""
+        """One pass: every target listens, the trainer sends -> (sender stats, acks, failed server -> ServerSyncFailure)."""
         if not targets:  # every server is down or restarting: nothing to send to (they are synced once back)
             return {"bytes": 0, "buckets": 0, "seconds": 0.0}, [], {}
         self.sync_attempts += 1  # a pass of this version after a failed one: receivers drop the first pass's leftovers
         attempt = self.sync_attempts
         receiving = {name: self.servers[name].receive_weights.remote(version, timeout_s, attempt) for name in targets}
         addresses = [address for name in targets for address in targets[name]]
-        acks, broken = [], {}
+        acks, broken = [], {}  # server -> ServerSyncFailure
         try:
             bucket_bytes = self.cfg.trainer.weight_sync_bucket_mb << 20
             sent, *_ = self.trainer.gather(self.trainer.send_weights(addresses, version, bucket_bytes, timeout_s, attempt))
@@ -194,16 +190,17 @@ class Graph:
             if not named:
                 raise
             sent = {"bytes": 0, "buckets": 0, "seconds": 0.0}
-            broken.update({name: (one_line(exc), True, error) for name in named})
+            broken.update({name: ServerSyncFailure(one_line(exc), True, error) for name in named})
         for name, ref in receiving.items():
             try:
                 acks.append(ray.get(ref, timeout=timeout_s + ACK_GRACE_S))
             except ray.exceptions.GetTimeoutError:  # hung in the load: handled like a death (Ray restarts it, the next sync re-loads it)
                 ray.kill(self.servers[name], no_restart=False)
-                broken[name] = (f"{name} did not ack weight sync v{version} within {timeout_s + ACK_GRACE_S:g}s: killed so that Ray restarts it", True, None)
+                broken[name] = ServerSyncFailure(f"{name} did not ack weight sync v{version} within {timeout_s + ACK_GRACE_S:g}s: killed so that Ray restarts it", True)
             except ray.exceptions.RayError as exc:
                 cause = getattr(exc, "cause", None)
-                broken.setdefault(name, (one_line(exc), isinstance(exc, ray.exceptions.RayActorError), cause if isinstance(cause, WeightSyncError) else None))
+                broken.setdefault(name, ServerSyncFailure(one_line(exc), isinstance(exc, ray.exceptions.RayActorError),
+                                                          cause if isinstance(cause, WeightSyncError) else None))
         return sent, acks, broken
 
     def _unresponsive(self, targets: dict, timeout_s: float = 10.0) -> dict:

@@ -358,3 +358,22 @@ def test_the_relay_chain_keeps_fan_out_near_one_link_between_simulated_nodes(tin
     assert result["linked_direct4_vs_1"] >= 3.0, result
     assert 0.1 < result["link_gbps_used"] <= 0.2, result  # one receiver: the link's rate, no more
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+def test_a_broken_chain_names_its_culprits_and_resyncs_only_the_starved_servers():
+    """Without Ray: which failed servers broke the relay chain (their actor died, or a forwarder
+    could not deliver to them) and which only starved behind them (synced again without the culprits)."""
+    from raytool.weightsync import ServerSyncFailure, WeightSyncTimeout, chain_culprits
+
+    targets = {"s0": ["tcp://a:1"], "s1": ["tcp://b:1"], "s2": ["tcp://c:1"], "s3": ["tcp://d:1"]}
+    undelivered = WeightSyncTimeout("bucket 0 could not be handed to tcp://b:1", version=3, bucket=0, addresses=("tcp://b:1",), kind="undelivered")
+    starved = WeightSyncTimeout("bucket 0 never arrived", version=3, bucket=0, addresses=("tcp://c:1",), kind="starved")
+    failures = {
+        "s1": ServerSyncFailure("no bucket", False, starved),  # named by s0's undelivered error: a culprit though its actor lives
+        "s0": ServerSyncFailure("forwarder failed", False, undelivered),
+        "s2": ServerSyncFailure("starved", False, starved),
+        "s3": ServerSyncFailure("actor died", True),
+    }
+    culprits, again = chain_culprits(targets, failures)
+    assert culprits == {"s1", "s3"} and again == {"s0": ["tcp://a:1"], "s2": ["tcp://c:1"]}
+    assert chain_culprits(targets, {}) == (set(), {})

@@ -5,8 +5,8 @@ Files: `protocol.py` the wire format, `sender.py` the trainer side, `receiver.py
 `same_node.py` the same-node paths (CUDA IPC, shared memory) and when to take them.
 """
 
-from raytool.weightsync.protocol import ChecksumError, WeightSyncError, WeightSyncTimeout
+from raytool.weightsync.protocol import ChecksumError, ServerSyncFailure, WeightSyncError, WeightSyncTimeout, chain_culprits
 from raytool.weightsync.receiver import WeightReceiver
 from raytool.weightsync.sender import WeightSender
 
-__all__ = ["ChecksumError", "WeightReceiver", "WeightSender", "WeightSyncError", "WeightSyncTimeout"]
+__all__ = ["ChecksumError", "ServerSyncFailure", "WeightReceiver", "WeightSender", "WeightSyncError", "WeightSyncTimeout", "chain_culprits"]

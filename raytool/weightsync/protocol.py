@@ -23,6 +23,8 @@ buckets are small headers) sends each receiver a header whose route is itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Literal
 
 import msgspec
@@ -159,3 +161,26 @@ def _rebuild(cls, message, version, bucket, addresses, kind):
 
 class ChecksumError(WeightSyncError):
     """A bucket's payload does not match its header's checksum: corrupted on the named hop."""
+
+
+@dataclass(frozen=True)
+class ServerSyncFailure:
+    """One server's failed weight sync, as the driver saw it: why (one line), whether its actor
+    died (or hung and was killed), and the WeightSyncError it raised, if any."""
+
+    reason: str
+    actor_died: bool
+    error: WeightSyncError | None = None
+
+
+def chain_culprits(targets: dict[str, list[str]], failures: dict[str, ServerSyncFailure]) -> tuple[set[str], dict[str, list[str]]]:
+    """Which failed servers broke the relay chain, and which only starved behind them.
+
+    `targets`: server -> its receiver addresses in the chain; `failures`: the servers that failed.
+    Culprits: a server whose actor died, or one at an address a forwarder could not deliver to
+    (an `undelivered` error names it). The others failed because a culprit upstream starved them:
+    returned as server -> addresses, to be synced again in a chain without the culprits."""
+    culprits = {name for name, f in failures.items() if f.actor_died}
+    undelivered = {a for f in failures.values() if f.error is not None and f.error.kind == "undelivered" for a in f.error.addresses}
+    culprits |= {name for name in failures if undelivered & set(targets[name])}
+    return culprits, {name: targets[name] for name in failures if name not in culprits}
