@@ -53,7 +53,7 @@ def _engine_round(graph, prompts: list[list[int]], sampling: SamplingParams, pre
 def _agent_round(graph, problems, prefix: str) -> tuple[int, float]:
     start = time.perf_counter()
     stats, _ = graph.rollout(problems, prefix)
-    return sum(s["generated_tokens"] for s in stats), time.perf_counter() - start
+    return sum(s.generated_tokens for s in stats), time.perf_counter() - start
 
 
 async def _tool_trajectory(manager, prompt: list[int], sampling: SamplingParams, uid: str, index: int, latency_s: float) -> None:

@@ -16,7 +16,7 @@ import ray
 from raytool.config import RunConfig, check_resume
 from raytool import storage
 from raytool.errors import RaytoolError
-from raytool.streaming import RolloutGroup
+from raytool.streaming import RolloutGroup, TrajectoryStats
 from raytool.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class _SavedGroup(msgspec.Struct):
     key: str
     seq: int
     row: dict
-    stats: list[dict]
+    stats: list[TrajectoryStats]
     submitted_version: int
     trajectories: list[Trajectory]
 
@@ -92,7 +92,7 @@ def load_buffer(checkpoint: str | Path, row_type: type) -> list[RolloutGroup]:
         return []
     saved = msgspec.msgpack.decode(storage.read_bytes(path), type=list[_SavedGroup])
     return [RolloutGroup(g.key, g.seq, msgspec.convert(g.row, row_type), ray.put(g.trajectories),
-                         [{**s, "version_counts": {int(v): n for v, n in s["version_counts"].items()}} for s in g.stats], g.submitted_version)
+                         g.stats, g.submitted_version)
             for g in saved]
 
 

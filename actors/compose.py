@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 import ray
 from tqdm import tqdm
 
@@ -38,7 +39,7 @@ from raytool import placement
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
 from raytool.resolve import resolve
-from raytool.streaming import GroupFailed, group_failure
+from raytool.streaming import GroupFailed, TrajectoryStats, group_failure
 from raytool.weightsync import ServerSyncFailure, WeightSyncError, chain_culprits
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class Graph:
         self._group_worker[refs[1]] = worker
         return refs
 
-    def group_result(self, stats_ref) -> list[dict] | GroupFailed:
+    def group_result(self, stats_ref) -> list[TrajectoryStats] | GroupFailed:
         """A finished group's stats, or GroupFailed with the cause when its agent worker died (or
         raised) instead of returning them. A worker that died is waited for while Ray restarts it,
         so the group's retry is not spent on a worker that refuses calls until it is back."""
@@ -94,7 +95,7 @@ class Graph:
             return GroupFailed(one_line(exc))
 
     def rollout(self, rows: list[PromptRow], prefix: str = "g", progress: str | None = None,
-                n: int | None = None, sampling: dict | None = None) -> tuple[list[dict], list]:
+                n: int | None = None, sampling: dict | None = None) -> tuple[list[TrajectoryStats], list]:
         """Roll out every prompt row n times (rollout.n by default); returns (per-trajectory stats,
         with the index of their group, and one trajectories ref per row). The trajectories stay in
         the object store until someone asks. `progress`: the label of a progress bar on stderr (None: no bar).
@@ -122,10 +123,7 @@ class Graph:
                     raise RaytoolError(f"group {prefix}{i} failed {attempts[i] + 1} times (rollout.max_group_retries={self.cfg.rollout.max_group_retries}): {cause}")
                 stats[i] = result
                 bar.update(n)
-        for g, group in enumerate(stats):
-            for x in group:
-                x["group"] = g
-        return [x for group in stats for x in group], [t for t, _ in refs]
+        return [msgspec.structs.replace(x, group=g) for g, group in enumerate(stats) for x in group], [t for t, _ in refs]
 
     def ask_manager(self, method: str, *args):
         """Call the LLM manager and wait for the answer; a manager that died is waited for while Ray

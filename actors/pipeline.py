@@ -299,7 +299,7 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState
     metrics = {"step": step, **batch_metrics, **train_metrics, **serving_metrics(graph, engines), **sandbox_metrics(graph)}
     step_s = time.perf_counter() - step_start
     rollout_idle_s, trainer_wait_s = stream.clock.lap()
-    generated = sum(s["generated_tokens"] for s in batch.stats())
+    generated = sum(s.generated_tokens for s in batch.stats())
     metrics.update({
         "rollout/tokens_per_s": generated / max(rollout_s if stream.k == 0 else step_s, 1e-9),
         "timing/step_s": step_s,

@@ -35,57 +35,69 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from raytool.errors import RaytoolError
 from raytool.types import Trajectory, generated_versions
 
 log = logging.getLogger(__name__)
 
 
-def trajectory_stats(t: Trajectory) -> dict:
+class TrajectoryStats(msgspec.Struct, frozen=True):
     """The small per-trajectory summary the driver keeps (the trajectories stay in the object store)."""
+
+    reward: float
+    acc: float
+    response_length: int
+    generated_tokens: int
+    num_turns: int
+    tool_calls: int
+    tool_errors: int
+    tool_error_kinds: dict[str, int]
+    tool_repaired: int
+    tool_cut_in_fence: int
+    finish_reason: str
+    verify_timeout: float  # 1.0 when the answer's check ran out of time (scored wrong)
+    infra_failure: str  # why infrastructure failed it ("": it did not)
+    min_version: int
+    max_version: int
+    version_counts: dict[int, int]  # generated tokens per policy version
+    group: int = -1  # the index of its group, in a batch or a rollout's rows (-1: not placed yet)
+
+
+def trajectory_stats(t: Trajectory) -> TrajectoryStats:
     counts = dict(Counter(generated_versions(t)))
-    return {
-        "reward": t.reward,
-        "acc": t.reward_extra.get("acc", float(t.reward > 0)),
-        "response_length": len(t.response_ids),
-        "generated_tokens": sum(t.response_mask),
-        "num_turns": t.num_turns,
-        "tool_calls": t.tool_calls,
-        "tool_errors": t.tool_errors,
-        "tool_error_kinds": t.tool_error_kinds,
-        "tool_repaired": t.tool_repaired,
-        "tool_cut_in_fence": t.tool_cut_in_fence,
-        "finish_reason": t.finish_reason,
-        "verify_timeout": t.reward_extra.get("verify_timeout", 0.0),
-        "infra_failure": t.infra_failure,
-        "min_version": min(counts, default=t.policy_version),
-        "max_version": max(counts, default=t.policy_version),
-        "version_counts": counts,  # generated tokens per policy version
-    }
+    return TrajectoryStats(
+        reward=float(t.reward), acc=float(t.reward_extra.get("acc", t.reward > 0)), response_length=len(t.response_ids),
+        generated_tokens=sum(t.response_mask), num_turns=t.num_turns, tool_calls=t.tool_calls, tool_errors=t.tool_errors,
+        tool_error_kinds=dict(t.tool_error_kinds), tool_repaired=t.tool_repaired, tool_cut_in_fence=t.tool_cut_in_fence,
+        finish_reason=t.finish_reason, verify_timeout=float(t.reward_extra.get("verify_timeout", 0.0)), infra_failure=t.infra_failure,
+        min_version=min(counts, default=t.policy_version), max_version=max(counts, default=t.policy_version), version_counts=counts,
+    )
 
 
-def rollout_metrics(stats: list[dict]) -> dict:
+def rollout_metrics(stats: list[TrajectoryStats]) -> dict:
     """A step's rollout metrics from its trajectories' stats."""
     n = len(stats)
-    calls = sum(s["tool_calls"] for s in stats)
+    calls = sum(s.tool_calls for s in stats)
     metrics = {
-        "reward/mean": sum(s["reward"] for s in stats) / n,
-        "acc/mean": sum(s["acc"] for s in stats) / n,
-        "response_length/mean": sum(s["response_length"] for s in stats) / n,
-        "generated_tokens/mean": sum(s["generated_tokens"] for s in stats) / n,
-        "num_turns/mean": sum(s["num_turns"] for s in stats) / n,
+        "reward/mean": sum(s.reward for s in stats) / n,
+        "acc/mean": sum(s.acc for s in stats) / n,
+        "response_length/mean": sum(s.response_length for s in stats) / n,
+        "generated_tokens/mean": sum(s.generated_tokens for s in stats) / n,
+        "num_turns/mean": sum(s.num_turns for s in stats) / n,
         "tool/calls_per_traj": calls / n,
-        "tool/error_rate": sum(s["tool_errors"] for s in stats) / calls if calls else 0.0,
+        "tool/error_rate": sum(s.tool_errors for s in stats) / calls if calls else 0.0,
         "rollout/trajectories": n,
     }
     # Counts per step, by kind (raytool.tools.base.ERROR_KINDS), as a rate per call.
-    for kind in sorted({k for s in stats for k in s.get("tool_error_kinds", {})}):
-        metrics[f"tool/errors/{kind}"] = sum(s["tool_error_kinds"].get(kind, 0) for s in stats) / max(calls, 1)
-    metrics["tool/repaired"] = sum(s.get("tool_repaired", 0) for s in stats)
-    metrics["tool/cut_in_fence"] = sum(s.get("tool_cut_in_fence", 0) for s in stats)
-    metrics["reward/timeouts"] = sum(s.get("verify_timeout", 0.0) for s in stats)  # answers whose check ran out of time (scored wrong)
-    for reason in sorted({s["finish_reason"] for s in stats}):
-        metrics[f"finish/{reason}"] = sum(s["finish_reason"] == reason for s in stats) / n
+    for kind in sorted({k for s in stats for k in s.tool_error_kinds}):
+        metrics[f"tool/errors/{kind}"] = sum(s.tool_error_kinds.get(kind, 0) for s in stats) / max(calls, 1)
+    metrics["tool/repaired"] = sum(s.tool_repaired for s in stats)
+    metrics["tool/cut_in_fence"] = sum(s.tool_cut_in_fence for s in stats)
+    metrics["reward/timeouts"] = sum(s.verify_timeout for s in stats)  # answers whose check ran out of time (scored wrong)
+    for reason in sorted({s.finish_reason for s in stats}):
+        metrics[f"finish/{reason}"] = sum(s.finish_reason == reason for s in stats) / n
     return metrics
 
 
@@ -97,20 +109,20 @@ class RolloutGroup:
     seq: int  # submission order
     row: Any  # the prompt row (a PromptRow): what a resume rolls out again
     ref: Any  # the trajectories (an object ref in the Ray layer)
-    stats: list[dict]  # trajectory_stats of each sample
+    stats: list[TrajectoryStats]  # of each sample
     submitted_version: int  # the trainer's version when the group started
 
     @property
     def min_version(self) -> int:
-        return min(s["min_version"] for s in self.stats)
+        return min(s.min_version for s in self.stats)
 
     @property
     def max_version(self) -> int:
-        return max(s["max_version"] for s in self.stats)
+        return max(s.max_version for s in self.stats)
 
     def rewards_vary(self) -> bool:
         """Whether its samples scored differently: under GRPO an all-equal group has zero advantage."""
-        return len({s["reward"] for s in self.stats}) > 1
+        return len({s.reward for s in self.stats}) > 1
 
 
 @dataclass
@@ -124,13 +136,13 @@ class RolloutBatch:
     def refs(self) -> list:
         return [g.ref for g in self.groups]
 
-    def stats(self) -> list[dict]:
+    def stats(self) -> list[TrajectoryStats]:
         """Every trajectory's stats, each with the index of its group in this batch."""
-        return [{**s, "group": i} for i, g in enumerate(self.groups) for s in g.stats]
+        return [msgspec.structs.replace(s, group=i) for i, g in enumerate(self.groups) for s in g.stats]
 
     @property
     def rewards(self) -> list[float]:
-        return [s["reward"] for g in self.groups for s in g.stats]
+        return [s.reward for g in self.groups for s in g.stats]
 
     @property
     def group_index(self) -> list[int]:
@@ -147,18 +159,18 @@ class RolloutBatch:
 
     def lengths(self) -> list[list[int]]:
         """Per group, each trajectory's trained length (prompt-free response plus one)."""
-        return [[s["response_length"] + 1 for s in g.stats] for g in self.groups]
+        return [[s.response_length + 1 for s in g.stats] for g in self.groups]
 
     def staleness_metrics(self) -> dict:
         """How far behind the trainer's version the batch's tokens and trajectories are."""
         tokens = lag_sum = lag_max = 0
         for g in self.groups:
             for s in g.stats:
-                for v, n in s["version_counts"].items():
+                for v, n in s.version_counts.items():
                     tokens += n
                     lag_sum += (self.version - v) * n
                     lag_max = max(lag_max, self.version - v)
-        trajs = [self.version - s["min_version"] for g in self.groups for s in g.stats]
+        trajs = [self.version - s.min_version for g in self.groups for s in g.stats]
         return {
             "staleness/token_mean": lag_sum / tokens if tokens else 0.0,
             "staleness/token_max": lag_max,
@@ -177,11 +189,11 @@ class GroupFailed:
     cause: str
 
 
-def group_failure(stats: list[dict] | GroupFailed) -> str:
+def group_failure(stats: list[TrajectoryStats] | GroupFailed) -> str:
     """Why a finished group cannot be trained as it is ("": it can)."""
     if isinstance(stats, GroupFailed):
         return f"agent worker: {stats.cause}"
-    return next((s["infra_failure"] for s in stats if s.get("infra_failure")), "")
+    return next((s.infra_failure for s in stats if s.infra_failure), "")
 
 
 @dataclass
@@ -316,11 +328,11 @@ class RolloutStream:
         self.clock.mark(bool(self.running))
         return set(ready)
 
-    def _failed(self, r: _Running, cause: str, stats: list[dict] | GroupFailed) -> None:
+    def _failed(self, r: _Running, cause: str, stats: list[TrajectoryStats] | GroupFailed) -> None:
         """A group an infrastructure failure hit: roll it out again (same key, so the same seeds, on the
         current weights), or after max_retries record it as failed and leave it out of the loss."""
         if not isinstance(stats, GroupFailed):
-            self.trajs_infra_failed += sum(bool(s.get("infra_failure")) for s in stats)
+            self.trajs_infra_failed += sum(bool(s.infra_failure) for s in stats)
         if r.attempt < self.max_retries:
             self.retried += 1
             log.warning("group %s: %s; rolling it out again (retry %d of %d)", r.key, cause, r.attempt + 1, self.max_retries)

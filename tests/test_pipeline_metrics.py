@@ -1,21 +1,28 @@
 """The streaming rollout core (raytool.streaming) on scripted rollouts: no Ray, milliseconds."""
 
 from raytool.data import PromptLoader
-from raytool.streaming import GroupFailed, RolloutStream, rollout_metrics
+import msgspec
 
-_STAT = {"response_length": 10, "generated_tokens": 10, "num_turns": 1, "tool_calls": 0, "tool_errors": 0, "finish_reason": "answer"}
+from raytool.streaming import GroupFailed, RolloutStream, TrajectoryStats, rollout_metrics
+
+
+def _stat(**fields) -> TrajectoryStats:
+    base = dict(reward=0.0, acc=0.0, response_length=10, generated_tokens=10, num_turns=1, tool_calls=0, tool_errors=0, tool_error_kinds={},
+                tool_repaired=0, tool_cut_in_fence=0, finish_reason="answer", verify_timeout=0.0, infra_failure="", min_version=0, max_version=0,
+                version_counts={})
+    return TrajectoryStats(**{**base, **fields})
 
 
 def test_rollout_metrics_from_trajectory_stats():
     stats = [
-        {"reward": 1.0, "acc": 1.0, "response_length": 40, "generated_tokens": 30, "num_turns": 2, "tool_calls": 1, "tool_errors": 0, "finish_reason": "answer"},
-        {"reward": 0.0, "acc": 0.0, "response_length": 80, "generated_tokens": 50, "num_turns": 3, "tool_calls": 3, "tool_errors": 2, "finish_reason": "max_turns"},
+        _stat(reward=1.0, acc=1.0, response_length=40, generated_tokens=30, num_turns=2, tool_calls=1, tool_errors=0, finish_reason="answer"),
+        _stat(reward=0.0, acc=0.0, response_length=80, generated_tokens=50, num_turns=3, tool_calls=3, tool_errors=2, finish_reason="max_turns"),
     ]
     m = rollout_metrics(stats)
     assert m["reward/mean"] == 0.5 and m["response_length/mean"] == 60 and m["num_turns/mean"] == 2.5
     assert m["tool/calls_per_traj"] == 2.0 and m["tool/error_rate"] == 0.5
     assert m["finish/answer"] == 0.5 and m["finish/max_turns"] == 0.5
-    assert rollout_metrics([{**stats[0], "tool_calls": 0}])["tool/error_rate"] == 0.0
+    assert rollout_metrics([msgspec.structs.replace(stats[0], tool_calls=0)])["tool/error_rate"] == 0.0
 
 
 class _Rollouts:
@@ -52,8 +59,8 @@ class _Rollouts:
             if cause == "worker":
                 out[ref] = GroupFailed("RayActorError: the actor died unexpectedly")
                 continue
-            out[ref] = [{**_STAT, "reward": r, "acc": r, "min_version": ref[2], "max_version": ref[2], "version_counts": {ref[2]: 10},
-                         "infra_failure": cause if i == 0 else ""} for i, r in enumerate(self.rewards(ref[1]))]
+            out[ref] = [_stat(reward=r, acc=r, min_version=ref[2], max_version=ref[2], version_counts={ref[2]: 10}, infra_failure=cause if i == 0 else "")
+                        for i, r in enumerate(self.rewards(ref[1]))]
         return out
 
 
@@ -84,7 +91,7 @@ def test_dynamic_sampling_keeps_groups_with_a_reward_spread_until_the_batch_is_f
     stream = _stream(_Rollouts(lambda key: script[key]), k=0, dynamic=True, rounds=3)
     batch, metrics = stream.next_batch(5)
     assert [g.key for g in batch.groups] == ["s5r1g1", "s5r2g1"]  # the all-equal groups are dropped
-    assert [s["group"] for s in batch.stats()] == [0, 0, 1, 1] and batch.rewards == [0.0, 1.0, 1.0, 0.0]
+    assert [s.group for s in batch.stats()] == [0, 0, 1, 1] and batch.rewards == [0.0, 1.0, 1.0, 0.0]
     assert metrics["rollout/sampling_rounds"] == 2 and metrics["rollout/prompts_drawn"] == 4 and metrics["rollout/groups_kept"] == 2
     assert metrics["reward/mean"] == 0.5  # over everything rolled out, before the filter
 

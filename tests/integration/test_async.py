@@ -55,7 +55,7 @@ def test_max_staleness_zero_is_the_synchronous_loop_bit_for_bit(ray_cluster, tmp
         for step in range(1, 4):
             rows = loader.next_batch()
             stats, refs = graph.rollout(rows, f"s{step}r1g")
-            groups = [RolloutGroup(f"s{step}r1g{g}", g, row, ref, [s for s in stats if s["group"] == g], step - 1)
+            groups = [RolloutGroup(f"s{step}r1g{g}", g, row, ref, [s for s in stats if s.group == g], step - 1)
                       for g, (row, ref) in enumerate(zip(rows, refs))]
             reference.append({**rollout_metrics(stats), **graph.trainer.rl_step(RolloutBatch(groups, step - 1))})
             graph.sync_weights(step)

@@ -82,7 +82,7 @@ def test_readme_composition_example_runs(ray_cluster):
     namespace: dict = {}
     exec(compile(block.group(1), "README.md:compose-example", "exec"), namespace)
     stats = namespace["stats"]
-    assert len(stats) == 2 * 2 and all(s["response_length"] > 0 for s in stats)
+    assert len(stats) == 2 * 2 and all(s.response_length > 0 for s in stats)
 
 
 @pytest.mark.parametrize("victim", ["server", "engine core"])
