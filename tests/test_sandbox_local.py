@@ -179,3 +179,22 @@ def test_without_namespaces_cells_still_run_under_their_own_uid(tmp_path, monkey
     assert caps["mountns"] is False and r.status == "ok"
     assert r.stdout == f"{caps['setuid']} True True\n"
     assert t.status == "timeout"
+
+
+def test_aclose_leaves_nothing_of_the_backend_pending_on_its_loop():
+    """A refill still forking when the backend closes is awaited to its end, so a loop closed
+    right after holds no pending task (asyncio would log "Task was destroyed but it is pending!"
+    into whatever test runs next)."""
+    loop = asyncio.new_event_loop()
+    backend = LocalBackend(warm_sessions=1)
+
+    async def main():
+        await backend.start()
+        backend._spawn_task(asyncio.sleep(3600))  # background work still running at close, as a refill would be
+        await backend.aclose()
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    try:
+        assert loop.run_until_complete(main()) == []
+    finally:
+        loop.close()

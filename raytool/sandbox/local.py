@@ -470,16 +470,20 @@ class LocalBackend:
                 await self._end(s)
 
     async def aclose(self) -> None:
-        """End every session and stop the fork-server."""
+        """Stop the background work (a warm-session refill), end every session and stop the
+        fork-server. The background tasks are awaited, not only cancelled: a loop closed right
+        after would otherwise destroy them pending (and asyncio logs an error in whatever runs next)."""
         self._closing = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for name in list(self.sessions):
             await self.close_session(name)
         for s in self._warm:
             await self._end(s)
         self._warm.clear()
         await self._stop_zygote()
-        for task in list(self._tasks):
-            task.cancel()
 
     def stats(self) -> dict:
         return {"sessions": len(self.sessions), "warm": len(self._warm), **self.counts, "isolation": dict(self.caps)}
