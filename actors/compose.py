@@ -39,7 +39,7 @@ from raytool import placement
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
 from raytool.resolve import resolve
-from raytool.streaming import GroupFailed, TrajectoryStats, group_failure
+from raytool.streaming import GroupFailed, GroupRetries, TrajectoryStats
 from raytool.weightsync import ServerSyncFailure, WeightSyncError, chain_culprits
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,11 @@ class Graph:
         the object store until someone asks. `progress`: the label of a progress bar on stderr (None: no bar).
         A group hit by an infrastructure failure (its agent worker died, a sandbox or engine failed)
         is rolled out again with the same seeds, up to rollout.max_group_retries times; a group
-        whose worker still dies is an error naming it, one whose infrastructure still fails is kept."""
+        whose worker still dies is an error naming it, one whose infrastructure still fails is kept
+        (the retry policy is the training stream's: raytool.streaming.GroupRetries)."""
         refs = [self.submit_group(row, f"{prefix}{i}", n, sampling) for i, row in enumerate(rows)]
         n = n or self.cfg.rollout.n
+        retries = GroupRetries(self.cfg.rollout.max_group_retries)
         stats: list = [None] * len(rows)
         attempts = [0] * len(rows)
         pending = {stats_ref: i for i, (_, stats_ref) in enumerate(refs)}
@@ -112,15 +114,15 @@ class Graph:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 i = pending.pop(ready[0])
                 result = self.group_result(ready[0])
-                cause = group_failure(result)
-                if cause and attempts[i] < self.cfg.rollout.max_group_retries:
+                verdict, cause = retries.verdict(attempts[i], result)
+                if verdict == "retry":
+                    retries.log_retry(f"{prefix}{i}", attempts[i], cause)
                     attempts[i] += 1
-                    log.warning("group %s%d: %s; rolling it out again (attempt %d)", prefix, i, cause, attempts[i] + 1)
                     refs[i] = self.submit_group(rows[i], f"{prefix}{i}", n, sampling, attempt=attempts[i])
                     pending[refs[i][1]] = i
                     continue
                 if isinstance(result, GroupFailed):
-                    raise RaytoolError(f"group {prefix}{i} failed {attempts[i] + 1} times (rollout.max_group_retries={self.cfg.rollout.max_group_retries}): {cause}")
+                    raise RaytoolError(f"group {prefix}{i} failed {attempts[i] + 1} times (rollout.max_group_retries={retries.max_retries}): {cause}")
                 stats[i] = result
                 bar.update(n)
         return [msgspec.structs.replace(x, group=g) for g, group in enumerate(stats) for x in group], [t for t, _ in refs]

@@ -196,6 +196,29 @@ def group_failure(stats: list[TrajectoryStats] | GroupFailed) -> str:
     return next((s.infra_failure for s in stats if s.infra_failure), "")
 
 
+@dataclass(frozen=True)
+class GroupRetries:
+    """The one retry policy for GRPO groups, used by the training stream and by Graph.rollout
+    (validation, `raytool eval`, benches): a group whose infrastructure failed (a trajectory
+    infra-failed, or its agent worker died: `group_failure`) is rolled out again under the same key,
+    so with the same sampling seeds, until it has been rolled out 1 + `max_retries` times
+    (`rollout.max_group_retries`). What a group still failing then means is the caller's: training
+    leaves it out of the loss; a rollout that must return every group keeps its infra-failed
+    trajectories as they are, and stops with the cause when it has none (its worker kept dying)."""
+
+    max_retries: int
+
+    def verdict(self, attempt: int, result: list[TrajectoryStats] | GroupFailed) -> tuple[str, str]:
+        """(`ok` | `retry` | `failed`, the cause) for a group's `attempt`-th rollout (0: the first)."""
+        cause = group_failure(result)
+        if not cause:
+            return "ok", ""
+        return ("retry" if attempt < self.max_retries else "failed"), cause
+
+    def log_retry(self, key: str, attempt: int, cause: str) -> None:
+        log.warning("group %s: %s; rolling it out again (retry %d of %d)", key, cause, attempt + 1, self.max_retries)
+
+
 @dataclass
 class _Running:
     key: str
@@ -246,6 +269,7 @@ class RolloutStream:
         self.per_step, self.k = per_step, max_staleness
         self.draw, self.submit, self.wait = draw, submit, wait
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
+        self.retries = GroupRetries(max_retries)
         self.max_retries = max_retries
         self.failed_in_a_row = 0  # groups failed for good since one succeeded
         self.failed_unreplaced = 0  # groups failed for good since the last batch was taken: the batch goes without them
@@ -311,9 +335,9 @@ class RolloutStream:
         finished, ready = self.wait(list(self.running), list(also))
         for ref, stats in finished.items():
             r = self.running.pop(ref)
-            cause = group_failure(stats)
-            if cause:
-                self._failed(r, cause, stats)
+            verdict, cause = self.retries.verdict(r.attempt, stats)
+            if verdict != "ok":
+                self._failed(r, verdict, cause, stats)
                 continue
             self.failed_in_a_row = 0
             group = RolloutGroup(r.key, r.seq, r.row, r.ref, stats, r.version)
@@ -328,14 +352,14 @@ class RolloutStream:
         self.clock.mark(bool(self.running))
         return set(ready)
 
-    def _failed(self, r: _Running, cause: str, stats: list[TrajectoryStats] | GroupFailed) -> None:
+    def _failed(self, r: _Running, verdict: str, cause: str, stats: list[TrajectoryStats] | GroupFailed) -> None:
         """A group an infrastructure failure hit: roll it out again (same key, so the same seeds, on the
         current weights), or after max_retries record it as failed and leave it out of the loss."""
         if not isinstance(stats, GroupFailed):
             self.trajs_infra_failed += sum(bool(s.infra_failure) for s in stats)
-        if r.attempt < self.max_retries:
+        if verdict == "retry":
             self.retried += 1
-            log.warning("group %s: %s; rolling it out again (retry %d of %d)", r.key, cause, r.attempt + 1, self.max_retries)
+            self.retries.log_retry(r.key, r.attempt, cause)
             self._submit(_Running(r.key, r.seq, r.row, None, self.version, r.attempt + 1))
             return
         log.warning("group %s failed after %d rollouts, left out of the loss: %s", r.key, r.attempt + 1, cause)

@@ -230,3 +230,17 @@ def test_groups_that_keep_coming_back_stale_stop_the_run_instead_of_drawing_wave
     with pytest.raises(RaytoolError, match=r"step 1: 8 groups came back stale, .*max_staleness=0 .*v3 \(the newest: v0\)"):
         stream.next_batch(1)
     assert len(r.started) == 8
+
+
+def test_one_retry_policy_for_groups_retries_infrastructure_failures_then_calls_them_failed():
+    from raytool.streaming import GroupRetries
+
+    policy = GroupRetries(max_retries=2)
+    fine = [_stat(reward=1.0), _stat(reward=0.0)]
+    sandbox = [_stat(infra_failure="sandbox: pool died"), _stat()]
+    died = GroupFailed("RayActorError: the actor died unexpectedly")
+    assert policy.verdict(0, fine) == ("ok", "")
+    assert policy.verdict(0, sandbox) == ("retry", "sandbox: pool died") and policy.verdict(1, sandbox)[0] == "retry"
+    assert policy.verdict(2, sandbox) == ("failed", "sandbox: pool died")
+    assert policy.verdict(2, died) == ("failed", "agent worker: RayActorError: the actor died unexpectedly")
+    assert GroupRetries(max_retries=0).verdict(0, died)[0] == "failed"
