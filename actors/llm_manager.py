@@ -57,6 +57,7 @@ class LLMManager:
             servers = dict(zip(servers, named(servers, namespace)))
         self.servers = servers  # name -> RolloutServer handle
         self.ejected: dict[str, str] = {}  # server -> why it is out of rotation
+        self.probe_failures: dict[str, str] = {}  # ejected server -> what its latest probe got
         self.stall_timeout_s = stall_timeout_s
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
@@ -81,7 +82,12 @@ class LLMManager:
     # -- membership -------------------------------------------------------------------------------
 
     def _snapshot(self) -> Membership:
-        return Membership(self.incarnation, self.epoch, list(self.servers), dict(self.ejected), self.policy_version)
+        return Membership(self.incarnation, self.epoch, list(self.servers), self._reasons(), self.policy_version)
+
+    def _reasons(self) -> dict[str, str]:
+        """Why each ejected server is out: its ejection's cause, with its latest probe's answer."""
+        return {name: cause + (f" (last probe failed: {self.probe_failures[name]})" if name in self.probe_failures else "")
+                for name, cause in self.ejected.items()}
 
     def _changed_now(self) -> None:
         self.epoch += 1
@@ -194,6 +200,7 @@ class LLMManager:
             self._ensure_probing()
 
     def _readmit(self, name: str) -> None:
+        self.probe_failures.pop(name, None)
         if self.ejected.pop(name, None) is not None:
             self._changed_now()
 
@@ -218,8 +225,7 @@ class LLMManager:
         except (asyncio.TimeoutError, GetTimeoutError):
             return  # still restarting or still hung: try again later
         except (RayTaskError, RayActorError) as exc:  # keep why it was ejected, with the latest probe's answer
-            cause = self.ejected.get(name, "").split(" (last probe failed: ")[0]
-            self.ejected[name] = f"{cause} (last probe failed: {one_line(exc)})"
+            self.probe_failures[name] = one_line(exc)
             return
         self.addresses[name] = list(addresses)
         if health["policy_version"] == self.policy_version:
@@ -294,6 +300,6 @@ class LLMManager:
 
     async def stats(self) -> dict:
         await self._rebuild()
-        return {"servers": list(self.servers), "healthy": [n for n in self.servers if n not in self.ejected], "ejected": dict(self.ejected),
+        return {"servers": list(self.servers), "healthy": [n for n in self.servers if n not in self.ejected], "ejected": self._reasons(),
                 "policy_version": self.policy_version, "stale": sorted(self.stale), "retries": self.retries,
                 "membership": f"{self.incarnation}/{self.epoch}", "central": self.plane.stats()}
