@@ -69,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory-gb", type=float, help="memory of one accelerator, GiB (default: cluster.gpu_memory_gb, else this machine's)")
     plan.add_argument("--host-memory-gb", type=float, help="host memory of one node, GiB (default: cluster.host_memory_gb, else this machine's)")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object as the last line")
-    show = sub.add_parser("config", help="print the resolved config as YAML")
+    show = sub.add_parser("config", help="print the resolved config as YAML; --reference: every knob's help; --explain KEY: one knob")
     _config_args(show)
+    show.add_argument("--reference", action="store_true", help="print the config reference (every knob: type, default, range, help, verl key) as Markdown")
+    show.add_argument("--explain", metavar="KEY", help="print one knob's type, default, range, help and verl key (e.g. rollout.n)")
     sandbox = sub.add_parser("sandbox", help="sandbox services")
     sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
     serve = sandbox_sub.add_parser("serve", help="serve the local sandbox over a SandboxFusion-compatible HTTP API (POST /run_code)")
@@ -217,6 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(f"exported: {export_checkpoint(args.ckpt, args.out).resolve()}")
         except RaytoolError as exc:
+            print(f"raytool: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.command == "config" and (args.reference or args.explain):
+        from raytool.config_reference import explain, reference
+
+        try:
+            print(reference() if args.reference else explain(args.explain), end="" if args.reference else "\n")
+        except ConfigError as exc:
             print(f"raytool: {exc}", file=sys.stderr)
             return 2
         return 0

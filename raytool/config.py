@@ -89,7 +89,7 @@ class DataConfig(_Section):
 class EvalConfig(_Section):
     n: Positive = 4  # samples per validation prompt: acc/mean@n, maj@n, pass@n
     temperature: NonNegative = 1.0  # validation sampling (the reference recipes sample, they do not decode greedily)
-    top_p: TopP = 1.0
+    top_p: TopP = 1.0  # validation sampling's nucleus (1.0: off)
     max_prompts: Positive | None = None  # validate on the first this many prompts of the validation set (None: all)
     before_train: bool = False  # validate before the first GRPO step (after the SFT warm-up)
     every: Count = 0  # validate every this many GRPO steps and after the last one (0: never during training)
@@ -99,8 +99,8 @@ class RolloutConfig(_Section):
     engine: Literal["vllm", "hf", "scripted"] = "vllm"  # rollout engine behind each RolloutServer (hf: tests, fallback; scripted: no model, a fixed two-cell tool conversation, for benchmarks of raytool itself)
     num_servers: Positive = 1  # RolloutServer replicas behind the LLMManager
     n: Positive = 4  # samples per prompt (the GRPO group size)
-    temperature: NonNegative = 1.0
-    top_p: TopP = 1.0
+    temperature: NonNegative = 1.0  # sampling temperature of every rollout turn
+    top_p: TopP = 1.0  # nucleus sampling (1.0: off)
     top_k: TopK = -1  # -1: no top-k
     max_tokens_per_turn: Positive = 96  # generation budget of one assistant turn
     seed: int | None = None  # sampling seed per request from (seed, trajectory id, turn): reproducible rollouts (None: unseeded)
@@ -230,7 +230,7 @@ class TrainerConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after the warm-up
     warmup_steps: Count = 0  # linear learning-rate warm-up, in optimizer steps
     min_lr_ratio: Fraction = 0.0  # cosine: the final learning rate as a fraction of the peak
-    weight_decay: NonNegative = 0.0
+    weight_decay: NonNegative = 0.0  # AdamW weight decay
     grad_clip: PositiveNumber = 1.0  # global gradient-norm clip
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # forward/backward dtype (auto: bfloat16 on GPU/NPU and on CPUs with native bf16, float32 on other CPUs); weights and optimizer state are always float32
     micro_batch_tokens: Positive | Literal["auto"] = "auto"  # token budget of one forward/backward micro-batch (padded tokens; packed tokens when packing); auto: 4096 on a CPU, 16384 on an accelerator
@@ -247,7 +247,7 @@ class TrainerConfig(_Section):
     sequence_parallel_size: Positive = 1  # Ulysses SP: each sequence split over this many consecutive workers (it divides num_workers and the attention heads)
     num_cpus: NonNegative = 1.0  # Ray CPUs each trainer worker reserves
     num_gpus: NonNegative = 0.0  # accelerators (cluster.accelerator: GPU or NPU) each trainer worker reserves
-    seed: int = 0
+    seed: int = 0  # the run's seed: torch on the trainer ranks, SFT batch order and split, each rollout server's engine (seed + server index)
     sft_warmup_steps: Count = 12  # cold-start SFT steps on the task's traces before GRPO (0: none; batch size and lr from sft)
     fresh_rl_optimizer: bool = True  # GRPO starts from a fresh AdamW state after the warm-up (false: keep SFT's moments)
     save_every: Count = 0  # write a resumable checkpoint every this many GRPO steps (0: only at the end)
@@ -263,10 +263,10 @@ class SFTConfig(_Section):
     train_files: list[str] = msgspec.field(default_factory=list)  # `raytool sft`: conversations (jsonl/parquet, messages + tools)
     val_files: list[str] = msgspec.field(default_factory=list)  # validation conversations (none: val_fraction of the train files)
     val_fraction: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0  # share of the train conversations held out for validation loss when val_files is empty
-    epochs: Positive = 1
+    epochs: Positive = 1  # passes over the SFT data
     batch_size: Positive = 8  # conversations per optimizer step (also the in-run warm-up's batch)
     lr: PositiveNumber = 1e-4  # peak learning rate (also the in-run warm-up's)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # after the warm-up
     warmup_steps: Count = 0  # linear learning-rate warm-up of `raytool sft`
     max_length: Positive = 4096  # tokens per conversation; longer ones are cut (and counted)
     val_every: Count = 0  # validation loss every this many steps (0: after each epoch)
