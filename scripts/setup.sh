@@ -98,5 +98,18 @@ pip install -q -e ".[dev]"
 if [ "$dry_run" = 1 ]; then
   exit 0
 fi
+# tcmalloc, which vLLM's CPU engine preloads (about 18% faster decoding): a system package, so
+# installed here only where that is possible without asking (root or password-less sudo, apt);
+# otherwise one line says how, and the engine says once what running without it costs.
+if [ "$variant" = cpu ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null && { [ "$(id -u)" -eq 0 ] || sudo -n true 2>/dev/null; }; then
+    sudo_=(); [ "$(id -u)" -eq 0 ] || sudo_=(sudo -n)
+    DEBIAN_FRONTEND=noninteractive "${sudo_[@]}" apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || { "${sudo_[@]}" apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive "${sudo_[@]}" apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
+      || echo "setup: could not install libtcmalloc-minimal4 with apt (vLLM's CPU engine decodes about 18% faster with it)" >&2
+  else
+    echo "setup: libtcmalloc-minimal4 is not installed (vLLM's CPU engine decodes about 18% faster with it); as root: apt-get install libtcmalloc-minimal4" >&2
+  fi
+fi
 echo "$want" > "$STAMP"
 echo "setup: .venv ready ($("$VENV/bin/python" -c 'import torch, vllm, ray, transformers; print(f"torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, transformers {transformers.__version__}")'))"

@@ -110,6 +110,22 @@ def test_the_engine_preloads_what_the_user_has_not(monkeypatch):
     assert device.os.environ["LD_PRELOAD"] == "/usr/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so"
 
 
+def test_an_engine_without_an_allocator_to_preload_says_once_what_it_costs(monkeypatch, caplog):
+    from raytool.engines import vllm_engine
+
+    monkeypatch.setattr(device, "cpu_preloads", lambda: ["/venv/lib/libiomp5.so"])  # no tcmalloc on this machine
+    monkeypatch.setenv("LD_PRELOAD", "")
+    with caplog.at_level(logging.WARNING, logger="raytool.engines.vllm_engine"):
+        vllm_engine._preload_cpu_libraries()
+    lines = [r.getMessage() for r in caplog.records if r.name == "raytool.engines.vllm_engine"]
+    assert len(lines) == 1 and "about 18% slower" in lines[0] and "apt-get install libtcmalloc-minimal4" in lines[0]
+    caplog.clear()
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libjemalloc.so.2")  # the user's own allocator: nothing to say
+    with caplog.at_level(logging.WARNING, logger="raytool.engines.vllm_engine"):
+        vllm_engine._preload_cpu_libraries()
+    assert [r for r in caplog.records if r.name == "raytool.engines.vllm_engine"] == []
+
+
 def test_the_graph_gets_one_resolved_engine_dtype(cpu, caplog, monkeypatch):
     import msgspec
     from vllm.platforms import current_platform
