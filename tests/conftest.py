@@ -178,14 +178,16 @@ def browser_page():
 # function-scoped fixtures stop in their teardown is not a leak: the check runs after them. A
 # child's own children are its business (Ray's actors under the session's `ray start`, a sandbox's
 # sessions under its fork-server). Kept for the process's life by design, so not leaks: tqdm's
-# monitor thread, pyzmq's garbage-collector thread, multiprocessing's resource tracker and
-# forkserver, and the math-verify children of raytool.rewards.verify (one working, one spare).
+# monitor thread, pyzmq's garbage-collector thread, raytool's metrics sampler (actors.metrics, one
+# per process), multiprocessing's resource tracker and forkserver, and the math-verify children of
+# raytool.rewards.verify (one working, one spare).
 # Integration tests are not held to it yet: with RAYTOOL_LEAK_REPORT=FILE their leaks are recorded
 # in FILE (a survey), otherwise they are not checked.
 LEAK_GRACE_S = 5.0  # a process or thread being stopped gets this long to go
 LEAK_REPORT = os.environ.get("RAYTOOL_LEAK_REPORT")
 _LEAK_BASE = pytest.StashKey[tuple]()
-_LIFELONG_THREADS = {"TMonitor", "GarbageCollectorThread"}
+_LIFELONG_THREADS = {"TMonitor", "GarbageCollectorThread"}  # by class
+_LIFELONG_THREAD_NAMES = {"raytool-metrics"}
 _LIFELONG_PROCESSES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "raytool.rewards.verify import _child")
 
 
@@ -208,7 +210,7 @@ def _live_threads() -> dict[int, str]:
     import threading
 
     return {t.ident: t.name for t in threading.enumerate()
-            if t.is_alive() and t.ident is not None and type(t).__name__ not in _LIFELONG_THREADS}
+            if t.is_alive() and t.ident is not None and type(t).__name__ not in _LIFELONG_THREADS and t.name not in _LIFELONG_THREAD_NAMES}
 
 
 @pytest.hookimpl(hookwrapper=True)
