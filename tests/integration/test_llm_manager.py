@@ -27,7 +27,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fakes tra
 class _Fake:
     def __init__(self, name: str):
         self.name = name
-        self.mode = "ok"  # ok | raise | hang (generates nothing) | frozen (answers nothing: a stopped process)
+        self.mode = "ok"  # ok | raise | hang (generates nothing) | frozen (answers nothing: a stopped process) | slow (5 s, progressing)
         self.version = 0
         self.answered: list[str] = []
 
@@ -43,6 +43,8 @@ class _Fake:
             raise RuntimeError(f"{self.name}: engine step failed")
         if self.mode in ("hang", "frozen"):
             await asyncio.sleep(3600)
+        if self.mode == "slow":
+            await asyncio.sleep(5)
         if request_id.startswith("probe-"):
             return TokenOutput([0], [0.0], "length", server=self.name, policy_version=self.version)
         self.answered.append(request_id)
@@ -172,8 +174,11 @@ def test_a_killed_server_is_restarted_resynced_then_readmitted(fleet):
     for s in servers.values():
         ray.get(s.set_version.remote(5))
     ray.get(manager.synced.remote(5, list(servers), {}))
-    # Kill s0 while requests are in flight on it; Ray restarts its process (max_restarts=1).
+    # Kill s0 while requests are in flight on it (slow ones, so that they surely are, however busy
+    # the machine); Ray restarts its process (max_restarts=1), fresh: on version 0, not slow.
+    ray.get(servers["s0"].set_mode.remote("slow"))
     refs = [caller.generate.remote([1], SamplingParams(max_tokens=1), f"k-{i}", f"k-sess{i}", None) for i in range(12)]
+    time.sleep(1.0)
     ray.kill(servers["s0"], no_restart=False)
     outs = dict(zip([f"k-{i}" for i in range(12)], ray.get(refs, timeout=60)))
     assert len(outs) == 12 and all(len(o.token_ids) == 1 for o in outs.values())
