@@ -84,6 +84,13 @@ def test_an_actor_that_fails_to_start_is_named_with_its_cause_and_the_traceback_
     import ray
     from ray.util.state import list_actors
 
-    run_actors = {a.name: a.state for a in list_actors(limit=10_000) if a.ray_namespace.startswith("raytool-run-")}
+    import time
+
+    deadline = time.monotonic() + 60  # ray.kill is asynchronous, and the state API catches up later on a busy machine
+    while True:
+        run_actors = {a.name: a.state for a in list_actors(limit=10_000) if a.ray_namespace.startswith("raytool-run-")}
+        if set(run_actors.values()) == {"DEAD"} or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     assert "reward-worker-0" in run_actors and "llm-manager" in run_actors and ray.is_initialized()
     assert set(run_actors.values()) == {"DEAD"}, run_actors
