@@ -104,8 +104,8 @@ fi
 if [ "$variant" = cpu ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
   if command -v apt-get >/dev/null && { [ "$(id -u)" -eq 0 ] || sudo -n true 2>/dev/null; }; then
     sudo_=(); [ "$(id -u)" -eq 0 ] || sudo_=(sudo -n)
-    DEBIAN_FRONTEND=noninteractive "${sudo_[@]}" apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
-      || { "${sudo_[@]}" apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive "${sudo_[@]}" apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
+    DEBIAN_FRONTEND=noninteractive ${sudo_[@]+"${sudo_[@]}"} apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || { ${sudo_[@]+"${sudo_[@]}"} apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive ${sudo_[@]+"${sudo_[@]}"} apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
       || echo "setup: could not install libtcmalloc-minimal4 with apt (vLLM's CPU engine decodes about 18% faster with it)" >&2
   else
     echo "setup: libtcmalloc-minimal4 is not installed (vLLM's CPU engine decodes about 18% faster with it); as root: apt-get install libtcmalloc-minimal4" >&2
