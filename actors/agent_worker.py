@@ -155,7 +155,3 @@ class AgentLoopWorker:
         rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
         trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id, name, extra, rollout, attempt) for i in range(n)))
         return list(trajs), [trajectory_stats(t) for t in trajs]
-
-    def routing_stats(self) -> dict:
-        """This worker's data plane: its router's counters, calls, retries and membership epoch."""
-        return self.plane.stats()

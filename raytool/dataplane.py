@@ -124,10 +124,6 @@ class DataPlane:
         self.membership = update
         return True
 
-    @property
-    def policy_version(self) -> int:
-        return self.membership.policy_version if self.membership else 0
-
     # -- routing ----------------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,

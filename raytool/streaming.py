@@ -270,7 +270,6 @@ class RolloutStream:
         self.draw, self.submit, self.wait = draw, submit, wait
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
         self.retries = GroupRetries(max_retries)
-        self.max_retries = max_retries
         self.failed_in_a_row = 0  # groups failed for good since one succeeded
         self.failed_unreplaced = 0  # groups failed for good since the last batch was taken: the batch goes without them
         self.version = version  # the trainer's policy version (what new groups start on)
@@ -369,7 +368,7 @@ class RolloutStream:
         self.outcomes["failed"][r.key] = cause
         if self.failed_in_a_row >= 2 * self.per_step:
             raise RaytoolError(f"raytool: {self.failed_in_a_row} prompt groups in a row failed for infrastructure reasons, each rolled out "
-                               f"{self.max_retries + 1} times (rollout.max_group_retries={self.max_retries}); the last: {cause}")
+                               f"{self.retries.max_retries + 1} times (rollout.max_group_retries={self.retries.max_retries}); the last: {cause}")
 
     def _drop_stale(self) -> None:
         stale = [g for g in self.done if self.version - g.min_version > self.k]
@@ -405,7 +404,7 @@ class RolloutStream:
         gave_up_empty = not taken
         if gave_up_empty and not self.filtered:
             raise RaytoolError(f"raytool: step {step}: no group to train on: every group of the step failed "
-                               f"(rollout.max_group_retries={self.max_retries}); see the warnings above for the causes")
+                               f"(rollout.max_group_retries={self.retries.max_retries}); see the warnings above for the causes")
         if gave_up_empty:  # nothing to learn from in any round: train on the last wave (its advantages are all zero)
             unrecorded = self.outcomes["dropped"].get("zero_variance", [])  # not yet in a ledger entry
             taken = [g for g in sorted(self.filtered, key=lambda g: g.seq) if g.key in unrecorded][-self.per_step :]

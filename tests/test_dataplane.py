@@ -206,12 +206,12 @@ def test_with_no_server_left_a_call_waits_for_one_then_says_who_is_out():
 def test_membership_updates_malformed_refused_whole_older_ignored_new_incarnation_taken(caplog):
     plane = DataPlane(list(SERVERS), FakeServers(), FakeControl().report)
     assert plane.apply(Membership("a", 3, list(SERVERS), {"s1": "dead"}, 7))
-    assert plane.router.ejected == {"s1": "dead"} and plane.policy_version == 7
+    assert plane.router.ejected == {"s1": "dead"} and plane.membership.policy_version == 7
     with caplog.at_level(logging.ERROR):
         assert not plane.apply(Membership("a", 4, list(SERVERS), {"s0": "x", "s9": "y"}, 8))  # s9 unknown: nothing applied
         assert not plane.apply(Membership("a", 5, ["s0", "s1"], {}, 8))
         assert not plane.apply({"epoch": 9})
-    assert plane.router.ejected == {"s1": "dead"} and plane.policy_version == 7
+    assert plane.router.ejected == {"s1": "dead"} and plane.membership.policy_version == 7
     assert "ejects unknown servers ['s9']" in caplog.text and "not a Membership" in caplog.text
     assert not plane.apply(Membership("a", 2, list(SERVERS), {}, 9))  # older: ignored
     assert plane.router.ejected == {"s1": "dead"}
