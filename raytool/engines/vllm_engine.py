@@ -367,7 +367,9 @@ class VLLMEngine:
     def shutdown(self) -> None:
         self._cores = []  # they exit now, on purpose
         segments = _shared_memory_segments()
-        self.llm.shutdown()
+        # Its processes hold nothing to save (the weights came from the trainer): one second's grace,
+        # not vLLM's five, which an engine core on a CPU always used up (a run ended 4 s later per engine).
+        self.llm.shutdown(timeout=1.0)
         # vLLM's shutdown force-kills an engine core that does not exit in time, which leaves its
         # shared-memory message queues (/dev/shm/psm_*, 160-250 MB each) behind: memory that stays
         # taken until the machine reboots. Unlink the ones this engine had mapped.

@@ -1,5 +1,6 @@
 """Validation on the actor graph: `raytool eval` on a built-in model, on a run's checkpoint with
-preprocessed data, and validation and dynamic sampling inside `raytool train`."""
+preprocessed data, and validation and dynamic sampling inside `raytool train` (on the HF engine:
+its subject is the schedule; `raytool eval` on vLLM is the first test's)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_eval_prints_the_table_and_a_last_line_json(ray_cluster, capsys):
 def test_train_validates_on_schedule_samples_dynamically_and_eval_reads_its_checkpoint(ray_cluster, tmp_path, capsys):
     from actors.pipeline import run
 
-    cfg = load_config(None, [*TINY, "trainer.total_steps=2", "trainer.sft_warmup_steps=1", "eval.before_train=true",
+    cfg = load_config(None, [*TINY, "rollout.engine=hf", "trainer.total_steps=2", "trainer.sft_warmup_steps=1", "eval.before_train=true",
                              "eval.every=2", "eval.n=2", "eval.max_prompts=4", "algorithm.dynamic_sampling=true",
                              "algorithm.max_sampling_rounds=2"])
     run_dir = run(cfg, tmp_path / "run")
@@ -57,7 +58,7 @@ def test_train_validates_on_schedule_samples_dynamically_and_eval_reads_its_chec
 
     data = preprocess("aime_2024", REPO / "tests" / "fixtures" / "sources" / "aime_2024.jsonl", tmp_path / "aime.parquet").output
     capsys.readouterr()
-    assert main(["eval", "--model", str(run_dir), "--data", data, "--n", "1", "--json", *TINY]) == 0
+    assert main(["eval", "--model", str(run_dir), "--data", data, "--n", "1", "--json", *TINY, "rollout.engine=hf"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["val-aux/aime_2024/prompts"] >= 2 and "val-core/aime_2024/acc/pass@1" in result
 

@@ -81,7 +81,7 @@ def test_sandbox_pools_reach_the_server_through_ray(ray_cluster, sandbox_server)
 def test_training_with_the_sandbox_served_over_http(ray_cluster, sandbox_server, tmp_path):
     from actors.pipeline import run
 
-    cfg = load_config(REPO / "examples" / "tiny_cpu.yaml", [*TINY, "sandbox.backend=sandbox_fusion", f"sandbox.fusion_url={sandbox_server}"])
+    cfg = load_config(REPO / "examples" / "tiny_cpu.yaml", [*TINY, "rollout.engine=hf", "sandbox.backend=sandbox_fusion", f"sandbox.fusion_url={sandbox_server}"])
     run_dir = run(cfg, tmp_path / "run")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1]
