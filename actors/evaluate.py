@@ -85,7 +85,7 @@ def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | N
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         check_template_kwargs(tokenizer, cfg.agent.chat_template_kwargs)
         check_row_tools(build_toolset(cfg.agent, tokenizer, None), Task(train=[], val=rows))
-        connect(address or cfg.cluster.address)
+        connect(address or cfg.cluster.address, log_to_driver=cfg.logging.console_level == "all")
         graph = build(cfg, model_path, with_trainer=False)
         try:
             start = time.perf_counter()

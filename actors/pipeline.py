@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import msgspec
@@ -24,7 +25,7 @@ from actors.checkpoint import (
     save_checkpoint,
 )
 from actors.compose import Graph, build, run_namespace
-from actors.session import check_row_tools, check_tools, connect, default_run_dir, run_log
+from actors.session import actors_by_node, check_row_tools, check_tools, connect, dashboard_url, default_run_dir, run_log
 from actors.evaluate import evaluate
 from actors.metrics import record_step
 from actors.trainer import TrainerLost
@@ -34,7 +35,7 @@ from raytool.config import RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
 from raytool.data.prompts import PromptRow, drop_too_long, with_system_prompt
 from raytool.data.task import Task, load_task
-from raytool import storage
+from raytool import console, storage
 from raytool.errors import RaytoolError
 from raytool.resolve import resolve
 from raytool.evaluation import table as eval_table
@@ -179,15 +180,17 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with run_log(run_dir):
+        start = time.monotonic()
         task = fitting_prompts(cfg, task, model_path, tokenizer, toolset)
-        connect(address or cfg.cluster.address)
-        log.info("run directory: %s", run_dir.resolve())
-        reforming(cfg, run_dir, checkpoint, lambda checkpoint: train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint))
+        connect(address or cfg.cluster.address, log_to_driver=cfg.logging.console_level == "all")
+        final = reforming(cfg, run_dir, checkpoint, lambda checkpoint: train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint))
+        for line in console.summary(run_dir, time.monotonic() - start, final):
+            log.info(line)
         return run_dir
 
 
-def reforming(cfg: RunConfig, run_dir: Path, checkpoint: str | None, train_once: Callable[[str | None], None]) -> None:
-    """`train_once(checkpoint)`; when a trainer rank dies or hangs (TrainerLost), again from the
+def reforming(cfg: RunConfig, run_dir: Path, checkpoint: str | None, train_once: Callable[[str | None], Any]) -> Any:
+    """`train_once(checkpoint)` -> what it returns; when a trainer rank dies or hangs (TrainerLost), again from the
     run's last checkpoint (with none yet, from the start with fresh logs), up to
     trainer.max_failures times, each said in one line."""
     failures = 0
@@ -318,13 +321,16 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState
     return metrics, batch
 
 
-def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: str | None) -> None:
-    """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run`.
+def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: str | None) -> str | None:
+    """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run` -> where the final
+    model's HF export is (None: trainer.save_final is off).
 
     Each step takes a batch of finished groups from the rollout stream, trains on it while the
     stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
     then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"), watch=True)
+    for line in console.banner(cfg, model_path, actors_by_node(graph.namespace), run_dir.resolve(), dashboard_url()):
+        log.info(line)
     if graph.gateway_url:
         (run_dir / "gateway.json").write_text(json.dumps({"url": graph.gateway_url, "model": cfg.model.path}) + "\n")
         log.info("OpenAI-compatible gateway: %s/v1 (model %r)", graph.gateway_url, cfg.model.path)
@@ -358,8 +364,8 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
         ledger = Ledger(run_dir, resume_step=state.step if checkpoint is not None else None)
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
             metrics, batch = grpo_step(graph, stream, step, state, progress=cfg.logging.progress)
-            every = cfg.eval.every
-            if every and task.val and (step % every == 0 or step == cfg.trainer.total_steps):
+            every, last = cfg.eval.every, step == cfg.trainer.total_steps
+            if task.val and ((every and (step % every == 0 or last)) or (cfg.eval.after_train and last)):
                 metrics.update(validate(graph, cfg, task, step, tracker, tokenizer.decode))
             outcomes = stream.take_outcomes()
             metrics.update(outcome_metrics(outcomes), **{"data/prompts_too_long": task.too_long})
@@ -376,7 +382,8 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
         ledger.finish(state.step, [key for key, _ in redo] + [g.key for g in waiting])
         if cfg.trainer.save_final:
             directory = save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints)
-            log.info("final model (HF format): %s", graph.trainer.export_hf(storage.join(directory, "hf")))
+            return graph.trainer.export_hf(storage.join(directory, "hf"))
+        return None
     finally:
         tracker.close()
         graph.shutdown()

@@ -57,15 +57,38 @@ def check_tools(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'agent.tools': {exc}") from None
 
 
-def connect(address: str | None) -> None:
+def connect(address: str | None, log_to_driver: bool = True) -> None:
     """Attach to `address` (or RAY_ADDRESS), else start a private local Ray instance, which a reaper
-    process ends if this driver is killed (raytool.reaper: Ray's agents outlive a killed driver)."""
+    process ends if this driver is killed (raytool.reaper: Ray's agents outlive a killed driver).
+    `log_to_driver`: the actors' output is copied to this console too (else it stays in Ray's
+    per-actor log files only: logging.console_level)."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
         reaper.start_for(os.getpid())
-    ray.init(address=address or "local", log_to_driver=True)
+    ray.init(address=address or "local", log_to_driver=log_to_driver)
+
+
+def dashboard_url() -> str | None:
+    """The Ray dashboard of the cluster this driver is attached to, where it runs one."""
+    with contextlib.suppress(Exception):
+        url = ray.get_runtime_context().worker.node.address_info.get("webui_url")
+        if url:
+            return url if url.startswith("http") else f"http://{url}"
+    return None
+
+
+def actors_by_node(namespace: str) -> dict[str, dict[str, int]]:
+    """Node address -> {actor class: how many} of the live actors in `namespace` (the start banner)."""
+    from ray.util.state import list_actors
+
+    addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    placed: dict[str, dict[str, int]] = {}
+    for actor in list_actors(filters=[("ray_namespace", "=", namespace), ("state", "=", "ALIVE")], limit=10_000, timeout=30):
+        counts = placed.setdefault(addresses.get(actor.node_id, actor.node_id or "?"), {})
+        counts[actor.class_name] = counts.get(actor.class_name, 0) + 1
+    return placed
 
 
 def check_row_tools(toolset: ToolSet, task: Task) -> None:

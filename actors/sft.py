@@ -125,7 +125,7 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with run_log(run_dir):
-        connect(address or cfg.cluster.address)
+        connect(address or cfg.cluster.address, log_to_driver=cfg.logging.console_level == "all")
         wait_for_resources(cfg, only={"trainer worker"})
         check_memory(cfg, model_path, with_servers=False)
         reforming(cfg, run_dir, checkpoint, lambda checkpoint: _train(cfg, run_dir, model_path, train_examples, val_examples, checkpoint))

@@ -17,12 +17,14 @@ from raytool.bench import BENCHES
 from raytool.chaos import KINDS as CHAOS_KINDS
 from raytool.config import ConfigError, load_config, to_yaml, validate
 from raytool.data.preprocess import PREPROCESSORS, preprocess
+from raytool import console
 from raytool.errors import RaytoolError
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", help="run config YAML (default: the embedded tiny CPU config)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=3 rollout.n=4")
+    p.add_argument("-v", "--verbose", action="store_true", help="show every program's log lines on the console (logging.console_level=all)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError, RaytoolError) as exc:
         print(f"raytool: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "verbose", False):
+        cfg = msgspec.structs.replace(cfg, logging=msgspec.structs.replace(cfg.logging, console_level="all"))
+    if args.command in ("train", "sft", "eval", "chaos"):
+        console.setup(verbose=cfg.logging.console_level == "all")
     if args.command == "config":
         print(to_yaml(cfg), end="")
         return 0
@@ -289,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run_dir = run_sft(cfg, args.run_dir, args.address, resume, args.overwrite)
         else:
-            run_dir = pipeline.run(cfg, args.run_dir, args.address, resume, args.overwrite)
+            pipeline.run(cfg, args.run_dir, args.address, resume, args.overwrite)  # it ends on its summary, which names the run directory
+            return 0
     except (FileNotFoundError, ConfigError, RaytoolError) as exc:  # a missing model or file, a bad reward fn, a server that cannot start: one line
         where = f" (traceback in {exc.run_log})" if getattr(exc, "run_log", None) else ""
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():

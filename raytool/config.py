@@ -91,7 +91,8 @@ class EvalConfig(_Section):
     temperature: NonNegative = 1.0  # validation sampling (the reference recipes sample, they do not decode greedily)
     top_p: TopP = 1.0  # validation sampling's nucleus (1.0: off)
     max_prompts: Positive | None = None  # validate on the first this many prompts of the validation set (None: all)
-    before_train: bool = False  # validate before the first GRPO step (after the SFT warm-up)
+    before_train: bool = True  # validate before the first GRPO step (after the SFT warm-up): the "before" of the end summary
+    after_train: bool = True  # validate after the last GRPO step: the "after" of the end summary
     every: Count = 0  # validate every this many GRPO steps and after the last one (0: never during training)
 
 
@@ -287,6 +288,7 @@ class LoggingConfig(_Section):
     trace_samples: Count = 2  # full trajectories written to traces.jsonl each step
     val_trace_samples: Count = 2  # validation trajectories per data source written to val_traces.jsonl at each validation (0: none)
     progress: bool = True  # progress bar while rolling out
+    console_level: Literal["raytool", "all"] = "raytool"  # raytool: the console shows raytool's own lines (banner, progress, a line per step, validation, the end summary) and every error, the rest goes to RUN_DIR/run.log and Ray's per-actor logs; all: every program's lines as they come (`-v`)
 
 
 class ClusterConfig(_Section):

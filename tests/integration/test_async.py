@@ -19,7 +19,7 @@ from raytool.config import load_config
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["model.path=tiny-random", "trainer.sft_warmup_steps=0", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=24",
+TINY = ["model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.sft_warmup_steps=0", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=24",
         "agent.max_response_tokens=64", "rollout.seed=7", "algorithm.entropy_coeff=0.001", "logging.logger=[]"]
 
 
@@ -79,7 +79,7 @@ def test_a_seeded_asynchronous_run_with_partial_rollouts_stays_within_its_stalen
     from actors.pipeline import run
     from raytool.ledger import audit
 
-    cfg = load_config(None, ["model.path=tiny-random", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_every=2",
+    cfg = load_config(None, ["model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_every=2",
                              "async.max_staleness=2", "rollout.seed=7", "trainer.seed=3", "data.seed=5", "logging.logger=[]"])
     assert cfg.async_.partial_rollout == "continue" and cfg.data.prompts_per_step * cfg.rollout.n == 16
     run_dir = run(cfg, tmp_path / "async")

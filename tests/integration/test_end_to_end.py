@@ -21,7 +21,7 @@ REQUIRED_KEYS = {
     "step", "critic/score/mean", "critic/rewards/mean", "acc/mean", "response_length/mean", "num_turns/mean", "tool/calls_per_traj",
     "tool/error_rate", "timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "policy_version",
 }
-TINY = ["model.path=tiny-random", "trainer.total_steps=2", "trainer.sft_warmup_steps=2", "rollout.n=2",
+TINY = ["model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.total_steps=2", "trainer.sft_warmup_steps=2", "rollout.n=2",
         "data.prompts_per_step=2", "rollout.max_tokens_per_turn=24", "agent.max_response_tokens=64"]
 
 
@@ -182,7 +182,7 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
     from raytool.types import Trajectory
 
     # micro_batch_tokens=6 with 3 trajectories: rank 0 runs two micro-batches, rank 1 one (plus a dummy).
-    cfg = load_config(None, TINY + ["trainer.num_workers=2", "trainer.num_cpus=0.5", "rollout.num_cpus=0.5",
+    cfg = load_config(None, TINY + ["rollout.engine=hf", "trainer.num_workers=2", "trainer.num_cpus=0.5", "rollout.num_cpus=0.5",
                                     "trainer.lr=1e-2", "trainer.micro_batch_tokens=6"])
     graph = build(cfg)
     try:
@@ -244,8 +244,8 @@ def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster,
     from actors.pipeline import run
 
     cfg = load_config(None, [
-        "trainer.sft_warmup_steps=10", "trainer.total_steps=1", "data.prompts_per_step=2", "rollout.n=2",
-        "trainer.save_final=false", "logging.trace_samples=2", "rollout.temperature=0.7", f"agent.observation_style={style}",
+        "trainer.sft_warmup_steps=10", "trainer.total_steps=1", "data.prompts_per_step=2", "rollout.n=2", "eval.before_train=false",
+        "eval.after_train=false", "trainer.save_final=false", "logging.trace_samples=2", "rollout.temperature=0.7", f"agent.observation_style={style}",
     ])
     run_dir = run(cfg, tmp_path / f"smol-{style}")
     (metrics,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -71,7 +71,7 @@ def test_a_poisoned_engine_ends_the_run_in_one_line_within_a_minute(ray_cluster,
     raytool = str(Path(sys.executable).parent / "raytool")
     env = {**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}
     start = time.monotonic()
-    done = subprocess.run([raytool, "train", "model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.05",
+    done = subprocess.run([raytool, "train", "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "rollout.engine=scripted", "rollout.scripted_delay_s=0.05",
                            "rollout.scripted_crash='RuntimeError: poisoned on purpose'", "rollout.health_probe_interval_s=1",
                            "trainer.sft_warmup_steps=0", "trainer.total_steps=2", "logging.logger=[]", "--run-dir", str(run_dir)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

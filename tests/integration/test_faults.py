@@ -32,7 +32,7 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
     faults = tmp_path / "faults"
     faults.mkdir()
     cfg = load_config(None, [
-        "model.path=tiny-random", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_final=false",
+        "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_final=false",
         "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=48", "rollout.seed=7",
         "agent.num_workers=2", "reward.retries=1", "cluster.heartbeat_s=2", "rollout.max_group_retries=4", f"reward.fn={REPO / 'tests' / 'helpers' / 'faulty_reward.py'}:score",
         f"cluster.env_vars={{RAYTOOL_FAULT_DIR: {faults}}}", "logging.logger=[]", "logging.progress=false",
@@ -67,8 +67,9 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["rollout/trajectories"] == 4 for m in steps)  # every group of every step came through
     # The reward fn's raise made one trajectory infra-failed (its retry hit the restarted worker's
-    # scripted raise), and the killed agent workers lost the groups they were running.
-    assert sum(m["rollout/groups_retried"] for m in steps) >= 2
+    # scripted raise), and the killed agent workers lost the groups they were running: at least the
+    # one held in scoring when they were killed (the other worker's may have finished by then).
+    assert sum(m["rollout/groups_retried"] for m in steps) >= 1
     assert sum(m["rollout/trajs_infra_failed"] for m in steps) >= 1
     assert sum(m["ledger/failed"] for m in steps) == 0
     counts = audit(run_dir)
@@ -135,7 +136,7 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
 
     namespace = f"raytool-trainer-fault-{os.getpid()}"
     cfg = load_config(None, [
-        "model.path=tiny-random", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=4", "trainer.save_every=2",
+        "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=4", "trainer.save_every=2",
         "trainer.save_final=false", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16",
         "agent.max_response_tokens=48", "rollout.seed=7", "logging.logger=[]", "logging.progress=false", f"cluster.namespace={namespace}",
         f"trainer.checkpoint_dir=file://{tmp_path}/shared", "cluster.heartbeat_s=2",

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.path=tiny-random", "trainer.total_steps=1", "trainer.sft_warmup_steps=0", "rollout.n=2", "data.prompts_per_step=2",
-        "rollout.engine=hf", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=48", "eval.before_train=false"]
+        "rollout.engine=hf", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=48", "eval.before_train=false", "eval.after_train=false"]
 
 
 @pytest.fixture(scope="module")

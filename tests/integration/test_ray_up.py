@@ -39,7 +39,7 @@ SSHD = "/usr/sbin/sshd"
 TOOLS = {"sshd": SSHD, "ssh": "ssh", "ssh-keygen": "ssh-keygen", "nc": "nc", "rsync": "rsync", "unshare": "unshare"}
 TRAIN = ["-c", "examples/tiny_cpu.yaml", "rollout.engine=hf", "trainer.total_steps=1", "trainer.sft_warmup_steps=1",
          "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens_per_turn=24", "agent.max_response_tokens=64",
-         "eval.before_train=false", "trainer.save_final=false"]
+         "eval.before_train=false", "eval.after_train=false", "trainer.save_final=false"]
 
 
 def free_port() -> int:

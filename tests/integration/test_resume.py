@@ -31,7 +31,7 @@ def test_resume_at_an_epoch_boundary_trains_the_next_epoch_and_at_the_last_step_
 
     # 4 prompts, 2 per step: an epoch is 2 steps, and the step-2 checkpoint sits on its boundary.
     cfg = load_config(None, [
-        "model.path=tiny-random", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=4", "trainer.save_every=2",
+        "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=4", "trainer.save_every=2",
         "data.train_size=4", "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=32",
         "rollout.seed=7", "logging.logger=[]", "logging.progress=false",
     ])

@@ -18,7 +18,7 @@ from raytool.config import load_config
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["model.path=tiny-random", "trainer.total_steps=1", "trainer.sft_warmup_steps=1", "rollout.n=2",
+TINY = ["model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.total_steps=1", "trainer.sft_warmup_steps=1", "rollout.n=2",
         "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=32"]
 
 

@@ -40,7 +40,7 @@ def test_sft_then_export_then_rl_from_the_exported_model(ray_cluster, tmp_path, 
     assert done.returncode == 0, done.stderr
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file() and (out / "chat_template.jinja").is_file()
 
-    rl = load_config(None, [f"model.path={out}", "trainer.total_steps=1", "trainer.sft_warmup_steps=0", "rollout.n=2",
+    rl = load_config(None, [f"model.path={out}", "eval.before_train=false", "eval.after_train=false", "trainer.total_steps=1", "trainer.sft_warmup_steps=0", "rollout.n=2",
                             "data.prompts_per_step=1", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=32",
                             "trainer.save_final=false", "algorithm.entropy_coeff=0.001", "trainer.lora_rank=4"])
     (metrics,) = [json.loads(line) for line in (run(rl, tmp_path / "rl") / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,153 @@
+"""What a run prints: raytool's own lines (a start banner, progress bars, a line per step, the
+validation lines, the end summary) and every error; other programs' lines (vLLM's, Ray's, Python
+warnings) go to RUN_DIR/run.log and Ray's per-actor logs. `logging.console_level=all` (`-v`)
+shows everything as it comes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+OWN_LOGGERS = ("raytool", "actors", "__main__")
+VERBOSE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class OwnLines(logging.Filter):
+    """raytool's records, and anyone's error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or record.name.split(".")[0] in OWN_LOGGERS
+
+
+class ConsoleFormat(logging.Formatter):
+    """raytool's information as plain lines; a warning or error says so, an error from another
+    program also whose it is."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.exc_info and record.levelno >= logging.ERROR:
+            message += "\n" + self.formatException(record.exc_info)
+        if record.levelno < logging.WARNING:
+            return message
+        source = "" if record.name.split(".")[0] in OWN_LOGGERS else f" ({record.name})"
+        return f"{record.levelname.lower()}{source}: {message}"
+
+
+def setup(verbose: bool) -> None:
+    """The driver's console: raytool's own lines (or, `verbose`, every record in the full format).
+    Python warnings become log records, so that they reach run.log rather than the console."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+    console = logging.StreamHandler(sys.stderr)
+    if verbose:
+        console.setFormatter(logging.Formatter(VERBOSE_FORMAT))
+    else:
+        console.addFilter(OwnLines())
+        console.setFormatter(ConsoleFormat())
+        # Ray's driver-side logger writes to stderr itself ("Started a local Ray instance", its
+        # token-authentication notice): through the root's handlers instead, so run.log keeps them.
+        ray_logger = logging.getLogger("ray")
+        ray_logger.handlers = []
+        ray_logger.propagate = True
+    root.addHandler(console)
+    logging.captureWarnings(True)
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def validation_means(row: dict) -> dict[str, float]:
+    """{data source: acc/mean@n} of one metrics row's validation."""
+    out = {}
+    for key, value in row.items():
+        if key.startswith("val-core/") and "/acc/mean@" in key:
+            out[key.split("/")[1]] = value
+    return out
+
+
+def summary(run_dir: Path, wall_s: float, final_hf: str | None = None) -> list[str]:
+    """The lines a finished run ends on, from its metrics.jsonl: steps and wall time, the reward over
+    the first and last third of the GRPO steps, held-out accuracy and tool calls per trajectory
+    before and after training (where the run validated then), where the model is, what to run next."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    steps = [r for r in rows if r.get("step", 0) > 0]
+    sft = Path(run_dir) / "sft_metrics.jsonl"
+    sft_steps = len(sft.read_text().splitlines()) if sft.is_file() else 0
+    minutes, seconds = divmod(round(wall_s), 60)
+    lines = [f"done: {len(steps)} GRPO steps" + (f" after {sft_steps} SFT warm-up steps" if sft_steps else "")
+             + f" in {minutes} min {seconds:02d} s"]
+    if steps:
+        third = max(1, len(steps) // 3)
+        first = _mean([r.get("critic/score/mean") for r in steps[:third]])
+        last = _mean([r.get("critic/score/mean") for r in steps[-third:]])
+        span = (f"steps 1-{third}", f"steps {len(steps) - third + 1}-{len(steps)}")
+        lines.append(f"reward (mean score): {_fmt(first)} over {span[0]} -> {_fmt(last)} over {span[1]}")
+    validated = [r for r in rows if validation_means(r)]
+    if validated:
+        before, after = validated[0], validated[-1]
+        for source in validation_means(after) | validation_means(before):
+            b, a = validation_means(before).get(source), validation_means(after).get(source)
+            n = next((k.rsplit("@", 1)[1] for k in after if k.startswith(f"val-core/{source}/acc/mean@")), "n")
+            if before is after:
+                lines.append(f"held-out accuracy ({source}, mean@{n}): {_fmt(a)} at step {after['step']}")
+            else:
+                lines.append(f"held-out accuracy ({source}, mean@{n}): {_fmt(b)} at step {before['step']} -> {_fmt(a)} at step {after['step']}")
+        calls = [r.get("val-aux/tool/calls_per_traj") for r in (before, after)]
+        if any(c is not None for c in calls):
+            lines.append(f"tool calls per held-out trajectory: {_fmt(calls[0])} -> {_fmt(calls[1])}" if before is not after
+                         else f"tool calls per held-out trajectory: {_fmt(calls[1])}")
+    if final_hf:
+        lines.append(f"final model: {Path(final_hf).parent} (checkpoint), {final_hf} (Hugging Face format)")
+    lines.append(f"next: raytool report {run_dir}   (curves and trajectories in the browser)")
+    if final_hf:
+        lines.append(f"      raytool eval --model {run_dir}   (its final model on the held-out set, or on --data FILE)")
+    return lines
+
+
+ROLE_NAMES = {"RolloutServer": "rollout server", "TrainerWorker": "trainer rank", "AgentLoopWorker": "agent worker",
+              "RewardWorker": "reward worker", "SandboxPool": "sandbox pool", "LLMManager": "LLM manager", "GatewayActor": "gateway"}
+
+
+def _count(n: int, name: str) -> str:
+    return f"{n} {name}" + ("" if n == 1 else ("es" if name.endswith("s") else "s"))
+
+
+def banner(cfg, model_path: str, actors_by_node: dict[str, dict[str, int]], run_dir: Path, dashboard: str | None) -> list[str]:
+    """At most 8 lines a run starts with: the model and its dtypes, the engine, the actors and where
+    they run, the plan of steps, the run directory and the dashboard. `actors_by_node`: node
+    address -> {actor class name: count}."""
+    t, r = cfg.trainer, cfg.rollout
+    lines = [f"raytool: {cfg.model.path} ({model_path})",
+             f"  trainer: compute {t.compute_dtype}, fp32 weights and optimizer" + (f", LoRA rank {t.lora_rank}" if t.lora_rank else "")
+             + f"; engine: {r.engine}, {cfg.model.dtype} weights"]
+    order = list(ROLE_NAMES)
+    nodes = sorted(actors_by_node.items())
+    shown = nodes if len(nodes) <= 3 else nodes[:2]  # a large cluster: the rest are counted, not listed
+    for node, counts in shown:
+        kinds = sorted(counts, key=lambda name: order.index(name) if name in order else len(order))
+        lines.append(f"  on {node}: " + ", ".join(_count(counts[name], ROLE_NAMES.get(name, name)) for name in kinds))
+    if len(nodes) > len(shown):
+        lines.append(f"  and {len(nodes) - len(shown)} more nodes (the dashboard lists them)")
+    held_out = " and after" if cfg.eval.after_train else ""
+    plan = (f"  plan: {t.sft_warmup_steps} SFT warm-up steps, then " if t.sft_warmup_steps else "  plan: ") + \
+        f"{t.total_steps} GRPO steps of {cfg.data.prompts_per_step} prompts x {r.n} samples"
+    if cfg.eval.before_train or cfg.eval.after_train:
+        plan += f"; held-out accuracy before{held_out} training" if cfg.eval.before_train else "; held-out accuracy after training"
+    lines.append(plan)
+    lines.append(f"  run directory: {run_dir}   (other programs' lines: run.log; -v shows them here)")
+    if dashboard:
+        lines.append(f"  dashboard: {dashboard}")
+    return lines
