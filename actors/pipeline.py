@@ -35,6 +35,7 @@ from raytool.config import RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
 from raytool.data.prompts import PromptRow, drop_too_long, with_system_prompt
 from raytool.data.task import Task, load_task
+from raytool.device import NO_FAST_ALLOCATOR, fast_allocator_missing
 from raytool import console, storage
 from raytool.errors import RaytoolError
 from raytool.resolve import resolve
@@ -183,9 +184,11 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
         start = time.monotonic()
         task = fitting_prompts(cfg, task, model_path, tokenizer, toolset)
         connect(address or cfg.cluster.address, log_to_driver=cfg.logging.console_level == "all")
+        r = cfg.rollout
+        if r.engine == "vllm" and r.num_gpus == 0 and r.cpu_preload and fast_allocator_missing():
+            log.warning(NO_FAST_ALLOCATOR)  # the engine's own warning stays in its actor's log
         final = reforming(cfg, run_dir, checkpoint, lambda checkpoint: train(cfg, run_dir, model_path, task, tokenizer, warmup, checkpoint))
-        for line in console.summary(run_dir, time.monotonic() - start, final):
-            log.info(line)
+        console.show(console.summary(run_dir, time.monotonic() - start, final))
         return run_dir
 
 
@@ -329,11 +332,10 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
     then publishes the new weights to the servers, which load them between engine steps."""
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"), watch=True)
-    for line in console.banner(cfg, model_path, actors_by_node(graph.namespace), run_dir.resolve(), dashboard_url()):
-        log.info(line)
+    console.show(console.banner(cfg, model_path, actors_by_node(graph.namespace), run_dir.resolve(), dashboard_url()))
     if graph.gateway_url:
         (run_dir / "gateway.json").write_text(json.dumps({"url": graph.gateway_url, "model": cfg.model.path}) + "\n")
-        log.info("OpenAI-compatible gateway: %s/v1 (model %r)", graph.gateway_url, cfg.model.path)
+        console.show([f"OpenAI-compatible gateway: {graph.gateway_url}/v1 (model {cfg.model.path!r})"])
     root = checkpoint_root(cfg, run_dir)
     saved = read_state(checkpoint, DriverState) if checkpoint is not None else None
     if saved is not None:  # the steps after the checkpoint are done again: each logged once
@@ -350,8 +352,8 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             loader.load_state_dict(state.loader)
             buffered = load_buffer(checkpoint, PromptRow)
             graph.sync_weights(state.version)
-            log.info("resumed from %s at step %d (%d groups to roll out again, %d finished groups to train)",
-                     checkpoint, state.step, len(state.redo), len(buffered))
+            console.show([f"resumed from {checkpoint} at step {state.step} ({len(state.redo)} groups to roll out again, "
+                          f"{len(buffered)} finished groups to train)"])
         elif cfg.trainer.sft_warmup_steps:
             run_sft_warmup(graph, cfg, warmup, tracker)
             graph.trainer.start_rl(snapshot_reference=cfg.algorithm.kl_on)  # the KL reference is the cold-started policy

@@ -1,7 +1,7 @@
-"""What a run prints: raytool's own lines (a start banner, progress bars, a line per step, the
-validation lines, the end summary) and every error; other programs' lines (vLLM's, Ray's, Python
-warnings) go to RUN_DIR/run.log and Ray's per-actor logs. `logging.console_level=all` (`-v`)
-shows everything as it comes."""
+"""What a run prints: the lines raytool writes for the console (a start banner, progress bars, a
+line per step, the validation lines, the end summary), raytool's warnings and every error. The
+rest (raytool's other information, vLLM's, Ray's and Python's warnings) goes to RUN_DIR/run.log
+and Ray's per-actor logs. `logging.console_level=all` (`-v`) shows everything as it comes."""
 
 from __future__ import annotations
 
@@ -13,13 +13,22 @@ from pathlib import Path
 
 OWN_LOGGERS = ("raytool", "actors", "__main__")
 VERBOSE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+log = logging.getLogger(__name__)  # the console's own lines: `show`
+
+
+def show(lines: list[str]) -> None:
+    """Lines for the console (and run.log)."""
+    for line in lines:
+        log.info(line)
 
 
 class OwnLines(logging.Filter):
-    """raytool's records, and anyone's error."""
+    """The console's lines (`show`), raytool's warnings, and anyone's error."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or record.name.split(".")[0] in OWN_LOGGERS
+        if record.levelno >= logging.ERROR or record.name == __name__:
+            return True
+        return record.levelno >= logging.WARNING and record.name.split(".")[0] in OWN_LOGGERS
 
 
 class ConsoleFormat(logging.Formatter):

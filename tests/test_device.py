@@ -124,6 +124,10 @@ def test_an_engine_without_an_allocator_to_preload_says_once_what_it_costs(monke
     with caplog.at_level(logging.WARNING, logger="raytool.engines.vllm_engine"):
         vllm_engine._preload_cpu_libraries()
     assert [r for r in caplog.records if r.name == "raytool.engines.vllm_engine"] == []
+    # The driver says the same on the console before any engine starts (the engine's line is in its actor's log).
+    assert device.fast_allocator_missing("") and not device.fast_allocator_missing("/opt/libjemalloc.so.2")
+    monkeypatch.setattr(device, "cpu_preloads", lambda: ["/usr/lib/libtcmalloc_minimal.so.4"])
+    assert not device.fast_allocator_missing("")
 
 
 def test_the_graph_gets_one_resolved_engine_dtype(cpu, caplog, monkeypatch):

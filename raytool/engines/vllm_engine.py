@@ -431,15 +431,14 @@ def _preload_cpu_libraries() -> None:
     on 2 AVX2 cores (`raytool bench engine`). Libraries the user already preloads are left as they are."""
     from vllm.platforms import current_platform
 
-    from raytool.device import cpu_preloads, with_preloads
+    from raytool.device import NO_FAST_ALLOCATOR, cpu_preloads, fast_allocator_missing, with_preloads
 
     if not current_platform.is_cpu():
         return
     before = os.environ.get("LD_PRELOAD", "")
     found = cpu_preloads()
-    if not any(name in lib for lib in found + before.split(":") for name in ("tcmalloc", "jemalloc", "mimalloc")):
-        log.warning("vLLM on CPU without tcmalloc: decoding is about 18% slower (`raytool bench engine`); install it with "
-                    "`apt-get install libtcmalloc-minimal4` (scripts/setup.sh does as root)")
+    if fast_allocator_missing(before):
+        log.warning(NO_FAST_ALLOCATOR)
     after = with_preloads(before, found)
     if after != before:
         os.environ["LD_PRELOAD"] = after

@@ -45,7 +45,7 @@ def test_resume_at_an_epoch_boundary_trains_the_next_epoch_and_at_the_last_step_
     prompts = _first_prompt_by_step(whole)
     assert _first_prompt_by_step(resumed) == {3: prompts[3], 4: prompts[4]}  # the same draw of the second epoch
 
-    with caplog.at_level(logging.INFO, logger="actors.pipeline"):
+    with caplog.at_level(logging.INFO, logger="raytool.console"):
         done = run(cfg, tmp_path / "from_last", resume=whole / "checkpoints" / "step_4")
     assert not (done / "metrics.jsonl").exists() or not (done / "metrics.jsonl").read_text().strip()
     assert any("resumed from" in r.getMessage() and "at step 4" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,112 @@
+"""The console of a run: which records it shows, the start banner, the end summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import pytest
+
+from raytool import console
+from raytool.config import load_config
+
+
+def _record(name: str, level: int, message: str = "m") -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, message, None, None)
+
+
+def test_the_console_shows_its_own_lines_raytools_warnings_and_every_error_only():
+    keep = console.OwnLines().filter
+    assert keep(_record("raytool.console", logging.INFO))
+    assert keep(_record("actors.pipeline", logging.WARNING)) and keep(_record("raytool.streaming", logging.WARNING))
+    assert keep(_record("vllm.engine", logging.ERROR))
+    assert not keep(_record("raytool.resolve", logging.INFO))  # raytool's other information: run.log
+    assert not keep(_record("py.warnings", logging.WARNING)) and not keep(_record("ray", logging.WARNING))
+    assert not keep(_record("vllm.platforms", logging.WARNING))
+    fmt = console.ConsoleFormat()
+    assert fmt.format(_record("raytool.console", logging.INFO, "step 1")) == "step 1"
+    assert fmt.format(_record("actors.watchdog", logging.WARNING, "lost")) == "warning: lost"
+    assert fmt.format(_record("vllm.engine", logging.ERROR, "boom")) == "error (vllm.engine): boom"
+
+
+@pytest.fixture
+def root_logging():
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level, logging.getLogger("ray").handlers[:], logging.getLogger("ray").propagate)
+    yield root
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    logging.getLogger("ray").handlers[:] = saved[2]
+    logging.getLogger("ray").propagate = saved[3]
+    logging.captureWarnings(False)
+
+
+def test_python_warnings_and_others_information_reach_run_log_not_the_console(root_logging, capsys, tmp_path):
+    console.setup(verbose=False)
+    run_log = logging.FileHandler(tmp_path / "run.log")
+    root_logging.addHandler(run_log)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)
+        logging.getLogger("ray").warning("Token authentication is enabled")
+        logging.getLogger("raytool.resolve").info("model.dtype auto: bfloat16")
+        console.show(["raytool: tiny-random"])
+        logging.getLogger("raytool.streaming").warning("group g1 rolled out again")
+    finally:
+        root_logging.removeHandler(run_log)
+        run_log.close()
+    assert capsys.readouterr().err.splitlines() == ["raytool: tiny-random", "warning: group g1 rolled out again"]
+    kept = (tmp_path / "run.log").read_text()
+    for line in ("reduce_op is deprecated", "Token authentication", "model.dtype auto", "raytool: tiny-random", "rolled out again"):
+        assert line in kept
+
+
+def test_verbose_shows_everything(root_logging, capsys):
+    console.setup(verbose=True)
+    logging.getLogger("vllm.platforms").warning("Triton is not installed")
+    logging.getLogger("raytool.resolve").info("model.dtype auto: bfloat16")
+    err = capsys.readouterr().err
+    assert "WARNING vllm.platforms: Triton is not installed" in err and "INFO raytool.resolve: model.dtype auto" in err
+
+
+def _write_metrics(run_dir, rows):
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_summary_reads_the_runs_metrics(tmp_path):
+    rows = [{"step": 0, "val-core/tool_arith/acc/mean@4": 0.25, "val-aux/tool/calls_per_traj": 0.5}]
+    rows += [{"step": s, "critic/score/mean": score} for s, score in enumerate([0.1, 0.3, 0.5, 0.5, 0.7, 0.9], start=1)]
+    rows[-1].update({"val-core/tool_arith/acc/mean@4": 0.75, "val-aux/tool/calls_per_traj": 1.25})
+    _write_metrics(tmp_path, rows)
+    (tmp_path / "sft_metrics.jsonl").write_text("{}\n" * 3)
+    lines = console.summary(tmp_path, 125.4, str(tmp_path / "checkpoints" / "step_6" / "hf"))
+    assert lines[0] == "done: 6 GRPO steps after 3 SFT warm-up steps in 2 min 05 s"
+    assert lines[1] == "reward (mean score): 0.20 over steps 1-2 -> 0.80 over steps 5-6"
+    assert lines[2] == "held-out accuracy (tool_arith, mean@4): 0.25 at step 0 -> 0.75 at step 6"
+    assert lines[3] == "tool calls per held-out trajectory: 0.50 -> 1.25"
+    assert lines[4].startswith(f"final model: {tmp_path / 'checkpoints' / 'step_6'} (checkpoint)")
+    assert lines[5] == f"next: raytool report {tmp_path}   (curves and trajectories in the browser)"
+    assert f"raytool eval --model {tmp_path}" in lines[6]
+
+
+def test_a_summary_without_validation_or_final_model_says_what_it_has(tmp_path):
+    _write_metrics(tmp_path, [{"step": 1, "critic/score/mean": 0.5}])
+    lines = console.summary(tmp_path, 3.0)
+    assert lines == ["done: 1 GRPO steps in 0 min 03 s", "reward (mean score): 0.50 over steps 1-1 -> 0.50 over steps 1-1",
+                     f"next: raytool report {tmp_path}   (curves and trajectories in the browser)"]
+
+
+def test_the_banner_fits_in_eight_lines_on_any_cluster(tmp_path):
+    cfg = load_config(None, ["model.path=tiny-random", "model.dtype=bfloat16", "trainer.compute_dtype=bfloat16"])
+    nodes = {f"10.0.0.{i}": {"TrainerWorker": 8} for i in range(6)}
+    nodes["10.0.0.0"] = {"RolloutServer": 2, "AgentLoopWorker": 1, "LLMManager": 1, "SandboxPool": 1}
+    lines = console.banner(cfg, "/models/tiny", nodes, tmp_path, "http://127.0.0.1:8265")
+    assert len(lines) <= 8
+    assert lines[0] == "raytool: tiny-random (/models/tiny)"
+    assert "compute bfloat16" in lines[1] and "engine: vllm, bfloat16 weights" in lines[1]
+    assert lines[2] == "  on 10.0.0.0: 2 rollout servers, 1 agent worker, 1 sandbox pool, 1 LLM manager"
+    assert lines[4] == "  and 4 more nodes (the dashboard lists them)"
+    assert "12 SFT warm-up steps, then 12 GRPO steps of 4 prompts x 4 samples; held-out accuracy before and after training" in lines[5]
+    assert lines[-1] == "  dashboard: http://127.0.0.1:8265"
