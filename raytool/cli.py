@@ -303,6 +303,14 @@ def main(argv: list[str] | None = None) -> int:
             sys.modules["ray"].shutdown()  # stops Ray's forwarding of the actors' logs: the reason stays the last line
         print(f"raytool: {exc}{where}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not getattr(exc, "run_log", None):  # not from inside a run: Python's own report
+            raise
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"raytool: the run failed: {type(exc).__name__}: {first} (traceback in {exc.run_log})", file=sys.stderr)
+        return 1
     print(f"run directory: {run_dir.resolve()}")
     return 0
 

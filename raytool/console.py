@@ -48,6 +48,8 @@ class ConsoleFormat(logging.Formatter):
 def setup(verbose: bool) -> None:
     """The driver's console: raytool's own lines (or, `verbose`, every record in the full format).
     Python warnings become log records, so that they reach run.log rather than the console."""
+    import ray  # noqa: F401  (its import gives its logger a handler of its own: replaced below)
+
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for handler in list(root.handlers):
@@ -102,7 +104,7 @@ def summary(run_dir: Path, wall_s: float, final_hf: str | None = None) -> list[s
         third = max(1, len(steps) // 3)
         first = _mean([r.get("critic/score/mean") for r in steps[:third]])
         last = _mean([r.get("critic/score/mean") for r in steps[-third:]])
-        span = (f"steps 1-{third}", f"steps {len(steps) - third + 1}-{len(steps)}")
+        span = ("step 1", f"step {len(steps)}") if third == 1 else (f"steps 1-{third}", f"steps {len(steps) - third + 1}-{len(steps)}")
         lines.append(f"reward (mean score): {_fmt(first)} over {span[0]} -> {_fmt(last)} over {span[1]}")
     validated = [r for r in rows if validation_means(r)]
     if validated:
@@ -139,8 +141,10 @@ def banner(cfg, model_path: str, actors_by_node: dict[str, dict[str, int]], run_
     they run, the plan of steps, the run directory and the dashboard. `actors_by_node`: node
     address -> {actor class name: count}."""
     t, r = cfg.trainer, cfg.rollout
+    # auto follows the device as model.dtype's auto does (resolved on the driver): bf16 where it computes natively
+    compute = cfg.model.dtype if t.compute_dtype == "auto" and cfg.model.dtype in ("bfloat16", "float32") else t.compute_dtype
     lines = [f"raytool: {cfg.model.path} ({model_path})",
-             f"  trainer: compute {t.compute_dtype}, fp32 weights and optimizer" + (f", LoRA rank {t.lora_rank}" if t.lora_rank else "")
+             f"  trainer: compute {compute}, fp32 weights and optimizer" + (f", LoRA rank {t.lora_rank}" if t.lora_rank else "")
              + f"; engine: {r.engine}, {cfg.model.dtype} weights"]
     order = list(ROLE_NAMES)
     nodes = sorted(actors_by_node.items())

@@ -94,7 +94,7 @@ def test_the_summary_reads_the_runs_metrics(tmp_path):
 def test_a_summary_without_validation_or_final_model_says_what_it_has(tmp_path):
     _write_metrics(tmp_path, [{"step": 1, "critic/score/mean": 0.5}])
     lines = console.summary(tmp_path, 3.0)
-    assert lines == ["done: 1 GRPO steps in 0 min 03 s", "reward (mean score): 0.50 over steps 1-1 -> 0.50 over steps 1-1",
+    assert lines == ["done: 1 GRPO steps in 0 min 03 s", "reward (mean score): 0.50 over step 1 -> 0.50 over step 1",
                      f"next: raytool report {tmp_path}   (curves and trajectories in the browser)"]
 
 
@@ -110,3 +110,18 @@ def test_the_banner_fits_in_eight_lines_on_any_cluster(tmp_path):
     assert lines[4] == "  and 4 more nodes (the dashboard lists them)"
     assert "12 SFT warm-up steps, then 12 GRPO steps of 4 prompts x 4 samples; held-out accuracy before and after training" in lines[5]
     assert lines[-1] == "  dashboard: http://127.0.0.1:8265"
+
+
+def test_a_run_that_fails_of_anything_ends_on_one_line_naming_its_log(monkeypatch, capsys, root_logging, tmp_path):
+    from actors import pipeline
+    from raytool.cli import main
+
+    def failing_run(*args, **kwargs):
+        exc = KeyError("policy_version")
+        exc.run_log = str(tmp_path / "run.log")
+        raise exc
+
+    monkeypatch.setattr(pipeline, "run", failing_run)
+    assert main(["train", "model.path=tiny-random", "--run-dir", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"raytool: the run failed: KeyError: 'policy_version' (traceback in {tmp_path / 'run.log'})"]

@@ -176,7 +176,7 @@ def test_the_default_run_tells_its_story_on_the_console(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = [line for line in re.split(r"[\r\n]", done.stdout + done.stderr) if line.strip()]
-    lines = [line for line in out if not line.startswith("rollout step ")]  # the progress bar's refreshes
+    lines = [line for line in out if not re.match(r"(rollout step \d+|validation): ", line)]  # the progress bars' refreshes
     assert len(lines) <= 60, "\n".join(lines)
     assert [line for line in lines if not CONSOLE_LINE.match(line)] == [], "\n".join(lines)
     assert lines[0].startswith("raytool: tiny-random (") and lines[0].endswith(")")

@@ -1,5 +1,4 @@
-"""Faults during a real run (the tiny model on the shared Ray cluster; the HF engine, whose restart takes seconds: a
-killed vLLM server is the weight-sync, end-to-end and chaos tests'): a reward worker that
+"""Faults during a real run (vLLM on the tiny model, the shared Ray cluster): a reward worker that
 dies, a reward fn that raises, agent workers and a sandbox pool killed while groups are in flight,
 the reward worker stopped (SIGSTOP: hung, found by the heartbeat), the LLM manager and the only
 rollout server killed together as a step starts. The run goes on, the groups that were hit are rolled out
@@ -32,7 +31,7 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
     faults = tmp_path / "faults"
     faults.mkdir()
     cfg = load_config(None, [
-        "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_final=false",
+        "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_final=false",
         "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=48", "rollout.seed=7",
         "agent.num_workers=2", "reward.retries=1", "cluster.heartbeat_s=2", "rollout.max_group_retries=4", f"reward.fn={REPO / 'tests' / 'helpers' / 'faulty_reward.py'}:score",
         f"cluster.env_vars={{RAYTOOL_FAULT_DIR: {faults}}}", "logging.logger=[]", "logging.progress=false",
@@ -67,9 +66,8 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["rollout/trajectories"] == 4 for m in steps)  # every group of every step came through
     # The reward fn's raise made one trajectory infra-failed (its retry hit the restarted worker's
-    # scripted raise), and the killed agent workers lost the groups they were running: at least the
-    # one held in scoring when they were killed (the other worker's may have finished by then).
-    assert sum(m["rollout/groups_retried"] for m in steps) >= 1
+    # scripted raise), and the killed agent workers lost the groups they were running.
+    assert sum(m["rollout/groups_retried"] for m in steps) >= 2
     assert sum(m["rollout/trajs_infra_failed"] for m in steps) >= 1
     assert sum(m["ledger/failed"] for m in steps) == 0
     counts = audit(run_dir)
