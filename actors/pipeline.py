@@ -331,8 +331,9 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     Each step takes a batch of finished groups from the rollout stream, trains on it while the
     stream goes on (asynchronous mode: admission lets new groups start within async.max_staleness),
     then publishes the new weights to the servers, which load them between engine steps."""
+    console.show(console.banner(cfg, model_path, run_dir.resolve()))
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"), watch=True)
-    console.show(console.banner(cfg, model_path, actors_by_node(graph.namespace), run_dir.resolve(), dashboard_url()))
+    console.show(console.placement(actors_by_node(graph.namespace), dashboard_url()))
     if graph.gateway_url:
         (run_dir / "gateway.json").write_text(json.dumps({"url": graph.gateway_url, "model": cfg.model.path}) + "\n")
         console.show([f"OpenAI-compatible gateway: {graph.gateway_url}/v1 (model {cfg.model.path!r})"])

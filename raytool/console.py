@@ -136,31 +136,36 @@ def _count(n: int, name: str) -> str:
     return f"{n} {name}" + ("" if n == 1 else ("es" if name.endswith("s") else "s"))
 
 
-def banner(cfg, model_path: str, actors_by_node: dict[str, dict[str, int]], run_dir: Path, dashboard: str | None) -> list[str]:
-    """At most 8 lines a run starts with: the model and its dtypes, the engine, the actors and where
-    they run, the plan of steps, the run directory and the dashboard. `actors_by_node`: node
-    address -> {actor class name: count}."""
+def banner(cfg, model_path: str, run_dir: Path) -> list[str]:
+    """The first lines of a run, before its actors start: the model and its dtypes, the engine, the
+    plan of steps, the run directory (with `placement`'s, at most 8 lines)."""
     t, r = cfg.trainer, cfg.rollout
     # auto follows the device as model.dtype's auto does (resolved on the driver): bf16 where it computes natively
     compute = cfg.model.dtype if t.compute_dtype == "auto" and cfg.model.dtype in ("bfloat16", "float32") else t.compute_dtype
-    lines = [f"raytool: {cfg.model.path} ({model_path})",
-             f"  trainer: compute {compute}, fp32 weights and optimizer" + (f", LoRA rank {t.lora_rank}" if t.lora_rank else "")
-             + f"; engine: {r.engine}, {cfg.model.dtype} weights"]
+    plan = (f"  plan: {t.sft_warmup_steps} SFT warm-up steps, then " if t.sft_warmup_steps else "  plan: ") + \
+        f"{t.total_steps} GRPO steps of {cfg.data.prompts_per_step} prompts x {r.n} samples"
+    if cfg.eval.before_train or cfg.eval.after_train:
+        when = "before and after" if cfg.eval.before_train and cfg.eval.after_train else "before" if cfg.eval.before_train else "after"
+        plan += f"; held-out accuracy {when} training"
+    return [f"raytool: {cfg.model.path} ({model_path})",
+            f"  trainer: compute {compute}, fp32 weights and optimizer" + (f", LoRA rank {t.lora_rank}" if t.lora_rank else "")
+            + f"; engine: {r.engine}, {cfg.model.dtype} weights",
+            plan,
+            f"  run directory: {run_dir}   (other programs' lines: run.log; -v shows them here)"]
+
+
+def placement(actors_by_node: dict[str, dict[str, int]], dashboard: str | None) -> list[str]:
+    """At most 4 lines once the actors run: which run on each node (`actors_by_node`: node address
+    -> {actor class name: count}; beyond 3 nodes the rest are counted), and the dashboard."""
     order = list(ROLE_NAMES)
     nodes = sorted(actors_by_node.items())
-    shown = nodes if len(nodes) <= 3 else nodes[:2]  # a large cluster: the rest are counted, not listed
+    shown = nodes if len(nodes) <= 3 else nodes[:2]
+    lines = []
     for node, counts in shown:
         kinds = sorted(counts, key=lambda name: order.index(name) if name in order else len(order))
         lines.append(f"  on {node}: " + ", ".join(_count(counts[name], ROLE_NAMES.get(name, name)) for name in kinds))
     if len(nodes) > len(shown):
         lines.append(f"  and {len(nodes) - len(shown)} more nodes (the dashboard lists them)")
-    held_out = " and after" if cfg.eval.after_train else ""
-    plan = (f"  plan: {t.sft_warmup_steps} SFT warm-up steps, then " if t.sft_warmup_steps else "  plan: ") + \
-        f"{t.total_steps} GRPO steps of {cfg.data.prompts_per_step} prompts x {r.n} samples"
-    if cfg.eval.before_train or cfg.eval.after_train:
-        plan += f"; held-out accuracy before{held_out} training" if cfg.eval.before_train else "; held-out accuracy after training"
-    lines.append(plan)
-    lines.append(f"  run directory: {run_dir}   (other programs' lines: run.log; -v shows them here)")
     if dashboard:
         lines.append(f"  dashboard: {dashboard}")
     return lines

@@ -99,17 +99,20 @@ def test_a_summary_without_validation_or_final_model_says_what_it_has(tmp_path):
 
 
 def test_the_banner_fits_in_eight_lines_on_any_cluster(tmp_path):
-    cfg = load_config(None, ["model.path=tiny-random", "model.dtype=bfloat16", "trainer.compute_dtype=bfloat16"])
+    cfg = load_config(None, ["model.path=tiny-random", "model.dtype=bfloat16"])
     nodes = {f"10.0.0.{i}": {"TrainerWorker": 8} for i in range(6)}
     nodes["10.0.0.0"] = {"RolloutServer": 2, "AgentLoopWorker": 1, "LLMManager": 1, "SandboxPool": 1}
-    lines = console.banner(cfg, "/models/tiny", nodes, tmp_path, "http://127.0.0.1:8265")
-    assert len(lines) <= 8
-    assert lines[0] == "raytool: tiny-random (/models/tiny)"
-    assert "compute bfloat16" in lines[1] and "engine: vllm, bfloat16 weights" in lines[1]
-    assert lines[2] == "  on 10.0.0.0: 2 rollout servers, 1 agent worker, 1 sandbox pool, 1 LLM manager"
-    assert lines[4] == "  and 4 more nodes (the dashboard lists them)"
-    assert "12 SFT warm-up steps, then 12 GRPO steps of 4 prompts x 4 samples; held-out accuracy before and after training" in lines[5]
-    assert lines[-1] == "  dashboard: http://127.0.0.1:8265"
+    first = console.banner(cfg, "/models/tiny", tmp_path)
+    then = console.placement(nodes, "http://127.0.0.1:8265")
+    assert len(first + then) <= 8
+    assert first[0] == "raytool: tiny-random (/models/tiny)"
+    assert "compute bfloat16" in first[1] and "engine: vllm, bfloat16 weights" in first[1]  # auto follows model.dtype's resolution
+    assert first[2] == "  plan: 12 SFT warm-up steps, then 12 GRPO steps of 4 prompts x 4 samples; held-out accuracy before and after training"
+    assert then[0] == "  on 10.0.0.0: 2 rollout servers, 1 agent worker, 1 sandbox pool, 1 LLM manager"
+    assert then[1] == "  on 10.0.0.1: 8 trainer ranks" and then[2] == "  and 4 more nodes (the dashboard lists them)"
+    assert then[-1] == "  dashboard: http://127.0.0.1:8265"
+    quiet = load_config(None, ["model.path=tiny-random", "trainer.sft_warmup_steps=0", "eval.before_train=false"])
+    assert console.banner(quiet, "/m", tmp_path)[2] == "  plan: 12 GRPO steps of 4 prompts x 4 samples; held-out accuracy after training"
 
 
 def test_a_run_that_fails_of_anything_ends_on_one_line_naming_its_log(monkeypatch, capsys, root_logging, tmp_path):
