@@ -73,9 +73,9 @@ class AgentLoopWorker:
         get_agent_loop(cfg.agent.default_agent)  # an unknown default fails now, not on the first row
 
     def _renderer(self, tools: list) -> ChatRenderer:
-        key = tuple(t.name for t in tools) if self.cfg.agent.format == "hermes" else ()
+        key = tuple(t.name for t in tools) if self.cfg.agent.format != "retool" else ()
         if key not in self.renderers:
-            self.renderers[key] = ChatRenderer(self.tokenizer, tools=[t.schema for t in tools] if self.cfg.agent.format == "hermes" else None,
+            self.renderers[key] = ChatRenderer(self.tokenizer, tools=[t.schema for t in tools] if self.cfg.agent.format != "retool" else None,
                                                template_kwargs=self.cfg.agent.chat_template_kwargs)
         return self.renderers[key]
 

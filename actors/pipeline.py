@@ -232,7 +232,7 @@ def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer, tool
     context = context_length(cfg, model_path)
     if context is None:
         return task
-    renderer = ChatRenderer(tokenizer, tools=toolset.schemas if cfg.agent.format == "hermes" else None, template_kwargs=cfg.agent.chat_template_kwargs)
+    renderer = ChatRenderer(tokenizer, tools=toolset.schemas if cfg.agent.format != "retool" else None, template_kwargs=cfg.agent.chat_template_kwargs)
 
     def prompt_tokens(row: PromptRow) -> int:
         return len(renderer.prompt_ids(with_system_prompt(row.prompt, cfg.agent.system_prompt)))

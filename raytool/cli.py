@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write an HTML page of a run: its curves and a browser over its traced trajectories")
     report.add_argument("run_dir", help="the run directory (metrics.jsonl, sft_metrics.jsonl, traces.jsonl)")
     report.add_argument("--output", help="the folder for report.html and the plots' PNG files (default: RUN_DIR/report)")
+    parse_tools = sub.add_parser("parse-tools", help="print the tool calls, errors and reasoning raytool reads in a model output (a file, or - for stdin)")
+    parse_tools.add_argument("file", nargs="?", default="-", help="the model output's text (default: stdin)")
+    parse_tools.add_argument("--format", default="auto", help="agent.format: retool, hermes, a family's (raytool config --explain agent.format), or auto (default: from --model's chat template)")
+    parse_tools.add_argument("--model", default="smollm2-135m-instruct", help="with --format auto: the model whose chat template says the format (a built-in name or an HF directory)")
+    parse_tools.add_argument("--tools", help="a verl-format tool YAML: its schemas type the arguments of the XML formats")
+    parse_tools.add_argument("--json", action="store_true", help="print the result as one JSON object")
     plan = sub.add_parser("plan", help="predict the accelerator and host memory each role needs, and whether it fits a cluster")
     _config_args(plan)
     plan.add_argument("--nodes", type=int, help="nodes in the cluster (default: cluster.nodes, else 1)")
@@ -140,6 +146,32 @@ def _eval(cfg, args) -> int:
     print(table(metrics, cfg.eval.n))
     if args.json:
         print(json.dumps({"model": args.model, "n": cfg.eval.n, **metrics}))
+    return 0
+
+
+def _parse_tools(args) -> int:
+    from raytool.agent.families import describe, describe_table
+    from raytool.agent.parsers import get_parser
+
+    try:
+        fmt = args.format
+        if fmt == "auto":
+            from raytool.resolve import with_tool_format
+
+            cfg = load_config(None, [f"model.path={args.model}", "agent.format=auto"])
+            fmt = with_tool_format(cfg).agent.format
+        get_parser(fmt)  # an unknown name: one line naming the choices
+        schemas = None
+        if args.tools:
+            from raytool.tools.registry import load_tool_config
+
+            schemas = {schema["function"]["name"]: schema for schema in load_tool_config(args.tools).schemas}
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    except (ConfigError, OSError, ValueError, RaytoolError) as exc:
+        print(f"raytool: {exc}", file=sys.stderr)
+        return 2
+    found = describe(text, fmt, schemas)
+    print(json.dumps(found, ensure_ascii=False) if args.json else describe_table(found))
     return 0
 
 
@@ -224,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"raytool: {exc}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "parse-tools":
+        return _parse_tools(args)
     if args.command == "config" and (args.reference or args.explain):
         from raytool.config_reference import explain, reference
 

@@ -126,7 +126,7 @@ class RolloutConfig(_Section):
 
 
 class AgentConfig(_Section):
-    format: Literal["retool", "hermes"] = "retool"  # tool calls as ReTool <code> tags or Hermes/Qwen <tool_call> JSON
+    format: Literal["retool", "hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "kimi_k2", "deepseek", "gpt_oss", "auto"] = "retool"  # tool calls as ReTool <code> tags, Hermes/Qwen <tool_call> JSON, or a model family's own format (raytool.agent.families); auto: the format the model's chat template writes
     observation_style: Literal["tool_message", "in_turn"] = "tool_message"  # retool: output as a tool message (verl's recipe) or as <interpreter>...</interpreter> inside the same assistant turn (the ReTool paper)
     max_turns: Positive = 4  # assistant turns per trajectory (in_turn: tool rounds plus the answer)
     max_response_tokens: Positive = 384  # token budget of everything after the prompt

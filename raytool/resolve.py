@@ -6,7 +6,8 @@ place before any actor starts, into the one RunConfig every actor receives and c
   where the run config left the default;
 - `model.dtype: auto` -> the dtype the rollout engine runs on its device (raytool.device.engine_dtype);
 - `algorithm.rollout_correction.rollout_is: auto` -> `token` in asynchronous mode, null (off) in
-  synchronous mode.
+  synchronous mode;
+- `agent.format: auto` -> the tool-call format the model's chat template writes.
 It is idempotent: a resolved config comes back unchanged. What depends on the trainer's own device
 and memory (`trainer.compile`, micro-batch sizes: raytool.planner.resolve_auto) is decided by the
 trainer ranks, which are the only ones that see that device.
@@ -26,7 +27,27 @@ log = logging.getLogger(__name__)
 
 def resolve(cfg: RunConfig) -> RunConfig:
     """`cfg` with its autos and derived settings decided (see the module's docstring)."""
-    return with_rollout_correction(with_engine_dtype(with_tool_sandbox_settings(cfg)))
+    return with_tool_format(with_rollout_correction(with_engine_dtype(with_tool_sandbox_settings(cfg))))
+
+
+def with_tool_format(cfg: RunConfig) -> RunConfig:
+    """agent.format auto: the tool-call format the model's chat template writes (raytool.agent.families.detect)."""
+    if cfg.agent.format != "auto":
+        return cfg
+    from transformers import AutoTokenizer
+
+    from raytool.agent.families import detect
+    from raytool.models import resolve_model
+
+    template = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path)).chat_template
+    found = detect(template if isinstance(template, str) else None)
+    if found is None:
+        choices = [c for c in msgspec.inspect.type_info(type(cfg.agent)).fields if c.name == "format"][0].type
+        names = sorted(v for v in getattr(choices, "values", ()) if v != "auto")
+        raise ConfigError(f"config key 'agent.format': auto found no tool-call format in the chat template of {cfg.model.path}; "
+                          f"set one of {names}")
+    log.info("agent.format auto: %s (from the chat template of %s)", found, cfg.model.path)
+    return msgspec.structs.replace(cfg, agent=msgspec.structs.replace(cfg.agent, format=found))
 
 
 def with_rollout_correction(cfg: RunConfig) -> RunConfig:

@@ -368,3 +368,31 @@ def test_the_scripted_engine_drives_two_real_cells_and_an_answer(renderer, tiny_
     assert [t["text"] for t in traj.turns] == list(SCRIPT)
     assert sum(traj.response_mask) == sum(len(renderer.assistant_ids(text)) for text in SCRIPT)
     assert engine.stats.requests == 3 and engine.engine_stats()["busy_s"] >= 0.03
+
+
+def test_a_family_whose_markers_are_special_tokens_is_parsed_with_them_and_recorded_without(renderer):
+    """Kimi-K2's call markers are special tokens: the loop parses the turn decoded with them (the
+    text it records for the turn has none), types nothing away, and runs the call."""
+    tok = _hermes(renderer)
+    markers = ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+               "<|tool_calls_section_end|>"]
+    tok.add_special_tokens({"additional_special_tokens": markers})
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    tools = {"add": function_tool(add)}
+    r = ChatRenderer(tok, tools=[t.schema for t in tools.values()])
+    call = ("Adding.<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
+            '{"a": 2, "b": 3}<|tool_call_end|><|tool_calls_section_end|>')
+    run, calls = make_loop(r, [call, "It is 5."], tools=tools, format="kimi_k2")
+    traj = run()
+    assert traj.tool_calls == 1 and traj.tool_errors == 0 and observations(traj) == ["5"]
+    assert traj.messages[2].content == 'Adding.functions.add:0{"a": 2, "b": 3}'  # the turn's text: no special tokens
+    assert len(calls) == 2

@@ -32,6 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from raytool.agent.families import SPECIAL_MARKERS
 from raytool.agent.parsers import ParseResult, ToolError, check_arguments, get_parser
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer, RenderError
@@ -108,7 +109,8 @@ class ToolAgentLoop:
         self.generate = generate
         self.agent = agent
         self.rollout = rollout
-        self.parse = get_parser(agent.format)
+        self.parse = get_parser(agent.format, {name: tool.schema for name, tool in tools.items()})
+        self.with_special_tokens = agent.format in SPECIAL_MARKERS  # its markers are special tokens: parse them
         self.in_turn = agent.observation_style == "in_turn"
 
     def _sampling(self, budget: int, uid: str, turn: int) -> SamplingParams:
@@ -179,7 +181,8 @@ class ToolAgentLoop:
             if out.finish_reason != "stop":
                 state.finish = "length" if out.finish_reason == "length" else out.finish_reason
                 return
-            parsed = self.parse(info["text"])
+            text = self.renderer.tokenizer.decode(out.token_ids, skip_special_tokens=False) if self.with_special_tokens else info["text"]
+            parsed = self.parse(text)
             if not parsed.any:
                 state.finish = "answer"
                 return

@@ -486,8 +486,14 @@ def check_arguments(call: ToolCall, schema: dict) -> ToolError | None:
 PARSERS = {"retool": parse_retool, "hermes": parse_hermes}
 
 
-def get_parser(name: str) -> Callable[[str], ParseResult]:
-    try:
+def get_parser(name: str, schemas: dict[str, dict] | None = None) -> Callable[[str], ParseResult]:
+    """The parser of format `name` (retool, hermes, or a family of raytool.agent.families); `schemas`
+    (tool name -> OpenAI function schema) types the arguments of the XML formats."""
+    from raytool.agent.families import FORMATS  # it builds on this module
+
+    if name in PARSERS:
         return PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown tool parser '{name}'; expected one of {sorted(PARSERS)}") from None
+    if name in FORMATS:
+        parse = FORMATS[name].parse
+        return lambda text: parse(text, schemas)
+    raise ValueError(f"unknown tool parser '{name}'; expected one of {sorted([*PARSERS, *FORMATS])}")

@@ -15,6 +15,7 @@ from raytool.types import ToolCall
 # Every way a tool call can fail, as counted in the metrics (`tool/errors/<kind>`).
 ERROR_KINDS = (
     "invalid_json",  # the call's JSON could not be read (after the unambiguous repairs)
+    "malformed_call",  # a call that does not follow its format (no tool name, an argument without a value, a missing separator)
     "unknown_tool",  # no tool of that name
     "missing_argument",  # a required argument is absent
     "wrong_argument_type",  # an argument has the wrong JSON type

@@ -1,0 +1,185 @@
+"""The model families' tool-call formats (raytool.agent.families): each parser on what its models
+write (one call, parallel calls, arguments that need the schema, malformed calls), `auto` on the
+shipped chat templates, `raytool parse-tools`, and the property that no input makes a parser raise."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from raytool.agent import families
+from raytool.agent.families import FORMATS, describe, detect, split_reasoning
+from raytool.agent.parsers import ToolError, get_parser
+from raytool.tools.base import ERROR_KINDS
+from raytool.types import ToolCall
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+SCHEMAS = {"get_weather": {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}, "hours": {"type": "array"},
+    "ratio": {"type": "number"}}, "required": ["city"]}}}}
+DS_BEGIN, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+# One output per family with two calls (parallel calls), as its models write them.
+TWO_CALLS = {
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]</s>',
+    "qwen3_coder": "I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n"
+                   "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+    "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+             "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>"
+               "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{\"city\": \"Oslo\", \"days\": 2}<|tool_call_end|><|tool_calls_section_end|>",
+    "deepseek": f"<｜tool▁calls▁begin｜>{DS_BEGIN}get_weather{DS_SEP}{{\"city\": \"Paris\"}}{DS_END}"
+                f"{DS_BEGIN}get_weather{DS_SEP}{{\"city\": \"Oslo\", \"days\": 2}}{DS_END}<｜tool▁calls▁end｜>",
+    "gpt_oss": "<|channel|>analysis<|message|>Two cities: call twice.<|end|>"
+               "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>"
+               "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Oslo\", \"days\": 2}<|call|>",
+}
+EXPECTED = [ToolCall("get_weather", {"city": "Paris"}), ToolCall("get_weather", {"city": "Oslo", "days": 2})]
+
+
+@pytest.mark.parametrize("fmt", sorted(TWO_CALLS))
+def test_each_family_parses_its_own_parallel_calls(fmt):
+    result = get_parser(fmt, SCHEMAS)(TWO_CALLS[fmt])
+    assert result.calls == EXPECTED and result.errors == [], result.items()
+
+
+@pytest.mark.parametrize("fmt", sorted(TWO_CALLS))
+def test_a_plain_answer_is_no_call_and_a_cut_call_is_a_typed_error(fmt):
+    assert not get_parser(fmt)("The answer is \\boxed{42}.").any
+    cut = TWO_CALLS[fmt][: TWO_CALLS[fmt].rindex("Oslo")]  # the turn ends inside the second call's arguments
+    result = get_parser(fmt, SCHEMAS)(cut)
+    first = [] if fmt == "mistral" else EXPECTED[:1]  # Mistral's calls are one JSON array: cut, none of it reads
+    assert result.calls == first and len(result.errors) == 1 and result.errors[0].kind in ERROR_KINDS, result.items()
+
+
+def test_xml_arguments_are_typed_from_the_tool_schema():
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n12\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+            "<parameter=metric>\nTrue\n</parameter>\n<parameter=hours>\n[6, 18]\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
+            "<parameter=note>\nline one\nline two\n</parameter>\n</function>\n</tool_call>")
+    (call,) = get_parser("qwen3_coder", SCHEMAS)(text).calls
+    assert call.arguments == {"city": "12", "days": 3, "metric": True, "hours": [6, 18], "ratio": 0.5, "note": "line one\nline two"}
+    (untyped,) = get_parser("qwen3_coder")(text).calls  # no schema: every value as written
+    assert untyped.arguments["days"] == "3" and untyped.arguments["city"] == "12"
+    # A value that does not read as its type stays text: check_arguments then tells the model.
+    (odd,) = get_parser("glm45", SCHEMAS)("<tool_call>get_weather<arg_key>days</arg_key><arg_value>two</arg_value></tool_call>").calls
+    assert odd.arguments == {"days": "two"}
+
+
+@pytest.mark.parametrize("fmt, text, kind", [
+    ("qwen3_coder", "<tool_call>\n<parameter=city>\nParis\n</parameter>\n</tool_call>", "malformed_call"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis", "unterminated_tag"),
+    ("glm45", "<tool_call>get_weather<arg_key>city</arg_key></tool_call>", "malformed_call"),
+    ("glm45", "<tool_call></tool_call>", "empty_call"),
+    ("kimi_k2", "<|tool_call_begin|>functions.get_weather:0{\"city\": \"Paris\"}<|tool_call_end|>", "malformed_call"),
+    ("kimi_k2", "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": <|tool_call_end|>", "invalid_json"),
+    ("deepseek", f"{DS_BEGIN}get_weather{{\"city\": \"Paris\"}}{DS_END}", "malformed_call"),
+    ("deepseek", f"{DS_BEGIN}get_weather{DS_SEP}[1, 2]{DS_END}", "wrong_argument_type"),
+    ("gpt_oss", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Par", "unterminated_tag"),
+    ("mistral", "[TOOL_CALLS]", "empty_call"),
+    ("mistral", "[TOOL_CALLS]get_weather{\"city\": \"Paris\"}", "malformed_call"),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": ', "invalid_json"),
+    ("llama3_json", '{"parameters": {"city": "Paris"}}', "invalid_json"),
+])
+def test_malformed_calls_are_typed_errors_for_the_model(fmt, text, kind):
+    result = get_parser(fmt, SCHEMAS)(text)
+    assert [e.kind for e in result.errors] == [kind] and result.calls == [], result.items()
+    assert result.errors[0].message.startswith(f"Error ({kind}): ") and len(result.errors[0].message) < 300
+
+
+def test_older_spellings_of_a_family():
+    v3 = f"{DS_BEGIN}function{DS_SEP}get_weather\n```json\n{{\"city\": \"Paris\"}}\n```{DS_END}"  # DeepSeek-V3 / R1
+    assert get_parser("deepseek")(v3).calls == [EXPECTED[0]]
+    v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo", "days": 2}</s>'
+    assert get_parser("mistral")(v11).calls == EXPECTED  # Mistral's v11+ tokenizers
+    assert get_parser("llama3_json")('{"name": "get_weather", "arguments": {"city": "Paris"}}').calls == [EXPECTED[0]]
+    # JSON repaired as Hermes calls are: a trailing comma, a LaTeX backslash
+    repaired = get_parser("kimi_k2")('<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"x": "\\frac{1}{2}",}<|tool_call_end|>')
+    assert repaired.calls == [ToolCall("f", {"x": "\\frac{1}{2}"})] and repaired.repaired == 1
+
+
+def test_reasoning_is_told_from_the_rest():
+    assert split_reasoning("<think>\nAdd them.\n</think>\n\nIt is 5.") == ("Add them.", "It is 5.")
+    assert split_reasoning("Add them.\n</think>\nIt is 5.") == ("Add them.", "It is 5.")  # <think> opened by the template
+    harmony = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>5<|return|>"
+    assert split_reasoning(harmony) == ("Easy.", "5") and get_parser("gpt_oss")(harmony).calls == []
+    assert describe(TWO_CALLS["gpt_oss"], "gpt_oss")["reasoning"] == "Two cities: call twice."
+
+
+def _template(name: str) -> str:
+    return (TEMPLATES / name).read_text()
+
+
+def test_auto_picks_the_format_each_shipped_template_writes():
+    for name in ("qwen2_5_instruct.jinja", "qwen3.jinja", "qwen3_instruct_2507.jinja", "hermes3_tool_use.jinja"):
+        assert detect(_template(name)) == "hermes", name
+    assert detect(_template("llama3_1_instruct.jinja")) == "llama3_json"
+    assert detect("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}") is None  # SmolLM2: no tools
+    # The other families' templates are not shipped (their tokenizers are large): their markers.
+    for fmt, snippet in [("qwen3_coder", "<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>"), ("glm45", "<arg_key>{{ k }}</arg_key>"),
+                         ("kimi_k2", "<|tool_calls_section_begin|>"), ("deepseek", DS_BEGIN), ("gpt_oss", "<|channel|>commentary"),
+                         ("mistral", "[TOOL_CALLS]")]:
+        assert detect("{% if tools %}" + snippet + "{% endif %}") == fmt
+
+
+def test_parse_tools_prints_a_table_or_json(tmp_path, capsys):
+    from raytool.cli import main
+
+    out = tmp_path / "turn.txt"
+    out.write_text(TWO_CALLS["glm45"])
+    assert main(["parse-tools", "--format", "glm45", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "format: glm45   calls: 2   errors: 0   repaired: 0"
+    assert table[1] == '  1  call   get_weather  {"city": "Paris"}' and table[2] == '  2  call   get_weather  {"city": "Oslo", "days": "2"}'
+    out.write_text("<tool_call>get_weather</tool_call><tool_call>")
+    assert main(["parse-tools", "--format", "glm45", "--json", str(out)]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert (found["calls"], found["errors"]) == (1, 1) and found["items"][1]["error"]["kind"] == "unterminated_tag"
+    assert main(["parse-tools", "--format", "xml", str(out)]) == 2
+    assert "unknown tool parser 'xml'; expected one of" in capsys.readouterr().err
+    assert main(["parse-tools", "--format", "auto", "--model", "tiny-random", str(out)]) == 2
+    assert "config key 'agent.format': auto found no tool-call format in the chat template of tiny-random" in capsys.readouterr().err
+
+
+def _pieces() -> list[str]:
+    markers = sorted({m for f in FORMATS.values() for m in f.markers} | {
+        "<tool_call>", "</tool_call>", "</function>", "</parameter>", "</arg_key>", "<arg_value>", "</arg_value>", "<|tool_call_end|>",
+        "<|tool_call_argument_begin|>", DS_SEP, DS_END, "<|message|>", "<|call|>", "<|end|>", "<|start|>", "[ARGS]", "[CALL_ID]",
+        "functions.f:0", "to=functions.f", "f", ">", ";"})
+    return markers + ["{", "}", "[", "]", '"', ":", ",", '"name"', '"parameters"', '"arguments"', "\n", " ", "\\", "9" * 4400, "\ud800", "é"]
+
+
+def test_no_model_output_makes_a_family_parser_raise():
+    """The parsers as written, without the guard that would turn a bug into an error for the model."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    raw = {name: getattr(families, f"_parse_{name}") for name in FORMATS}
+    text = st.one_of(st.lists(st.sampled_from(_pieces()), max_size=40).map("".join), st.text(max_size=200),
+                     st.builds(lambda base, cut: base[:cut], st.sampled_from(list(TWO_CALLS.values())), st.integers(0, 400)))
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None)
+    @given(text)
+    def check(text):
+        for name, parse in raw.items():
+            for schemas in (None, SCHEMAS):
+                result = parse(text, schemas)
+                for item in result.items():
+                    if isinstance(item, ToolError):
+                        assert item.kind in ERROR_KINDS and item.message.startswith(f"Error ({item.kind}): "), name
+                    else:
+                        assert isinstance(item.name, str) and isinstance(item.arguments, dict), name
+                        json.dumps(item.arguments, ensure_ascii=False).encode()
+
+    check()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_pathological_outputs_parse_in_linear_time(fmt):
+    for text in [marker * 30_000 for marker in FORMATS[fmt].markers] + [TWO_CALLS[fmt] * 2_000, "{" * 100_000, "<|message|>" * 30_000]:
+        started = time.perf_counter()
+        get_parser(fmt, SCHEMAS)(text)
+        assert time.perf_counter() - started < 5, (fmt, text[:40])  # linear work: milliseconds; a quadratic scan: minutes
