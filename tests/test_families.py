@@ -183,3 +183,13 @@ def test_pathological_outputs_parse_in_linear_time(fmt):
         started = time.perf_counter()
         get_parser(fmt, SCHEMAS)(text)
         assert time.perf_counter() - started < 5, (fmt, text[:40])  # linear work: milliseconds; a quadratic scan: minutes
+
+
+def test_verls_gpt_oss_case_gives_the_same_call():
+    """verl's GptOssToolParser test case (tests/experimental/agent_loop/test_gpt_oss_tool_parser.py):
+    a call, then the tool's own message addressed to the assistant, which is no call."""
+    text = ("\n<|start|>assistant<|channel|>commentary to=functions.get_current_weather <|constrain|>json<|message|>"
+            '{"location": "Tokyo"}<|call|>\n<|start|>functions.get_current_weather to=assistant<|channel|>commentary<|message|>'
+            '{ "temperature": 20, "sunny": true }<|end|>')
+    result = get_parser("gpt_oss")(text)
+    assert result.calls == [ToolCall("get_current_weather", {"location": "Tokyo"})] and result.errors == []
