@@ -20,11 +20,11 @@ def test_a_short_chaos_run_hits_every_actor_kind_once_and_loses_nothing(ray_clus
     from raytool.chaos import KINDS
 
     cfg = load_config(REPO / "examples" / "tiny_cpu.yaml", [
-        "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.total_steps=14", "trainer.sft_warmup_steps=1", "rollout.n=2", "data.prompts_per_step=2",
+        "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.total_steps=24", "trainer.sft_warmup_steps=1", "rollout.n=2", "data.prompts_per_step=2",
         "rollout.max_tokens_per_turn=24", "agent.max_response_tokens=64", "rollout.seed=7", "cluster.heartbeat_s=5",
         "trainer.save_final=false", "trainer.save_every=4", "logging.logger=[]", "logging.progress=false",
     ])
     report = run_chaos(cfg, tmp_path / "chaos", sorted(KINDS), every_s=1.0, hang=True, seed=0, per_step=True, max_faults=len(KINDS))
     assert report["ok"], table(report)
     assert report["by_kind"] == {kind: 1 for kind in sorted(KINDS)} and report["stopped"] >= 1, table(report)
-    assert report["steps"] == 14 and report["lost"] == 0 and report["ledger"]["trained"] == 14 * 2 - report["groups_failed"], table(report)
+    assert report["steps"] == 24 and report["lost"] == 0 and report["ledger"]["trained"] == 24 * 2 - report["groups_failed"], table(report)
