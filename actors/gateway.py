@@ -38,7 +38,7 @@ class GatewayActor:
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), template_kwargs=cfg.agent.chat_template_kwargs)
         self.gateway = Gateway(renderer, self._generate, model_name=cfg.model.path, max_model_len=r.max_model_len,
                                defaults=SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
-                               template_kwargs=cfg.agent.chat_template_kwargs)
+                               template_kwargs=cfg.agent.chat_template_kwargs, tool_format=cfg.agent.format)
         self.cfg = cfg
         # Serving starts here, in the actor's event loop (Ray runs an async actor's constructor
         # there), so an actor Ray restarts serves again at once, on the same port when it is fixed.

@@ -273,3 +273,30 @@ def test_an_openai_agent_is_named_by_module_or_file_and_a_bad_name_is_one_line(t
                       (f"{tmp_path / 'my_agents.py'}:nope", "cannot import"), ("no_such_module:agent", "No module named")]:
         with pytest.raises(ConfigError, match=f"config key 'agent.openai_agent': .*{why}"):
             import_object(spec, "agent.openai_agent")
+
+
+@pytest.mark.parametrize("fmt, turn", [
+    ("llama3_json", '{"name": "add", "parameters": {"a": 17, "b": 25}}'),
+    ("qwen3_coder", "First 17 + 25.\n<tool_call>\n<function=add>\n<parameter=a>\n17\n</parameter>\n<parameter=b>\n25\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_the_gateway_reads_tool_calls_in_the_runs_format(qwen, fmt, turn):
+    """agent.format is how the model writes calls: the gateway turns them into OpenAI tool_calls,
+    the XML format's values typed from the request's tools (17, not "17")."""
+    generate, _, _ = scripted(qwen, [turn])
+
+    async def main():
+        gateway = Gateway(qwen, generate, model_name=MODEL, tool_format=fmt)
+        url = await gateway.start()
+        try:
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+                reply = await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=[ADD])
+        finally:
+            await gateway.stop()
+        return reply.choices[0]
+
+    choice = asyncio.run(main())
+    assert choice.finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls] == [("add", {"a": 17, "b": 25})]
+    assert choice.message.content == ("First 17 + 25." if fmt == "qwen3_coder" else None)
+    with pytest.raises(ValueError, match="unknown tool parser 'xml'"):
+        Gateway(qwen, generate, model_name=MODEL, tool_format="xml")

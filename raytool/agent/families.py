@@ -423,16 +423,18 @@ class Format:
     parse: Callable[[str, Schemas | None], ParseResult]
     markers: tuple[str, ...]  # any of these in a chat template: the template writes this format (auto)
     special_markers: bool  # its markers are special tokens: parse the turn decoded with them
+    call_start: tuple[str, ...]  # where a turn's calls begin: the text before the first is its content (the gateway)
 
 
 FORMATS = {f.name: f for f in (
-    Format("kimi_k2", _guarded("kimi_k2", _parse_kimi_k2), ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"), True),
-    Format("deepseek", _guarded("deepseek", _parse_deepseek), (_DS_BEGIN, "tool▁call▁begin"), True),
-    Format("gpt_oss", _guarded("gpt_oss", _parse_gpt_oss), ("<|channel|>", "to=functions."), True),
-    Format("qwen3_coder", _guarded("qwen3_coder", _parse_qwen3_coder), ("<function=", "<parameter="), False),
-    Format("glm45", _guarded("glm45", _parse_glm45), ("<arg_key>",), False),
-    Format("mistral", _guarded("mistral", _parse_mistral), ("[TOOL_CALLS]",), True),
-    Format("llama3_json", _guarded("llama3_json", _parse_llama3_json), ("<|python_tag|>", '"parameters"'), True),
+    Format("kimi_k2", _guarded("kimi_k2", _parse_kimi_k2), ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"), True,
+           ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")),
+    Format("deepseek", _guarded("deepseek", _parse_deepseek), (_DS_BEGIN, "tool▁call▁begin"), True, ("<｜tool▁calls▁begin｜>", _DS_BEGIN)),
+    Format("gpt_oss", _guarded("gpt_oss", _parse_gpt_oss), ("<|channel|>", "to=functions."), True, ("<|start|>", "<|channel|>")),
+    Format("qwen3_coder", _guarded("qwen3_coder", _parse_qwen3_coder), ("<function=", "<parameter="), False, ("<tool_call>",)),
+    Format("glm45", _guarded("glm45", _parse_glm45), ("<arg_key>",), False, ("<tool_call>",)),
+    Format("mistral", _guarded("mistral", _parse_mistral), ("[TOOL_CALLS]",), True, ("[TOOL_CALLS]",)),
+    Format("llama3_json", _guarded("llama3_json", _parse_llama3_json), ("<|python_tag|>", '"parameters"'), True, ("<|python_tag|>", "{")),
 )}
 SPECIAL_MARKERS = frozenset(name for name, f in FORMATS.items() if f.special_markers)
 # `auto` looks for these in this order: the families whose calls also sit in <tool_call> tags

@@ -19,7 +19,8 @@ scores the tokens as the run samples them); max_tokens and stop apply everywhere
 
 A request renders with the chat template (the run's `agent.chat_template_kwargs`), generates once
 through `generate` (the LLM manager's token API in the actor graph), and its text is parsed for
-tool calls in the Hermes format into OpenAI `tool_calls` (content is the text before the first
+tool calls in the run's format (Hermes, or a model family's: raytool.agent.families; XML arguments
+typed from the request's tools) into OpenAI `tool_calls` (content is the text before the first
 call). Supported: messages, tools, tool_choice auto/none, temperature, top_p, max_tokens /
 max_completion_tokens, stop, n (1 on a trajectory URL: one recording is one sequence), seed,
 stream (the whole completion is generated, then sent as SSE chunks: token-level generate has no
@@ -41,7 +42,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from raytool.agent.loop import Generate, request_seed
-from raytool.agent.parsers import parse_hermes
+from raytool.agent.families import FORMATS
+from raytool.agent.parsers import get_parser
 from raytool.agent.recorder import TokenRecorder, render_chat
 from raytool.agent.render import ChatRenderer
 from raytool.errors import one_line
@@ -186,8 +188,13 @@ class Gateway:
     """The OpenAI API over `generate`; trajectories opened and finished by whoever runs the agents."""
 
     def __init__(self, renderer: ChatRenderer, generate: Generate | None, *, model_name: str, max_model_len: int | None = None,
-                 defaults: SamplingParams | None = None, template_kwargs: dict | None = None):
+                 defaults: SamplingParams | None = None, template_kwargs: dict | None = None, tool_format: str = "hermes"):
+        """`tool_format`: how the model writes tool calls, hermes or a family of raytool.agent.families
+        (agent.format; retool's <code> blocks are no OpenAI tool call: hermes)."""
         self.renderer, self.generate, self.model_name = renderer, generate, model_name
+        self.tool_format = "hermes" if tool_format == "retool" else tool_format
+        get_parser(self.tool_format)  # an unknown name fails here
+        self.call_start = FORMATS[self.tool_format].call_start if self.tool_format in FORMATS else ("<tool_call>",)
         self.max_model_len = max_model_len
         self.defaults = defaults or SamplingParams(max_tokens=1024)
         self.template_kwargs = template_kwargs or {}
@@ -312,9 +319,11 @@ class Gateway:
     def _response(self, texts: list[tuple[str, TokenOutput]], messages: list[dict], prompt_tokens: int, traj: _Trajectory | None,
                   request: _Request) -> dict:
         choices = []
+        schemas = {t["function"]["name"]: t for t in request.tools or [] if isinstance(t.get("function"), dict) and "name" in t["function"]}
+        parse = get_parser(self.tool_format, schemas)
         for i, (text, out) in enumerate(texts):
-            parsed = parse_hermes(text)
-            at = text.find("<tool_call>")
+            parsed = parse(text)
+            at = min((p for p in (text.find(start) for start in self.call_start) if p >= 0), default=-1)
             tool_calls = []
             first = traj.recorder.tool_calls if traj is not None else 0
             for j, c in enumerate(parsed.calls):

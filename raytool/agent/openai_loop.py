@@ -54,7 +54,7 @@ async def worker_gateway(renderer: ChatRenderer, agent: AgentConfig) -> Gateway:
     key = (id(renderer), id(asyncio.get_running_loop()))
     entry = _GATEWAYS.get(key)
     if entry is None:
-        gateway = Gateway(renderer, None, model_name=MODEL_NAME, template_kwargs=dict(agent.chat_template_kwargs))
+        gateway = Gateway(renderer, None, model_name=MODEL_NAME, template_kwargs=dict(agent.chat_template_kwargs), tool_format=agent.format)
         entry = _GATEWAYS[key] = (gateway, asyncio.ensure_future(gateway.start()))
     await asyncio.shield(entry[1])
     return entry[0]
