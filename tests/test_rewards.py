@@ -262,3 +262,17 @@ def test_the_shipped_verl_tool_bonus_reward_pays_tool_rounds_on_wrong_answers_up
     for rounds, expected in ((0, -1.0), (1, -0.9), (3, -0.7), (6, -0.6)):
         wrong = {**right, "verl_num_turns": 2 + 2 * rounds}
         assert fn(wrong, "44", {"data_source": "dapo_math_17k"}) == (pytest.approx(expected), {"acc": 0.0})
+
+
+def test_the_reward_sees_the_answer_after_the_reasoning():
+    """A thinking model's last turn: what comes after </think> is the response; a \\boxed guess made
+    while reasoning is not the answer."""
+    traj = Trajectory(uid="u", group_id="g", prompt_ids=[1], response_ids=[5], response_mask=[1], rollout_logprobs=[0.0],
+                      ground_truth="4", messages=[Message("user", "q"),
+                                                  Message("assistant", "<think>\nMaybe \\boxed{5}? No: 2 + 2.\n</think>\n\n\\boxed{4}")])
+    v = reward_view(traj)
+    assert (v["response"], v["reasoning"]) == ("\\boxed{4}", "Maybe \\boxed{5}? No: 2 + 2.")
+    assert make_reward_fn(RewardConfig(fn="math"))(v, "4", {})[0] == 1.0
+    plain = reward_view(Trajectory(uid="u", group_id="g", prompt_ids=[1], response_ids=[5], response_mask=[1], rollout_logprobs=[0.0],
+                                   ground_truth="4", messages=[Message("user", "q"), Message("assistant", " \\boxed{4}\n")]))
+    assert (plain["response"], plain["reasoning"]) == (" \\boxed{4}\n", "")  # no reasoning: the turn as written

@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from raytool.agent.families import SPECIAL_MARKERS
+from raytool.agent.families import SPECIAL_MARKERS, split_reasoning
 from raytool.agent.parsers import ParseResult, ToolError, check_arguments, get_parser
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer, RenderError
@@ -294,8 +294,8 @@ class ToolAgentLoop:
 
 
 def reward_view(traj: Trajectory, max_response_tokens: int | None = None, decode: Callable[[list[int]], str] | None = None) -> dict:
-    """What a reward fn sees: the final assistant text, all assistant turns, tool counts, and the
-    response length against its budget (agent.max_response_tokens; DAPO's overlong shaping needs both).
+    """What a reward fn sees: the final assistant text (after its reasoning: a `</think>` block's
+    text is `reasoning`), all assistant turns, tool counts, and the response length against its budget (agent.max_response_tokens; DAPO's overlong shaping needs both).
     Tool messages are left out of `response` and `turns`; with the in_turn style, tool output is
     inside `response` as <interpreter> blocks (`raytool.rewards.math.strip_interpreter` removes them).
     For verl-style fns (raytool.rewards): `solution_str`, every response token decoded without
@@ -304,8 +304,11 @@ def reward_view(traj: Trajectory, max_response_tokens: int | None = None, decode
     responses)."""
     turns = [m.content for m in traj.messages if m.role == "assistant"]
     tool_rounds = sum(1 for before, m in zip(traj.messages, traj.messages[1:]) if m.role == "tool" and before.role == "assistant")
+    last = turns[-1] if turns else ""
+    reasoning, answer = split_reasoning(last) if "</think>" in last else ("", last)
     return {
-        "response": turns[-1] if turns else "",
+        "response": answer,
+        "reasoning": reasoning,
         "turns": turns,
         "num_turns": traj.num_turns,
         "tool_calls": traj.tool_calls,
