@@ -65,17 +65,18 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["rollout/trajectories"] == 4 for m in steps)  # every group of every step came through
-    # The reward fn's raise made one trajectory infra-failed (its retry hit the restarted worker's
-    # scripted raise), and the killed agent workers lost the groups they were running.
-    assert sum(m["rollout/groups_retried"] for m in steps) >= 2
-    assert sum(m["rollout/trajs_infra_failed"] for m in steps) >= 1
+    # The killed agent workers lost the groups they were running: at least the one held in scoring
+    # when they were killed. (Whether the other group was still running then, and whether the reward
+    # fn's raise met a trajectory's last attempt, making it infra-failed, or one its retry then
+    # scored, is the machine's timing: both were seen, in CI and here.)
+    assert sum(m["rollout/groups_retried"] for m in steps) >= 1
     assert sum(m["ledger/failed"] for m in steps) == 0
     counts = audit(run_dir)
     assert counts["drawn"] == counts["trained"] == 6 and set(counts) == {"drawn", "trained"}
     log = (run_dir / "run.log").read_text()
     # The reward fn raised (its 2nd call) and the run went on. Whether that raise alone cost a group
     # depends on which trajectory's retry met the restarted worker first: its retry may score.
-    assert "rolling it out again" in log and (faults / "call-2").exists()
+    assert "rolling it out again" in log and (faults / "call-2").exists() and (faults / "holding").exists()
     assert re.search(r"watchdog: reward-worker-0 \(pid \d+\) did not answer a heartbeat within cluster.heartbeat_s=2s", log)
     # The only server came back on its base weights; it was synced to v2 within step 3 (its requests waited for it).
     assert "rollout servers ['rollout-server-0'] were restarted (base weights): weight sync v2 to them" in log
