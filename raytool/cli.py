@@ -5,6 +5,7 @@ sandbox serve, serve (an OpenAI-compatible API over the policy), bench NAME, cha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -231,6 +232,11 @@ def _take_back_overrides(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with contextlib.ExitStack() as scope:  # what a command sets up for its run (the console) ends with it
+        return _main(argv, scope)
+
+
+def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
     parser = build_parser()
     # Overrides may come after flags too (`raytool bench rollout --json rollout.n=2`), which
     # argparse leaves over: take the leftover `key=value` items as overrides, refuse the rest.
@@ -276,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "verbose", False):
         cfg = msgspec.structs.replace(cfg, logging=msgspec.structs.replace(cfg.logging, console_level="all"))
     if args.command in ("train", "sft", "eval", "chaos"):
-        console.setup(verbose=cfg.logging.console_level == "all")
+        scope.enter_context(console.configured(verbose=cfg.logging.console_level == "all"))
     if args.command == "config":
         print(to_yaml(cfg), end="")
         return 0

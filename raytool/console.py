@@ -5,10 +5,13 @@ and Ray's per-actor logs. `logging.console_level=all` (`-v`) shows everything as
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import logging
 import math
 import sys
+import warnings
 from pathlib import Path
 
 OWN_LOGGERS = ("raytool", "actors", "__main__")
@@ -45,15 +48,19 @@ class ConsoleFormat(logging.Formatter):
         return f"{record.levelname.lower()}{source}: {message}"
 
 
-def setup(verbose: bool) -> None:
-    """The driver's console: raytool's own lines (or, `verbose`, every record in the full format).
-    Python warnings become log records, so that they reach run.log rather than the console."""
-    import ray  # noqa: F401  (its import gives its logger a handler of its own: replaced below)
+@contextlib.contextmanager
+def configured(verbose: bool):
+    """The driver's console while the block runs: raytool's own lines (or, `verbose`, every record
+    in the full format). Python warnings become log records (`py.warnings`), so that they reach
+    run.log rather than the console. The logging setup before it comes back after it (a CLI
+    command run in a process that goes on, as tests do)."""
+    importlib.import_module("ray")  # its import gives its logger a handler of its own: replaced below
 
-    root = logging.getLogger()
+    root, ray_logger = logging.getLogger(), logging.getLogger("ray")
+    saved = (list(root.handlers), root.level, list(ray_logger.handlers), ray_logger.propagate, warnings.showwarning)
     root.setLevel(logging.INFO)
-    for handler in list(root.handlers):
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+    for handler in saved[0]:  # the plain console handler logging.basicConfig installed
+        if type(handler) is logging.StreamHandler:
             root.removeHandler(handler)
     console = logging.StreamHandler(sys.stderr)
     if verbose:
@@ -63,11 +70,24 @@ def setup(verbose: bool) -> None:
         console.setFormatter(ConsoleFormat())
         # Ray's driver-side logger writes to stderr itself ("Started a local Ray instance", its
         # token-authentication notice): through the root's handlers instead, so run.log keeps them.
-        ray_logger = logging.getLogger("ray")
         ray_logger.handlers = []
         ray_logger.propagate = True
     root.addHandler(console)
-    logging.captureWarnings(True)
+    warnings.showwarning = _log_warning
+    try:
+        yield
+    finally:
+        root.removeHandler(console)
+        for handler in saved[0]:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(saved[1])
+        ray_logger.handlers, ray_logger.propagate = saved[2], saved[3]
+        warnings.showwarning = saved[4]
+
+
+def _log_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    logging.getLogger("py.warnings").warning("%s", warnings.formatwarning(message, category, filename, lineno, line).rstrip())
 
 
 def _mean(values: list[float]) -> float | None:

@@ -6,8 +6,6 @@ import json
 import logging
 import warnings
 
-import pytest
-
 from raytool import console
 from raytool.config import load_config
 
@@ -30,45 +28,46 @@ def test_the_console_shows_its_own_lines_raytools_warnings_and_every_error_only(
     assert fmt.format(_record("vllm.engine", logging.ERROR, "boom")) == "error (vllm.engine): boom"
 
 
-@pytest.fixture
-def root_logging():
+def test_python_warnings_and_others_information_reach_run_log_not_the_console(capsys, tmp_path):
     root = logging.getLogger()
-    saved = (list(root.handlers), root.level, logging.getLogger("ray").handlers[:], logging.getLogger("ray").propagate)
-    yield root
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
-    logging.getLogger("ray").handlers[:] = saved[2]
-    logging.getLogger("ray").propagate = saved[3]
-    logging.captureWarnings(False)
-
-
-def test_python_warnings_and_others_information_reach_run_log_not_the_console(root_logging, capsys, tmp_path):
-    console.setup(verbose=False)
     run_log = logging.FileHandler(tmp_path / "run.log")
-    root_logging.addHandler(run_log)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)
-        logging.getLogger("ray").warning("Token authentication is enabled")
-        logging.getLogger("raytool.resolve").info("model.dtype auto: bfloat16")
-        console.show(["raytool: tiny-random"])
-        logging.getLogger("raytool.streaming").warning("group g1 rolled out again")
-    finally:
-        root_logging.removeHandler(run_log)
-        run_log.close()
+    with console.configured(verbose=False):
+        root.addHandler(run_log)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)
+            logging.getLogger("ray").warning("Token authentication is enabled")
+            logging.getLogger("raytool.resolve").info("model.dtype auto: bfloat16")
+            console.show(["raytool: tiny-random"])
+            logging.getLogger("raytool.streaming").warning("group g1 rolled out again")
+        finally:
+            root.removeHandler(run_log)
+            run_log.close()
     assert capsys.readouterr().err.splitlines() == ["raytool: tiny-random", "warning: group g1 rolled out again"]
     kept = (tmp_path / "run.log").read_text()
     for line in ("reduce_op is deprecated", "Token authentication", "model.dtype auto", "raytool: tiny-random", "rolled out again"):
         assert line in kept
 
 
-def test_verbose_shows_everything(root_logging, capsys):
-    console.setup(verbose=True)
-    logging.getLogger("vllm.platforms").warning("Triton is not installed")
-    logging.getLogger("raytool.resolve").info("model.dtype auto: bfloat16")
+def test_verbose_shows_everything(capsys):
+    with console.configured(verbose=True):
+        logging.getLogger("vllm.platforms").warning("Triton is not installed")
+        logging.getLogger("raytool.resolve").info("model.dtype auto: bfloat16")
     err = capsys.readouterr().err
     assert "WARNING vllm.platforms: Triton is not installed" in err and "INFO raytool.resolve: model.dtype auto" in err
+
+
+def test_a_command_leaves_logging_as_it_found_it(monkeypatch, tmp_path):
+    """`main` run in a process that goes on (tests, notebooks): its console comes and goes with it."""
+    from actors import pipeline
+    from raytool.cli import main
+
+    root, ray_logger = logging.getLogger(), logging.getLogger("ray")
+    before = (list(root.handlers), root.level, list(ray_logger.handlers), ray_logger.propagate, warnings.showwarning)
+    monkeypatch.setattr(pipeline, "run", lambda *args, **kwargs: None)
+    assert main(["train", "model.path=tiny-random", "--run-dir", str(tmp_path / "run")]) == 0
+    assert (list(root.handlers), root.level, list(ray_logger.handlers), ray_logger.propagate, warnings.showwarning) == before
 
 
 def _write_metrics(run_dir, rows):
@@ -115,7 +114,7 @@ def test_the_banner_fits_in_eight_lines_on_any_cluster(tmp_path):
     assert console.banner(quiet, "/m", tmp_path)[2] == "  plan: 12 GRPO steps of 4 prompts x 4 samples; held-out accuracy after training"
 
 
-def test_a_run_that_fails_of_anything_ends_on_one_line_naming_its_log(monkeypatch, capsys, root_logging, tmp_path):
+def test_a_run_that_fails_of_anything_ends_on_one_line_naming_its_log(monkeypatch, capsys, tmp_path):
     from actors import pipeline
     from raytool.cli import main
 
