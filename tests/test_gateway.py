@@ -300,3 +300,27 @@ def test_the_gateway_reads_tool_calls_in_the_runs_format(qwen, fmt, turn):
     assert choice.message.content == ("First 17 + 25." if fmt == "qwen3_coder" else None)
     with pytest.raises(ValueError, match="unknown tool parser 'xml'"):
         Gateway(qwen, generate, model_name=MODEL, tool_format="xml")
+
+
+def test_a_thinking_models_reasoning_comes_back_as_reasoning_content_and_the_recording_stays_exact(qwen):
+    turn = "<think>\nSeventeen and twenty-five.\n</think>\n\nThe answer is 42."
+    generate, prompts, generated = scripted(qwen, [turn, "Done."])
+
+    async def main():
+        gateway = Gateway(qwen, generate, model_name=MODEL)
+        url = await gateway.start()
+        try:
+            path = gateway.open("t0", generate)
+            async with openai.AsyncOpenAI(base_url=url + path, api_key="x", max_retries=0) as client:
+                first = (await client.chat.completions.create(model=MODEL, messages=PROMPT)).choices[0].message
+                history = [*PROMPT, {"role": "assistant", "content": first.content}, {"role": "user", "content": "Sure?"}]
+                await client.chat.completions.create(model=MODEL, messages=history)
+            return first, gateway.finish(path, "t0", "g", "", None)
+        finally:
+            await gateway.stop()
+
+    first, traj = asyncio.run(main())
+    assert (first.content, first.reasoning_content) == ("The answer is 42.", "Seventeen and twenty-five.")
+    # The agent sent back the answer alone; the second prompt still extends what was generated.
+    assert prompts[1][: len(prompts[0]) + len(generated[0])] == prompts[0] + generated[0]
+    assert traj.num_turns == 2

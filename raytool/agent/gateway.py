@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from raytool.agent.loop import Generate, request_seed
-from raytool.agent.families import FORMATS
+from raytool.agent.families import FORMATS, split_reasoning
 from raytool.agent.parsers import get_parser
 from raytool.agent.recorder import TokenRecorder, render_chat
 from raytool.agent.render import ChatRenderer
@@ -330,7 +330,12 @@ class Gateway:
                 tool_calls.append({"id": f"call_{first + j}", "type": "function",
                                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
             content = (text[:at].strip() if at >= 0 else text) if tool_calls else text
+            reasoning = ""
+            if "</think>" in content:  # a thinking model's reasoning, apart from its answer (as vLLM's reasoning parsers return it)
+                reasoning, content = split_reasoning(content)
             message = {"role": "assistant", "content": content or None}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
             if traj is not None:
