@@ -67,6 +67,8 @@ def test_xml_arguments_are_typed_from_the_tool_schema():
     # A value that does not read as its type stays text: check_arguments then tells the model.
     (odd,) = get_parser("glm45", SCHEMAS)("<tool_call>get_weather<arg_key>days</arg_key><arg_value>two</arg_value></tool_call>").calls
     assert odd.arguments == {"days": "two"}
+    (inf,) = get_parser("glm45", SCHEMAS)("<tool_call>get_weather<arg_key>ratio</arg_key><arg_value>inf</arg_value></tool_call>").calls
+    assert inf.arguments == {"ratio": "inf"}  # no JSON number: left as written
 
 
 @pytest.mark.parametrize("fmt, text, kind", [
@@ -92,7 +94,7 @@ def test_malformed_calls_are_typed_errors_for_the_model(fmt, text, kind):
 
 def test_older_spellings_of_a_family():
     v3 = f"{DS_BEGIN}function{DS_SEP}get_weather\n```json\n{{\"city\": \"Paris\"}}\n```{DS_END}"  # DeepSeek-V3 / R1
-    assert get_parser("deepseek")(v3).calls == [EXPECTED[0]]
+    assert get_parser("deepseek")(v3).calls == [EXPECTED[0]] and get_parser("deepseek")(v3).repaired == 0  # the fence is V3's format
     v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo", "days": 2}</s>'
     assert get_parser("mistral")(v11).calls == EXPECTED  # Mistral's v11+ tokenizers
     assert get_parser("llama3_json")('{"name": "get_weather", "arguments": {"city": "Paris"}}').calls == [EXPECTED[0]]
@@ -107,6 +109,9 @@ def test_reasoning_is_told_from_the_rest():
     harmony = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>5<|return|>"
     assert split_reasoning(harmony) == ("Easy.", "5") and get_parser("gpt_oss")(harmony).calls == []
     assert describe(TWO_CALLS["gpt_oss"], "gpt_oss")["reasoning"] == "Two cities: call twice."
+    # <|call|> is an end-of-turn token: an engine may leave it out of the text; the call still reads
+    ended_by_engine = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}"
+    assert get_parser("gpt_oss")(ended_by_engine).calls == [EXPECTED[0]]
 
 
 def _template(name: str) -> str:

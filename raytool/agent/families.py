@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -198,7 +199,8 @@ def _typed(value: str, spec: dict | None):
                 number = float(stripped)
             except ValueError:
                 continue
-            return int(stripped) if re.fullmatch(r"[+-]?\d{1,4000}", stripped) else number
+            if math.isfinite(number):  # not nan or inf: no JSON number
+                return int(stripped) if re.fullmatch(r"[+-]?\d{1,4000}", stripped) else number
         if kind == "boolean" and stripped.lower() in ("true", "false"):
             return stripped.lower() == "true"
         if kind == "null" and stripped.lower() in ("null", "none"):
@@ -357,8 +359,9 @@ def _parse_deepseek(text: str, schemas: Schemas | None) -> ParseResult:
         if not sep:
             result.add(_error("malformed_call", f"the call has no {_DS_SEP}. {_DS_HINT}"))
             continue
-        if head.strip() == "function" and not rest.lstrip().startswith("{"):  # V3 / R1
+        if head.strip() == "function" and not rest.lstrip().startswith("{"):  # V3 / R1: the JSON in a fence, by format (no repair)
             name, _, raw = rest.partition("\n")
+            raw = _strip_fence(raw)[0]
         else:
             name, raw = head, rest
         item, repaired = _object_call(name, raw, "DeepSeek", _DS_HINT)
@@ -400,10 +403,9 @@ def _parse_gpt_oss(text: str, schemas: Schemas | None) -> ParseResult:
         recipient = _RECIPIENT.search(header)
         if recipient is None:
             continue
-        if not ended:
-            result.add(_error("unterminated_tag", f"the call to '{_cut(recipient.group(1))}' never ended with <|call|>. {_HARMONY_HINT}"))
-            continue
         item, repaired = _object_call(recipient.group(1), body, "harmony", _HARMONY_HINT)
+        if not ended and isinstance(item, ToolError):  # cut short (a call whose <|call|> the engine kept out of the text still reads)
+            item = _error("unterminated_tag", f"the call to '{_cut(recipient.group(1))}' never ended with <|call|>. {_HARMONY_HINT}")
         result.add(item)
         result.repaired += repaired
     # A header addressed to a function whose message never began (the turn was cut there).
