@@ -396,3 +396,14 @@ def test_a_family_whose_markers_are_special_tokens_is_parsed_with_them_and_recor
     assert traj.tool_calls == 1 and traj.tool_errors == 0 and observations(traj) == ["5"]
     assert traj.messages[2].content == 'Adding.functions.add:0{"a": 2, "b": 3}'  # the turn's text: no special tokens
     assert len(calls) == 2
+
+
+def test_a_format_with_its_own_end_of_call_token_stops_there(renderer):
+    """gpt-oss ends a call with <|call|>, not its end of sequence: the engine is told to stop on it."""
+    tok = _hermes(renderer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|call|>"]})
+    run, _ = make_loop(ChatRenderer(tok), ["x"], format="gpt_oss")
+    sampling = run.loop._sampling(16, "u", 0)
+    assert sampling.stop_token_ids == (run.loop.renderer.eos_id, tok.convert_tokens_to_ids("<|call|>"))
+    run, _ = make_loop(ChatRenderer(tok), ["x"], format="hermes")
+    assert run.loop._sampling(16, "u", 0).stop_token_ids == (run.loop.renderer.eos_id,)

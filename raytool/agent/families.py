@@ -426,23 +426,34 @@ class Format:
     markers: tuple[str, ...]  # any of these in a chat template: the template writes this format (auto)
     special_markers: bool  # its markers are special tokens: parse the turn decoded with them
     call_start: tuple[str, ...]  # where a turn's calls begin: the text before the first is its content (the gateway)
+    stop: tuple[str, ...] = ()  # tokens that end a turn of calls besides the tokenizer's end of sequence
 
 
 FORMATS = {f.name: f for f in (
     Format("kimi_k2", _guarded("kimi_k2", _parse_kimi_k2), ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"), True,
            ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")),
     Format("deepseek", _guarded("deepseek", _parse_deepseek), (_DS_BEGIN, "tool▁call▁begin"), True, ("<｜tool▁calls▁begin｜>", _DS_BEGIN)),
-    Format("gpt_oss", _guarded("gpt_oss", _parse_gpt_oss), ("<|channel|>", "to=functions."), True, ("<|start|>", "<|channel|>")),
+    Format("gpt_oss", _guarded("gpt_oss", _parse_gpt_oss), ("<|channel|>", "to=functions."), True, ("<|start|>", "<|channel|>"),
+           ("<|call|>",)),
     Format("qwen3_coder", _guarded("qwen3_coder", _parse_qwen3_coder), ("<function=", "<parameter="), False, ("<tool_call>",)),
     Format("glm45", _guarded("glm45", _parse_glm45), ("<arg_key>",), False, ("<tool_call>",)),
     Format("mistral", _guarded("mistral", _parse_mistral), ("[TOOL_CALLS]",), True, ("[TOOL_CALLS]",)),
-    Format("llama3_json", _guarded("llama3_json", _parse_llama3_json), ("<|python_tag|>", '"parameters"'), True, ("<|python_tag|>", "{")),
+    Format("llama3_json", _guarded("llama3_json", _parse_llama3_json), ("<|python_tag|>", '"parameters"'), True, ("<|python_tag|>", "{"),
+           ("<|eom_id|>",)),
 )}
 SPECIAL_MARKERS = frozenset(name for name, f in FORMATS.items() if f.special_markers)
 # `auto` looks for these in this order: the families whose calls also sit in <tool_call> tags
 # (Qwen3-Coder, GLM) before Hermes, and Hermes before Llama, whose marker '"parameters"' a
 # Hermes template may hold in its prose.
 _DETECT_ORDER = ("kimi_k2", "deepseek", "gpt_oss", "qwen3_coder", "glm45", "mistral", "hermes", "llama3_json")
+
+
+def stop_token_ids(fmt: str, tokenizer) -> tuple[int, ...]:
+    """The ids of format `fmt`'s own end-of-call tokens that `tokenizer` has (gpt-oss's <|call|>,
+    Llama's <|eom_id|>): vLLM stops only on what it is told (raytool samples with
+    generation_config='vllm'), and a harmony call must end at its <|call|>."""
+    vocab = tokenizer.get_vocab()
+    return tuple(vocab[token] for token in (FORMATS[fmt].stop if fmt in FORMATS else ()) if token in vocab)
 
 
 def detect(chat_template: str | None) -> str | None:

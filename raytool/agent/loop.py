@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from raytool.agent.families import SPECIAL_MARKERS, split_reasoning
+from raytool.agent.families import SPECIAL_MARKERS, split_reasoning, stop_token_ids
 from raytool.agent.parsers import ParseResult, ToolError, check_arguments, get_parser
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer, RenderError
@@ -111,13 +111,14 @@ class ToolAgentLoop:
         self.rollout = rollout
         self.parse = get_parser(agent.format, {name: tool.schema for name, tool in tools.items()})
         self.with_special_tokens = agent.format in SPECIAL_MARKERS  # its markers are special tokens: parse them
+        self.stop_ids = (renderer.eos_id, *stop_token_ids(agent.format, renderer.tokenizer))
         self.in_turn = agent.observation_style == "in_turn"
 
     def _sampling(self, budget: int, uid: str, turn: int) -> SamplingParams:
         r = self.rollout
         return SamplingParams(
             max_tokens=min(r.max_tokens_per_turn, budget), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            stop_token_ids=(self.renderer.eos_id,), stop=(CODE_END,) if self.in_turn else (), seed=request_seed(r.seed, uid, turn),
+            stop_token_ids=self.stop_ids, stop=(CODE_END,) if self.in_turn else (), seed=request_seed(r.seed, uid, turn),
         )
 
     async def run(self, messages: list[Message], ground_truth: str, uid: str, group_id: str) -> Trajectory:
