@@ -98,6 +98,9 @@ def test_older_spellings_of_a_family():
     v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo", "days": 2}</s>'
     assert get_parser("mistral")(v11).calls == EXPECTED  # Mistral's v11+ tokenizers
     assert get_parser("llama3_json")('{"name": "get_weather", "arguments": {"city": "Paris"}}').calls == [EXPECTED[0]]
+    # decoded with its special tokens, a Llama call turn ends on <|eom_id|> (or <|eot_id|>)
+    ended = get_parser("llama3_json")('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|eom_id|>')
+    assert ended.calls == [EXPECTED[0]] and ended.errors == []
     # JSON repaired as Hermes calls are: a trailing comma, a LaTeX backslash
     repaired = get_parser("kimi_k2")('<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"x": "\\frac{1}{2}",}<|tool_call_end|>')
     assert repaired.calls == [ToolCall("f", {"x": "\\frac{1}{2}"})] and repaired.repaired == 1
@@ -184,7 +187,8 @@ def test_no_model_output_makes_a_family_parser_raise():
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_pathological_outputs_parse_in_linear_time(fmt):
-    for text in [marker * 30_000 for marker in FORMATS[fmt].markers] + [TWO_CALLS[fmt] * 2_000, "{" * 100_000, "<|message|>" * 30_000]:
+    for text in [marker * 30_000 for marker in FORMATS[fmt].markers] + [TWO_CALLS[fmt] * 2_000, "{" * 100_000, "<|message|>" * 30_000,
+                                                                        "{}" + "<|eom_id|> " * 50_000]:
         started = time.perf_counter()
         get_parser(fmt, SCHEMAS)(text)
         assert time.perf_counter() - started < 5, (fmt, text[:40])  # linear work: milliseconds; a quadratic scan: minutes

@@ -116,10 +116,26 @@ def _guarded(fmt: str, parse: Callable[[str, Schemas | None], ParseResult]) -> C
 _LLAMA_HINT = 'Write {"name": "...", "parameters": {...}}.'
 
 
+_SPECIAL_TOKEN = re.compile(r"<\|[A-Za-z0-9_]{1,40}\|>")
+
+
+def _without_closing_tokens(text: str) -> str:
+    """`text` without the special tokens that end it (<|eom_id|>, <|eot_id|>: the turn decoded with
+    its special tokens ends on one). Linear: each step removes one token from the end."""
+    end = len(text)
+    while True:
+        while end > 0 and text[end - 1].isspace():
+            end -= 1
+        start = text.rfind("<|", 0, end) if text.endswith("|>", 0, end) else -1
+        if start < 0 or not _SPECIAL_TOKEN.fullmatch(text, start, end):
+            return text[:end]
+        end = start
+
+
 def _parse_llama3_json(text: str, schemas: Schemas | None) -> ParseResult:
     """A turn that is JSON (after an optional <|python_tag|>) is its calls; any other turn is an answer."""
     result = ParseResult()
-    body = text.strip()
+    body = _without_closing_tokens(text).strip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
