@@ -67,7 +67,18 @@ def connect(address: str | None, log_to_driver: bool = True) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
         reaper.start_for(os.getpid())
+    if not log_to_driver:
+        ray_logs_through_root()
     ray.init(address=address or "local", log_to_driver=log_to_driver)
+
+
+def ray_logs_through_root() -> None:
+    """Ray's driver-side logger writes to stderr itself ("Started a local Ray instance", its
+    token-authentication notice): its records go through the root logger's handlers instead, to
+    run.log, and to the console only as far as logging.console_level lets them (raytool.console)."""
+    ray_logger = logging.getLogger("ray")
+    ray_logger.handlers = []
+    ray_logger.propagate = True
 
 
 def dashboard_url() -> str | None:

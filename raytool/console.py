@@ -6,7 +6,6 @@ and Ray's per-actor logs. `logging.console_level=all` (`-v`) shows everything as
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import math
@@ -53,11 +52,10 @@ def configured(verbose: bool):
     """The driver's console while the block runs: raytool's own lines (or, `verbose`, every record
     in the full format). Python warnings become log records (`py.warnings`), so that they reach
     run.log rather than the console. The logging setup before it comes back after it (a CLI
-    command run in a process that goes on, as tests do)."""
-    importlib.import_module("ray")  # its import gives its logger a handler of its own: replaced below
-
-    root, ray_logger = logging.getLogger(), logging.getLogger("ray")
-    saved = (list(root.handlers), root.level, list(ray_logger.handlers), ray_logger.propagate, warnings.showwarning)
+    command run in a process that goes on, as tests do). Ray's own driver logger is routed where
+    the driver attaches to Ray (actors.session.connect)."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level, warnings.showwarning)
     root.setLevel(logging.INFO)
     for handler in saved[0]:  # the plain console handler logging.basicConfig installed
         if type(handler) is logging.StreamHandler:
@@ -68,10 +66,6 @@ def configured(verbose: bool):
     else:
         console.addFilter(OwnLines())
         console.setFormatter(ConsoleFormat())
-        # Ray's driver-side logger writes to stderr itself ("Started a local Ray instance", its
-        # token-authentication notice): through the root's handlers instead, so run.log keeps them.
-        ray_logger.handlers = []
-        ray_logger.propagate = True
     root.addHandler(console)
     warnings.showwarning = _log_warning
     try:
@@ -82,8 +76,7 @@ def configured(verbose: bool):
             if handler not in root.handlers:
                 root.addHandler(handler)
         root.setLevel(saved[1])
-        ray_logger.handlers, ray_logger.propagate = saved[2], saved[3]
-        warnings.showwarning = saved[4]
+        warnings.showwarning = saved[2]
 
 
 def _log_warning(message, category, filename, lineno, file=None, line=None) -> None:

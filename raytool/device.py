@@ -141,10 +141,11 @@ NO_FAST_ALLOCATOR = ("vLLM on CPU without tcmalloc: decoding is about 18% slower
                      "`apt-get install libtcmalloc-minimal4` (scripts/setup.sh does as root)")
 
 
-def fast_allocator_missing(ld_preload: str | None = None) -> bool:
-    """Neither this machine (cpu_preloads) nor LD_PRELOAD has a fast allocator for vLLM's CPU engine."""
+def fast_allocator_missing(ld_preload: str | None = None, found: list[str] | None = None) -> bool:
+    """Neither this machine (`found`, else cpu_preloads()) nor LD_PRELOAD has a fast allocator for vLLM's CPU engine."""
     preloaded = (os.environ.get("LD_PRELOAD", "") if ld_preload is None else ld_preload).split(":")
-    return not any(name in lib for lib in cpu_preloads() + preloaded for name in _PRELOAD_KINDS["allocator"])
+    found = cpu_preloads() if found is None else found
+    return not any(name in lib for lib in found + preloaded for name in _PRELOAD_KINDS["allocator"])
 
 
 def with_preloads(ld_preload: str, libraries: list[str]) -> str:

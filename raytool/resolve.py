@@ -42,8 +42,10 @@ def with_tool_format(cfg: RunConfig) -> RunConfig:
     template = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path)).chat_template
     found = detect(template if isinstance(template, str) else None)
     if found is None:
-        choices = [c for c in msgspec.inspect.type_info(type(cfg.agent)).fields if c.name == "format"][0].type
-        names = sorted(v for v in getattr(choices, "values", ()) if v != "auto")
+        from raytool.agent.families import FORMATS
+        from raytool.agent.parsers import PARSERS
+
+        names = sorted([*PARSERS, *FORMATS])
         raise ConfigError(f"config key 'agent.format': auto found no tool-call format in the chat template of {cfg.model.path}; "
                           f"set one of {names}")
     log.info("agent.format auto: %s (from the chat template of %s)", found, cfg.model.path)

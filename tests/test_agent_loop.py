@@ -143,23 +143,24 @@ def _hermes(renderer):
     return tok
 
 
+def _add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
 def hermes_loop(renderer, turns, **agent):
     """A hermes-format loop on the Qwen-style template, with the code interpreter and an `add` tool."""
     tok = _hermes(renderer)
 
-    def add(a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: the first
-            b: the second
-        """
-        return a + b
-
     async def execute(code, session):
         return ExecResult(status="infra_error", stderr="sandbox down")
 
-    tools = {"code_interpreter": CodeInterpreterTool(execute, tokenizer=tok), "add": function_tool(add)}
+    tools = {"code_interpreter": CodeInterpreterTool(execute, tokenizer=tok), "add": function_tool(_add, name="add")}
     r = ChatRenderer(tok, tools=[t.schema for t in tools.values()])
     return make_loop(r, turns, tools=tools, format="hermes", **agent), r
 
@@ -377,17 +378,7 @@ def test_a_family_whose_markers_are_special_tokens_is_parsed_with_them_and_recor
     markers = ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
                "<|tool_calls_section_end|>"]
     tok.add_special_tokens({"additional_special_tokens": markers})
-
-    def add(a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: the first
-            b: the second
-        """
-        return a + b
-
-    tools = {"add": function_tool(add)}
+    tools = {"add": function_tool(_add, name="add")}
     r = ChatRenderer(tok, tools=[t.schema for t in tools.values()])
     call = ("Adding.<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
             '{"a": 2, "b": 3}<|tool_call_end|><|tool_calls_section_end|>')

@@ -28,10 +28,15 @@ def test_the_console_shows_its_own_lines_raytools_warnings_and_every_error_only(
     assert fmt.format(_record("vllm.engine", logging.ERROR, "boom")) == "error (vllm.engine): boom"
 
 
-def test_python_warnings_and_others_information_reach_run_log_not_the_console(capsys, tmp_path):
-    root = logging.getLogger()
+def test_python_warnings_and_others_information_reach_run_log_not_the_console(capsys, tmp_path, monkeypatch):
+    from actors.session import ray_logs_through_root
+
+    root, ray_logger = logging.getLogger(), logging.getLogger("ray")
+    monkeypatch.setattr(ray_logger, "handlers", list(ray_logger.handlers))  # put back after the test
+    monkeypatch.setattr(ray_logger, "propagate", ray_logger.propagate)
     run_log = logging.FileHandler(tmp_path / "run.log")
     with console.configured(verbose=False):
+        ray_logs_through_root()  # as the driver's connect does on a quiet console
         root.addHandler(run_log)
         try:
             with warnings.catch_warnings():

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from raytool.agent.parsers import ParseResult, ToolError, _cut, _error, _json_type, _loads, _strip_fence, _tagged_bodies
+from raytool.agent.parsers import ParseResult, ToolError, _cut, _error, _json_type, _loads, _strip_fence, _tagged_bodies, tool_call_bodies
 from raytool.types import ToolCall
 
 log = logging.getLogger(__name__)
@@ -290,13 +290,7 @@ _QWEN_HINT = "Write <tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</para
 def _parse_qwen3_coder(text: str, schemas: Schemas | None) -> ParseResult:
     """Each <tool_call> holds <function=NAME> blocks of <parameter=KEY>value</parameter>."""
     result = ParseResult()
-    for body in _tagged_bodies(text, "<tool_call>", "</tool_call>"):
-        if body is None:
-            result.add(_error("unterminated_tag", "<tool_call> was opened but never closed. End each call with </tool_call>."))
-            continue
-        if not body.strip():
-            result.add(_error("empty_call", f"the <tool_call> is empty. {_QWEN_HINT}"))
-            continue
+    for body in tool_call_bodies(text, result, _QWEN_HINT):
         i = body.find("<function=")
         if i < 0:
             result.add(_error("malformed_call", f"the <tool_call> has no <function=NAME>. {_QWEN_HINT}"))
@@ -321,13 +315,7 @@ _GLM_HINT = "Write <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>value</ar
 def _parse_glm45(text: str, schemas: Schemas | None) -> ParseResult:
     """Each <tool_call> is NAME, then <arg_key>KEY</arg_key><arg_value>value</arg_value> pairs."""
     result = ParseResult()
-    for body in _tagged_bodies(text, "<tool_call>", "</tool_call>"):
-        if body is None:
-            result.add(_error("unterminated_tag", "<tool_call> was opened but never closed. End each call with </tool_call>."))
-            continue
-        if not body.strip():
-            result.add(_error("empty_call", f"the <tool_call> is empty. {_GLM_HINT}"))
-            continue
+    for body in tool_call_bodies(text, result, _GLM_HINT):
         first = body.find("<arg_key>")
         name = (body if first < 0 else body[:first]).strip()
         pairs = _xml_pairs(body, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>") if first >= 0 else []
@@ -468,8 +456,9 @@ def stop_token_ids(fmt: str, tokenizer) -> tuple[int, ...]:
     """The ids of format `fmt`'s own end-of-call tokens that `tokenizer` has (gpt-oss's <|call|>,
     Llama's <|eom_id|>): vLLM stops only on what it is told (raytool samples with
     generation_config='vllm'), and a harmony call must end at its <|call|>."""
-    vocab = tokenizer.get_vocab()
-    return tuple(vocab[token] for token in (FORMATS[fmt].stop if fmt in FORMATS else ()) if token in vocab)
+    tokens = FORMATS[fmt].stop if fmt in FORMATS else ()
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    return tuple(i for token, i in zip(tokens, ids) if i is not None and tokenizer.convert_ids_to_tokens(i) == token)
 
 
 def detect(chat_template: str | None) -> str | None:

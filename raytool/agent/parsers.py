@@ -352,29 +352,29 @@ def _hermes_call(body: str) -> tuple[ToolCall | ToolError, bool]:
     return ToolCall(name=name, arguments=args), repaired or fenced
 
 
+def tool_call_bodies(text: str, result: ParseResult, hint: str) -> Iterator[str]:
+    """The body of each <tool_call>...</tool_call> that holds something; one never closed, or
+    empty, is added to `result` as its error (`hint`: how a call is written)."""
+    for body in _tagged_bodies(text, "<tool_call>", "</tool_call>"):
+        if body is None:
+            result.add(_error("unterminated_tag", "<tool_call> was opened but never closed. End each call with </tool_call>."))
+        elif not body.strip():
+            result.add(_error("empty_call", f"the <tool_call> is empty. {hint}"))
+        else:
+            yield body
+
+
 def parse_hermes(text: str) -> ParseResult:
     """Each <tool_call>...</tool_call> is one call, JSON repaired as the module docstring says."""
     result = ParseResult()
-    for body in _tagged_bodies(text, "<tool_call>", "</tool_call>"):
-        if body is None:
-            result.add(
-                _error("unterminated_tag", "<tool_call> was opened but never closed. End each call with </tool_call>.")
-            )
-        elif not body.strip():
-            result.add(
-                _error(
-                    "empty_call",
-                    'the <tool_call> is empty. Write <tool_call>{"name": "...", "arguments": {...}}</tool_call>.',
-                )
-            )
-        else:
-            try:
-                item, repaired = _hermes_call(body)
-            except Exception as exc:  # nothing a model writes may escape the parser (but a parser bug shows in the log)
-                log.warning("hermes parser: a call could not be decoded: %s: %s", type(exc).__name__, exc)
-                item, repaired = _undecodable(exc), False
-            result.add(item)
-            result.repaired += repaired
+    for body in tool_call_bodies(text, result, 'Write <tool_call>{"name": "...", "arguments": {...}}</tool_call>.'):
+        try:
+            item, repaired = _hermes_call(body)
+        except Exception as exc:  # nothing a model writes may escape the parser (but a parser bug shows in the log)
+            log.warning("hermes parser: a call could not be decoded: %s: %s", type(exc).__name__, exc)
+            item, repaired = _undecodable(exc), False
+        result.add(item)
+        result.repaired += repaired
     return result
 
 

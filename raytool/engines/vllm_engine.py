@@ -437,7 +437,7 @@ def _preload_cpu_libraries() -> None:
         return
     before = os.environ.get("LD_PRELOAD", "")
     found = cpu_preloads()
-    if fast_allocator_missing(before):
+    if fast_allocator_missing(before, found):
         log.warning(NO_FAST_ALLOCATOR)
     after = with_preloads(before, found)
     if after != before:
