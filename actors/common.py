@@ -89,3 +89,45 @@ def named(actors, namespace: str | None):
     if isinstance(actors, list):
         return [named(a, namespace) for a in actors]
     return ray.get_actor(actors, namespace=namespace) if isinstance(actors, str) else actors
+
+
+def alive_pid(actor) -> int | None:
+    """Its process id while Ray holds it as running; None while it is being created or restarted
+    (a constructor such as an engine start may legitimately keep it silent) or is dead."""
+    from ray.util.state import get_actor
+
+    # The state API's own guess of the cluster is the last one any `ray start` on this machine
+    # wrote down, not necessarily ours: name ours.
+    state = get_actor(actor._actor_id.hex(), address=ray.get_runtime_context().gcs_address, timeout=10)
+    return state.pid if state is not None and state.state == "ALIVE" else None
+
+
+def process_id(_actor) -> int:
+    """What a heartbeat asks an actor (`actor.__ray_call__.remote(process_id)`): its process id."""
+    return os.getpid()
+
+
+class Liveness:
+    """Which late heartbeat means a hung process. A ping sent while the actor is still being created
+    waits behind its constructor, and Ray may report it running just as that ping's interval ends:
+    late, but never silent for a whole interval. So a late actor is hung only when the process Ray
+    holds as running (its pid) was known to run before the ping went out: it answered an earlier
+    ping, or it was running and late in the previous round."""
+
+    def __init__(self):
+        self._answered: dict[str, int] = {}  # role -> the pid that answered a heartbeat
+        self._late: dict[str, int] = {}  # role -> the pid found running but late last round
+
+    def answered(self, name: str, pid: int) -> None:
+        self._answered[name] = pid
+        self._late.pop(name, None)
+
+    def hung(self, name: str, pid: int | None) -> bool:
+        """`name`'s ping was late and Ray holds process `pid` as running (None: not running)."""
+        if pid is None:
+            self._late.pop(name, None)
+            return False
+        if pid in (self._answered.get(name), self._late.get(name)):
+            return True
+        self._late[name] = pid  # it started during this round: one more interval to answer
+        return False

@@ -10,7 +10,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.common import actor_options
+from actors.common import Liveness, actor_options, alive_pid
 from raytool.config import RunConfig
 from raytool.device import detect, set_torch_threads
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
@@ -141,6 +141,7 @@ class TrainerGroup:
         t, c = cfg.trainer, cfg.cluster
         self.cfg = cfg
         self.heartbeat_s = c.heartbeat_s
+        self.liveness = Liveness()  # a rank still in its constructor is late, not hung
         bundle = placement.bundle(cfg, "trainer worker")  # what the driver checked the cluster can hold
         self.pg = None
         strategy = None
@@ -197,19 +198,20 @@ class TrainerGroup:
 
     def check_heartbeats(self, ranks: list[int] | None = None) -> None:
         """Ping `ranks` (all by default); kill the first that stays silent for a heartbeat interval
-        or cannot be reached -> TrainerLost. Nothing to do when heartbeats are off (cluster.heartbeat_s=0)."""
+        while running (`actors.common.Liveness`) or cannot be reached -> TrainerLost. Nothing to do when heartbeats are off (cluster.heartbeat_s=0)."""
         if not self.heartbeat_s:
             return
         pings = {self.workers[rank].heartbeat.remote(): rank for rank in (range(len(self.workers)) if ranks is None else ranks)}
         answered, late = ray.wait(list(pings), num_returns=len(pings), timeout=self.heartbeat_s)
         for ref in answered:
             try:
-                ray.get(ref)
+                self.liveness.answered(f"trainer-{pings[ref]}", ray.get(ref))
             except ray.exceptions.RayActorError as exc:
                 ray.kill(self.workers[pings[ref]])
                 raise TrainerLost(f"trainer-{pings[ref]} cannot be reached: {one_line(exc)}") from exc
-        if late:
-            rank = min(pings[ref] for ref in late)
+        hung = [rank for rank in sorted(pings[ref] for ref in late) if self.liveness.hung(f"trainer-{rank}", alive_pid(self.workers[rank]))]
+        if hung:
+            rank = hung[0]
             ray.kill(self.workers[rank])
             raise TrainerLost(f"trainer-{rank} did not answer a heartbeat within cluster.heartbeat_s={self.heartbeat_s:g}s "
                               "(a stopped or hung process): killed")

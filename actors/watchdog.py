@@ -1,11 +1,12 @@
 """Heartbeats: a hung actor process (stopped, deadlocked, its node gone quiet) is found and handled
 like a kill, so that no call waits on it forever.
 
-The driver pings every light actor and rollout server (`__ray_ready__`, answered by the actor's
-event loop even while it works) every `cluster.heartbeat_s`; an actor that Ray reports alive but
-that has not answered by the next beat is killed with a restart, and its callers' failure handling
+The driver pings every light actor and rollout server (`__ray_call__` asking its process id,
+answered by the actor's event loop even while it works) every `cluster.heartbeat_s`; an actor that
+Ray reports alive, that was running before the ping went out (`actors.common.Liveness`) and that
+has not answered by the next beat is killed with a restart, and its callers' failure handling
 takes over (groups rolled out again, scoring retried, a server re-synced). A hang is therefore
-found within twice the interval. Trainer ranks are watched where the driver waits on them
+found within twice the interval (three times for a process that has not answered yet). Trainer ranks are watched where the driver waits on them
 (`actors.trainer.TrainerGroup.gather`, the same deadline): a rank that hangs or dies re-forms the
 trainer group from its last checkpoint.
 
@@ -25,6 +26,7 @@ import ray
 from ray.util.state import get_actor
 
 from actors import deaths
+from actors.common import Liveness, alive_pid, process_id
 from raytool.errors import RaytoolError
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class Watchdog:
         self.killed: list[str] = []  # role names, in the order they were found hung
         self.lost: dict[str, str] = {}  # role name -> the line that ends the run: why it is dead for good
         self._killed_pids: set[int] = set()  # a stopped process can take Ray a few seconds to kill: once is enough
+        self.liveness = Liveness()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytool-watchdog", daemon=True)
 
@@ -67,11 +70,11 @@ class Watchdog:
 
     def beat(self) -> list[str]:
         """One round: ping every actor, wait one interval, kill those alive but silent -> their names."""
-        pings = {actor.__ray_ready__.remote(): name for name, actor in self.actors.items()}
+        pings = {actor.__ray_call__.remote(process_id): name for name, actor in self.actors.items()}
         answered, late = ray.wait(list(pings), num_returns=len(pings), timeout=self.interval_s)
         for ref in answered:
             try:
-                ray.get(ref)
+                self.liveness.answered(pings[ref], ray.get(ref))
             except ray.exceptions.ActorDiedError:  # restarting answers ActorUnavailableError: only a death can be final
                 self._note_if_lost(pings[ref])
             except ray.exceptions.RayActorError:
@@ -79,8 +82,8 @@ class Watchdog:
         hung = []
         for ref in late:
             name = pings[ref]
-            pid = self._alive_pid(self.actors[name])
-            if pid is None or pid in self._killed_pids:
+            pid = alive_pid(self.actors[name])
+            if pid in self._killed_pids or not self.liveness.hung(name, pid):
                 continue
             log.warning("watchdog: %s (pid %d) did not answer a heartbeat within cluster.heartbeat_s=%gs (a hung process, or one "
                         "that just died); killing it so that Ray restarts it", name, pid, self.interval_s)
@@ -122,12 +125,3 @@ class Watchdog:
             self.lost[name] = (f"{name} is dead for good: Ray used up its restarts ({restart_key(name)}); last cause: {cause} "
                                f"(restarted {state.num_restarts} times)")
             log.error("watchdog: %s", self.lost[name])
-
-    @staticmethod
-    def _alive_pid(actor) -> int | None:
-        """Its process id while Ray holds it as running; None while it is being created or restarted
-        (a constructor such as an engine start may legitimately keep it silent) or is dead."""
-        # The state API's own guess of the cluster is the last one any `ray start` on this machine
-        # wrote down, not necessarily ours: name ours.
-        state = get_actor(actor._actor_id.hex(), address=ray.get_runtime_context().gcs_address, timeout=10)
-        return state.pid if state is not None and state.state == "ALIVE" else None

@@ -305,9 +305,9 @@ def test_a_custom_agent_loop_is_picked_by_name(renderer):
 def test_readme_custom_agent_example_runs(renderer):
     import re
 
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "agents.md").read_text()
     block = re.search(r"<!-- custom-agent-example -->\s*```python\n(.*?)```", readme, re.DOTALL)
-    assert block, "docs/guide.md lost its custom agent example"
+    assert block, "docs/agents.md lost its custom agent example"
     try:
         namespace: dict = {}
         exec(compile(block.group(1), "README.md:custom-agent-example", "exec"), namespace)

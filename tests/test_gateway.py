@@ -218,7 +218,7 @@ def test_the_readme_openai_agent_runs_and_is_recorded(qwen):
     import sys
     import types
 
-    readme = (Path(__file__).parents[1] / "docs" / "guide.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "agents.md").read_text()
     block = re.search(r"<!-- openai-agent-example -->\s*```python\n(.*?)```", readme, re.DOTALL)
     module = types.ModuleType("readme_openai_agent")
     exec(compile(block.group(1), "README.md:openai-agent-example", "exec"), module.__dict__)

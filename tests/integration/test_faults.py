@@ -32,8 +32,8 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
     faults.mkdir()
     cfg = load_config(None, [
         "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_final=false",
-        "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=48", "rollout.seed=7",
-        "agent.num_workers=2", "reward.retries=1", "cluster.heartbeat_s=2", "rollout.max_group_retries=4", f"reward.fn={REPO / 'tests' / 'helpers' / 'faulty_reward.py'}:score",
+        "rollout.engine=hf", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=48", "rollout.seed=7",
+        f"cluster.namespace=raytool-light-faults-{os.getpid()}", "agent.num_workers=2", "reward.retries=1", "cluster.heartbeat_s=2", "rollout.max_group_retries=4", f"reward.fn={REPO / 'tests' / 'helpers' / 'faulty_reward.py'}:score",
         f"cluster.env_vars={{RAYTOOL_FAULT_DIR: {faults}}}", "logging.logger=[]", "logging.progress=false",
     ])
     killed: dict = {}
@@ -51,7 +51,7 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
 
     def kill(*classes, sig=signal.SIGKILL):
         for cls in classes:
-            for actor in list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")]):
+            for actor in list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE"), ("ray_namespace", "=", cfg.cluster.namespace)]):
                 os.kill(actor.pid, sig)
                 killed.setdefault(cls, []).append(actor.pid)
 
@@ -144,9 +144,11 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
     killed = []
 
     def kill_after_the_step_2_checkpoint():
-        deadline = time.time() + 300
-        metrics = run_dir / "metrics.jsonl"
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        deadline = time.time() + 600
+        metrics, saved = run_dir / "metrics.jsonl", tmp_path / "shared" / "run" / "step_2" / "driver_state.json"
+        while not (saved.exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            if time.time() > deadline:
+                return  # never past step 3: "the trainer worker was never killed" says so
             time.sleep(0.05)
         for actor in list_actors(filters=[("class_name", "=", "TrainerWorker"), ("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)],
                                  address=ray.get_runtime_context().gcs_address):
