@@ -158,8 +158,11 @@ class Graph:
         targets = self.ask_manager("weight_targets")
         if only is not None:
             targets = {name: addresses for name, addresses in targets.items() if name in only}
-        failed = self._unresponsive(targets)
-        targets = {name: addresses for name, addresses in targets.items() if name not in failed}
+        current, failed = self._receivers(targets)
+        moved = {name: addresses for name, addresses in current.items() if addresses != targets[name]}
+        if moved:  # restarted since the manager last heard of them (before serving a request, say): new ports
+            self.ask_manager("set_addresses", moved)
+        targets = current
         sent, acks, broken = self._send_and_ack(targets, version, timeout_s)
         culprits, collateral = chain_culprits(targets, broken)
         if culprits and collateral:
@@ -203,19 +206,22 @@ class Graph:
                                                           cause if isinstance(cause, WeightSyncError) else None))
         return sent, acks, broken
 
-    def _unresponsive(self, targets: dict, timeout_s: float = 10.0) -> dict:
-        """Servers that do not answer a health call in time: a server that died after its last
-        request still counts as healthy, and a sync to it would wait for Ray to restart it (an
-        engine start) before failing. They are left out of this sync and ejected."""
-        calls = {self.servers[name].health.remote(): name for name in targets}
+    def _receivers(self, targets: dict, timeout_s: float = 10.0) -> tuple[dict, dict]:
+        """-> (server -> the addresses its weight receivers listen on now, server -> why it is left
+        out). Asked of the servers at each sync: a server that Ray restarted listens on new ports
+        that the manager may not have heard of. A server that died after its last request still
+        counts as healthy, and a sync to it would wait for Ray to restart it (an engine start)
+        before failing: one that does not answer in time is left out of this sync and ejected."""
+        calls = {self.servers[name].receivers.remote(): name for name in targets}
         done, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         failed = {calls[ref]: f"no health answer within {timeout_s:g}s" for ref in late}
+        current = {}
         for ref in done:
             try:
-                ray.get(ref)
+                current[calls[ref]] = list(ray.get(ref))
             except ray.exceptions.RayError as exc:
                 failed[calls[ref]] = one_line(exc)
-        return failed
+        return current, failed
 
     def check_alive(self) -> None:
         """Raise (one line) if the watchdog found an actor of the graph dead for good."""

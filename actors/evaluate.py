@@ -21,7 +21,7 @@ from raytool.data.prompts import PromptRow, load_prompt_files
 from raytool.data.task import load_task
 from raytool.evaluation import EvalSample, summarize
 from raytool.models import resolve_model
-from raytool.rewards import extract_answer, normalize_answer, validate_reward_fn
+from raytool.rewards import check_judge, extract_answer, normalize_answer, validate_reward_fn
 from raytool.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | N
     validate_reward_fn(cfg.reward.fn)
     rows = load_prompt_files(data_files) if data_files else load_task(cfg).val
     check_agents(cfg.agent, rows)
+    check_judge(cfg.reward, rows)
     with tempfile.TemporaryDirectory(prefix="raytool-eval-") as work_dir:
         model_path = eval_model_path(model, Path(work_dir))
         tokenizer = AutoTokenizer.from_pretrained(model_path)

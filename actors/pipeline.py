@@ -42,7 +42,7 @@ from raytool.resolve import resolve
 from raytool.evaluation import table as eval_table
 from raytool.ledger import FILE as LEDGER_FILE, Ledger, outcome_metrics
 from raytool.models import resolve_model
-from raytool.rewards import validate_reward_fn
+from raytool.rewards import check_judge, validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
 from raytool.tools.registry import ToolSet
 from raytool.tracking import Tracker, cut_after_step, validate_backends
@@ -170,6 +170,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     validate_backends(cfg.logging)
     task = load_task(cfg)
     check_agents(cfg.agent, task.train + task.val)
+    check_judge(cfg.reward, task.train + task.val)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)  # renders the warm-up, decodes the traces' prompts

@@ -20,7 +20,8 @@ class RewardWorker:
     def __init__(self, cfg: RewardConfig):
         self.reward = make_reward_fn(cfg)
         self.metrics = RewardMetrics(cfg.fn)
-        self.one_at_a_time = asyncio.Semaphore(1)  # a user's reward fn need not be thread-safe
+        # A user's reward fn need not be thread-safe: one call at a time, unless the fn says it takes more (an LLM judge).
+        self.one_at_a_time = asyncio.Semaphore(self.reward.concurrency)
 
     async def score(self, view: dict, ground_truth: str, extra: dict) -> tuple[float, dict]:
         """-> (score, metrics); a failing fn raises a one-line RewardError naming it and the data source."""

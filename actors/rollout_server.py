@@ -174,6 +174,12 @@ class RolloutServer:
             "pid": os.getpid(),
         }
 
+    async def receivers(self) -> list[str]:
+        """health's checks, then where this process's weight receivers listen (what a sync sends to)."""
+        self._check()
+        self._exit_if_engine_died()
+        return await self.ready()
+
     def stats(self) -> dict:
         self._check()
         return {"server": self.name, "model": self.model_path, "engine": self.engine_name, "in_flight": self.in_flight,

@@ -176,8 +176,24 @@ class SandboxConfig(_Section):
     added_latency_p95_s: NonNegative = 0.0  # ... and this 95th percentile (>= the median)
 
 
+class JudgeConfig(_Section):
+    """An LLM judge (reward.fn: judge): a model behind an OpenAI-compatible API scores each response by a rubric."""
+
+    base_url: str | None = None  # the judge's OpenAI-compatible API, e.g. http://judge-host:8000/v1 (`raytool serve` of a judge model, vLLM's server, a hosted API)
+    model: str | None = None  # the model name the judge's API serves (null: the first its /models lists)
+    api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the judge API's key (never the key itself; unset: no key)
+    rubric: str | None = None  # the judge's prompt, a Python format string over {prompt}, {response}, {reasoning}, {ground_truth}, {data_source} and the row's extra_info keys (null: a 0-10 correctness rubric)
+    score_pattern: str = "(?i)score\\s*[:=]?\\s*(-?\\d+(?:\\.\\d+)?)"  # regex whose first group, searched in the judge's reply (its last match), is the score
+    max_score: PositiveNumber | None = 10.0  # the score is divided by this (a 0-10 rubric becomes 0-1); null: used as it is
+    temperature: NonNegative = 0.0  # the judge's sampling temperature
+    max_tokens: Positive = 256  # the judge's reply length limit
+    concurrency: Positive = 8  # judge calls one reward worker makes at once
+    timeout_s: PositiveNumber = 60.0  # one judge call; a judge that fails or times out makes the trajectory infra-failed (retried), never a zero score
+    cache_size: Count = 100000  # verdicts remembered per reward worker, keyed by (rubric, prompt, response): a retried group is not judged twice (0: off)
+
+
 class RewardConfig(_Section):
-    fn: str = "math"  # registered reward (boxed_match: exact; math: 1/0 by math-verify; retool: +1/-1 shaped) or `path/to/file.py:function`
+    fn: str = "math"  # registered reward (boxed_match: exact; math: 1/0 by math-verify; retool: +1/-1 shaped; judge: an LLM judge, see reward.judge) or `path/to/file.py:function`
     num_workers: Positive = 1  # RewardWorker actors
     timeout_s: PositiveNumber = 5.0  # per-answer math-verify limit; a timed-out answer scores as wrong (metric verify_timeout)
     call_timeout_s: PositiveNumber = 60.0  # one scoring call to a reward worker; a call that raises or outlives this is retried on the next worker
@@ -187,6 +203,7 @@ class RewardConfig(_Section):
     format_penalty: NonNegative = 0.0  # subtracted when the fn reports has_answer=0: no final answer in a known format (0: off)
     overlong_buffer_tokens: Count = 0  # DAPO overlong shaping over the last N tokens before agent.max_response_tokens (0: off)
     overlong_penalty_factor: NonNegative = 1.0  # DAPO: the penalty at agent.max_response_tokens, rising linearly from 0 over the buffer
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
 
 
 class RolloutCorrectionConfig(_Section):

@@ -295,7 +295,8 @@ class ToolAgentLoop:
 
 
 def reward_view(traj: Trajectory, max_response_tokens: int | None = None, decode: Callable[[list[int]], str] | None = None) -> dict:
-    """What a reward fn sees: the final assistant text (after its reasoning: a `</think>` block's
+    """What a reward fn sees: the question (`prompt`: the last user message before the first
+    assistant turn), the final assistant text (after its reasoning: a `</think>` block's
     text is `reasoning`), all assistant turns, tool counts, and the response length against its budget (agent.max_response_tokens; DAPO's overlong shaping needs both).
     Tool messages are left out of `response` and `turns`; with the in_turn style, tool output is
     inside `response` as <interpreter> blocks (`raytool.rewards.math.strip_interpreter` removes them).
@@ -304,10 +305,13 @@ def reward_view(traj: Trajectory, max_response_tokens: int | None = None, decode
     verl's count of a conversation's turns (the prompt, each assistant turn, each round of tool
     responses)."""
     turns = [m.content for m in traj.messages if m.role == "assistant"]
+    first = next((i for i, m in enumerate(traj.messages) if m.role == "assistant"), len(traj.messages))
+    asked = [m.content for m in traj.messages[:first] if m.role == "user"]
     tool_rounds = sum(1 for before, m in zip(traj.messages, traj.messages[1:]) if m.role == "tool" and before.role == "assistant")
     last = turns[-1] if turns else ""
     reasoning, answer = split_reasoning(last) if "</think>" in last else ("", last)
     return {
+        "prompt": asked[-1] if asked else "",
         "response": answer,
         "reasoning": reasoning,
         "turns": turns,

@@ -2,11 +2,11 @@
 shaping every fn gets from `RewardConfig` (format penalty, DAPO overlong).
 
 A reward fn is `(trajectory_view, ground_truth, extra) -> float | dict(score=..., **metrics)`;
-`trajectory_view` is `raytool.agent.loop.reward_view(traj)` (the final assistant text `response`,
+`trajectory_view` is `raytool.agent.loop.reward_view(traj)` (the question `prompt`, the final assistant text `response`,
 `turns`, `num_turns`, `tool_calls`, `tool_errors`, `finish_reason`, `response_tokens`,
 `max_response_tokens`, `solution_str`); `extra` carries the row's `data_source` and `extra_info`.
 A registered name maps to a builder `(RewardConfig) -> reward fn`; the built-ins return `score`,
-`acc`, `has_answer` and `verify_timeout`.
+`acc`, `has_answer` and `verify_timeout`; `judge` asks an LLM judge (raytool.rewards.judge).
 
 A user's file may instead hold a verl reward function, `compute_score(data_source, solution_str,
 ground_truth, extra_info=None)` (any function with a `solution_str` parameter): it is called the
@@ -180,11 +180,28 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+@register("judge")
+def llm_judge(cfg: RewardConfig) -> RewardFn:
+    from raytool.rewards.judge import Judge
+
+    return Judge(cfg.judge)
+
+
 def validate_reward_fn(spec: str) -> None:
     """Raise a one-line ConfigError unless `reward.fn` names a registered reward or a loadable
     `file.py:function` taking (trajectory_view, ground_truth, extra). Imports the user's file."""
     if spec not in REWARDS:
         load_reward_fn(spec)
+
+
+def check_judge(cfg: RewardConfig, rows: list) -> None:
+    """With reward.fn=judge: its settings against the rows (`PromptRow`s) and one call to the
+    judge's API, before any actor starts; each failure one line naming the key."""
+    if cfg.fn == "judge":
+        from raytool.rewards.judge import check_config, probe
+
+        check_config(cfg.judge, [set(row.extra_info) for row in rows])
+        probe(cfg.judge)
 
 
 def make_reward_fn(cfg: RewardConfig) -> Callable[[dict, str, dict], tuple[float, dict]]:
@@ -212,10 +229,11 @@ def make_reward_fn(cfg: RewardConfig) -> Callable[[dict, str, dict], tuple[float
             metrics["overlong_penalty"] = penalty
         return score, metrics
 
+    reward.concurrency = getattr(fn, "concurrency", 1)  # calls at once a fn takes (a judge: reward.judge.concurrency)
     return reward
 
 
 __all__ = [
-    "REWARDS", "RewardError", "RewardFn", "extract_answer", "judge", "load_reward_fn", "make_reward_fn",
+    "REWARDS", "RewardError", "RewardFn", "check_judge", "extract_answer", "judge", "load_reward_fn", "make_reward_fn",
     "normalize_answer", "normalize_score", "overlong_penalty", "register", "shared_verifier", "validate_reward_fn",
 ]

@@ -1,0 +1,155 @@
+"""LLM-judge rewards (`reward.fn: judge`): a judge model behind an OpenAI-compatible API scores each
+response by a rubric, for tasks whose answer no program can check.
+
+The rubric is a Python format string over the trajectory's `prompt` (the row's last user message),
+`response` (the final answer, after any reasoning), `reasoning`, the row's `ground_truth` and
+`data_source`, and the row's `extra_info` keys; the judge's reply is searched for
+`reward.judge.score_pattern` (its last match), and the number found, divided by `max_score`, is the
+score. A judge that fails, times out or answers without a score raises a RewardError: the reward
+worker retries it and then the trajectory is infra-failed, never scored 0. Verdicts are cached by
+(rubric, prompt, response), so a group rolled out again is not judged twice for the same text.
+The client is the `openai` package's, so any server that speaks the API is a judge: `raytool serve`
+of a judge model, vLLM's or SGLang's server, a hosted API.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import string
+import threading
+from collections import OrderedDict
+
+from raytool.config import ConfigError, JudgeConfig
+from raytool.errors import RaytoolError, one_line
+
+DEFAULT_RUBRIC = """You are grading an answer to a question.
+
+Question:
+{prompt}
+
+Reference answer:
+{ground_truth}
+
+Answer to grade:
+{response}
+
+Judge whether the answer is correct and complete, compared with the reference. Reply with one short
+sentence of reasons, then a last line of the form "Score: N", N from 0 (wrong) to 10 (fully correct)."""
+
+FIELDS = {"prompt", "response", "reasoning", "ground_truth", "data_source"}
+
+
+class JudgeError(RaytoolError):
+    """The judge did not give a score: it failed, timed out or answered without one."""
+
+
+def rubric_of(cfg: JudgeConfig) -> str:
+    return cfg.rubric if cfg.rubric is not None else DEFAULT_RUBRIC
+
+
+def rubric_fields(rubric: str) -> set[str]:
+    """The names a rubric formats (`{prompt}`, `{extra_key}`); a malformed rubric is a ConfigError."""
+    try:
+        return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(rubric) if name}
+    except ValueError as exc:
+        raise ConfigError(f"reward.judge.rubric: not a format string: {exc}") from None
+
+
+def check_config(cfg: JudgeConfig, extra_keys: list[set[str]] | None = None) -> None:
+    """One line naming the key: no base_url, a score_pattern without a group, a rubric field that is
+    neither a standard one nor in every row's extra_info (`extra_keys`: each row's keys)."""
+    if not cfg.base_url:
+        raise ConfigError("reward.fn=judge needs reward.judge.base_url (the judge's OpenAI-compatible API, e.g. http://host:8000/v1)")
+    try:
+        if re.compile(cfg.score_pattern).groups < 1:
+            raise ConfigError(f"reward.judge.score_pattern={cfg.score_pattern!r} has no group: its first group is the score")
+    except re.error as exc:
+        raise ConfigError(f"reward.judge.score_pattern={cfg.score_pattern!r}: not a regular expression: {exc}") from None
+    unknown = rubric_fields(rubric_of(cfg)) - FIELDS
+    for i, keys in enumerate(extra_keys or []):
+        missing = sorted(unknown - keys)
+        if missing:
+            raise ConfigError(f"reward.judge.rubric uses {missing}, which are neither {sorted(FIELDS)} nor in row {i}'s extra_info "
+                              f"(its keys: {sorted(keys)})")
+
+
+def parse_score(reply: str, pattern: str, max_score: float | None) -> float:
+    """The last match of `pattern` in the judge's reply, divided by `max_score` -> the score."""
+    found = re.findall(pattern, reply or "")
+    if not found:
+        raise JudgeError(f"the judge's reply has no score matching reward.judge.score_pattern: {one_line(reply or '(empty)')[:200]!r}")
+    value = found[-1][0] if isinstance(found[-1], tuple) else found[-1]
+    try:
+        score = float(value)
+    except ValueError:
+        raise JudgeError(f"the judge's score {value!r} is not a number") from None
+    return score / max_score if max_score else score
+
+
+class Judge:
+    """`reward.fn: judge` as a reward fn `(view, ground_truth, extra) -> dict` (thread-safe: a
+    reward worker runs up to `concurrency` of them at once)."""
+
+    def __init__(self, cfg: JudgeConfig):
+        import openai
+
+        check_config(cfg)
+        self.cfg = cfg
+        self.rubric = rubric_of(cfg)
+        self.client = openai.OpenAI(base_url=cfg.base_url, api_key=os.environ.get(cfg.api_key_env) or "EMPTY", timeout=cfg.timeout_s,
+                                    max_retries=0)  # the reward worker retries, on another worker
+        self.model = cfg.model
+        self.cache: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.lock = threading.Lock()
+        self.concurrency = cfg.concurrency
+
+    def served_model(self) -> str:
+        """reward.judge.model, else the first model the judge's API lists; a judge that does not answer raises."""
+        if self.model is None:
+            models = self.client.models.list().data
+            if not models:
+                raise JudgeError(f"the judge at {self.cfg.base_url} serves no model")
+            self.model = models[0].id
+        return self.model
+
+    def __call__(self, view: dict, ground_truth: str, extra: dict) -> dict:
+        fields = {**(extra.get("extra_info") or {}), "prompt": view.get("prompt", ""), "response": view.get("response", ""),
+                  "reasoning": view.get("reasoning", ""), "ground_truth": ground_truth, "data_source": extra.get("data_source", "")}
+        text = self.rubric.format_map(fields)
+        key = hashlib.sha256("\0".join((self.rubric, fields["prompt"], fields["response"])).encode()).hexdigest()
+        with self.lock:
+            cached = self.cache.get(key)
+        if cached is not None:
+            return {"score": cached[0], "judge_raw": cached[1], "judge_cached": 1.0}
+        try:
+            reply = self.client.chat.completions.create(model=self.served_model(), messages=[{"role": "user", "content": text}],
+                                                        temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens)
+        except Exception as exc:  # the openai client's errors, a connection refused, a timeout
+            raise JudgeError(f"judge_error: the judge at {self.cfg.base_url} failed: {one_line(exc)}") from None
+        score = parse_score(reply.choices[0].message.content, self.cfg.score_pattern, self.cfg.max_score)
+        raw = score * self.cfg.max_score if self.cfg.max_score else score
+        if self.cfg.cache_size:
+            with self.lock:
+                self.cache[key] = (score, raw)
+                while len(self.cache) > self.cfg.cache_size:
+                    self.cache.popitem(last=False)
+        return {"score": score, "judge_raw": raw, "judge_cached": 0.0}
+
+
+def probe(cfg: JudgeConfig) -> None:
+    """At start, before any actor: the judge answers and serves reward.judge.model -> else one line."""
+    judge = Judge(cfg)
+    try:
+        model = judge.served_model()
+        if cfg.model is not None:
+            listed = [m.id for m in judge.client.models.list().data]
+            if listed and model not in listed:
+                raise ConfigError(f"reward.judge.model={model!r}: the judge at {cfg.base_url} serves {listed}")
+    except (ConfigError, JudgeError):
+        raise
+    except Exception as exc:
+        raise ConfigError(f"reward.judge.base_url={cfg.base_url}: the judge does not answer: {one_line(exc)}") from None
+    finally:
+        judge.client.close()
