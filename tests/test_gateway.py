@@ -302,6 +302,32 @@ def test_the_gateway_reads_tool_calls_in_the_runs_format(qwen, fmt, turn):
         Gateway(qwen, generate, model_name=MODEL, tool_format="xml")
 
 
+def test_a_formats_own_end_of_call_token_stops_the_gateways_generations(qwen):
+    """Llama's <|eom_id|> ends a call turn as the loop's generations end there (agent.format
+    llama3_json); a tokenizer without it samples to eos only."""
+    tok = copy.deepcopy(qwen.tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eom_id|>"]})
+    eom = tok.convert_tokens_to_ids("<|eom_id|>")
+    asked = []
+
+    async def generate(prompt_ids, sampling, request_id, session):
+        asked.append(sampling.stop_token_ids)
+        return TokenOutput([qwen.eos_id], [-0.5], "stop", policy_version=0)
+
+    async def main(renderer, fmt):
+        gateway = Gateway(renderer, generate, model_name=MODEL, tool_format=fmt)
+        url = await gateway.start()
+        try:
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+                await client.chat.completions.create(model=MODEL, messages=PROMPT)
+        finally:
+            await gateway.stop()
+
+    for renderer, fmt in ((ChatRenderer(tok), "llama3_json"), (qwen, "llama3_json"), (qwen, "hermes")):
+        asyncio.run(main(renderer, fmt))
+    assert asked == [(qwen.eos_id, eom), (qwen.eos_id,), (qwen.eos_id,)]
+
+
 def test_a_thinking_models_reasoning_comes_back_as_reasoning_content_and_the_recording_stays_exact(qwen):
     turn = "<think>\nSeventeen and twenty-five.\n</think>\n\nThe answer is 42."
     generate, prompts, generated = scripted(qwen, [turn, "Done."])

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from raytool.agent.loop import Generate, request_seed
-from raytool.agent.families import FORMATS, split_reasoning
+from raytool.agent.families import FORMATS, split_reasoning, stop_token_ids
 from raytool.agent.parsers import get_parser
 from raytool.agent.recorder import TokenRecorder, render_chat
 from raytool.agent.render import ChatRenderer
@@ -195,6 +195,8 @@ class Gateway:
         self.tool_format = "hermes" if tool_format == "retool" else tool_format
         get_parser(self.tool_format)  # an unknown name fails here
         self.call_start = FORMATS[self.tool_format].call_start if self.tool_format in FORMATS else ("<tool_call>",)
+        # the format's own end-of-call tokens (gpt-oss's <|call|>, Llama's <|eom_id|>) end a generation as eos does
+        self.stop_ids = (renderer.eos_id, *stop_token_ids(self.tool_format, renderer.tokenizer))
         self.max_model_len = max_model_len
         self.defaults = defaults or SamplingParams(max_tokens=1024)
         self.template_kwargs = template_kwargs or {}
@@ -267,7 +269,7 @@ class Gateway:
             temperature=chosen.get("temperature", base.temperature),
             top_p=chosen.get("top_p", base.top_p),
             top_k=base.top_k,
-            stop_token_ids=(self.renderer.eos_id,),
+            stop_token_ids=self.stop_ids,
             stop=request.sampling.get("stop", ()),
             seed=request_seed(seed, f"{session}/{choice}", call),
         )
