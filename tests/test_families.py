@@ -202,3 +202,34 @@ def test_verls_gpt_oss_case_gives_the_same_call():
             '{ "temperature": 20, "sunny": true }<|end|>')
     result = get_parser("gpt_oss")(text)
     assert result.calls == [ToolCall("get_current_weather", {"location": "Tokyo"})] and result.errors == []
+
+
+def _render(template: str, messages: list[dict], tools: list[dict], add_generation_prompt: bool = False) -> str:
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = lambda message: (_ for _ in ()).throw(jinja2.TemplateError(message))
+    return env.from_string(template).render(messages=messages, tools=tools, bos_token="<s>", add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize("fmt, template, arguments_as", [
+    ("qwen3_coder", "qwen3_coder_vllm.jinja", dict),  # Qwen3-Coder's template as vLLM ships it (examples/tool_chat_template_qwen3coder.jinja)
+    ("llama3_json", "llama3_1_instruct.jinja", dict),  # Llama-3.1-8B-Instruct's own
+])
+def test_what_a_familys_own_template_writes_for_a_call_its_parser_reads_back(fmt, template, arguments_as):
+    """The real template renders an assistant turn with parallel calls (typed arguments: a string, an
+    integer); the family's parser reads the same calls back from what follows the generation prompt,
+    and auto picks the format."""
+    text = _template(template)
+    assert detect(text) == fmt
+    calls = [{"type": "function", "function": {"name": c.name, "arguments": arguments_as(c.arguments)}} for c in EXPECTED]
+    if fmt == "llama3_json":
+        calls = calls[:1]  # Llama 3.1's template refuses more than one call per turn ("only supports single tool-calls")
+    tools = [SCHEMAS["get_weather"]]
+    before = _render(text, [{"role": "user", "content": "Weather?"}], tools, add_generation_prompt=True)  # what the engine continues
+    after = _render(text, [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": calls}], tools)
+    assert after.startswith(before)
+    turn = after[len(before):]
+    result = get_parser(fmt, SCHEMAS)(turn)
+    assert result.calls == EXPECTED[: len(calls)] and result.errors == [], (turn, result.items())
