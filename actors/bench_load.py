@@ -6,7 +6,8 @@ the figures measure raytool itself: the LLM manager, the agent workers, the sand
 backend, real cells; the second cell reads the first's state) and the reward workers.
 
 One graph, three rounds submitted the way the driver submits them (`Graph.submit_group`, one
-group of `GROUP` samples per prompt, all at once): a warm-up, then 250 and 1,000 trajectories.
+group of `GROUP` samples per prompt, all at once): a warm-up, then 250 and 1,000 trajectories
+(`--trajectories N`: N/4 and N).
 While a round runs, a sampler reads every actor's RSS and the object store's bytes in use. Per
 round: completed, lost (submitted, never returned), duplicated (returned twice), trajectories
 whose cells or answer came back wrong, trajectories/s, and the overhead per generate request
@@ -36,21 +37,22 @@ from raytool.data.tool_arith import prompt_row
 from raytool.engines.scripted import SCRIPT
 
 GROUP = 10  # samples per prompt: 25 groups make 250 trajectories, 100 make 1,000
-ROUNDS = (("warm-up", 20), ("250", 250), ("1000", 1000))
+TRAJECTORIES = 1000  # the big round's (`--trajectories`); the small round has a quarter
+WARM_UP = 20
 SAMPLE_S = 0.2
 
 
-def _with_bench_settings(cfg: RunConfig) -> RunConfig:
-    """The scripted engine, enough agent slots and sandbox queue for 1,000 at once, one turn per
-    script step."""
+def _with_bench_settings(cfg: RunConfig, trajectories: int = TRAJECTORIES) -> RunConfig:
+    """The scripted engine, enough agent slots and sandbox queue for `trajectories` at once, one
+    turn per script step."""
     r = msgspec.structs.replace(cfg.rollout, engine="scripted", n=GROUP, num_servers=max(2, cfg.rollout.num_servers), num_cpus=0.1)
     a = msgspec.structs.replace(cfg.agent, num_workers=max(4, cfg.agent.num_workers), max_turns=len(SCRIPT), format="retool",
                                 observation_style="tool_message", tools=None)
     workers = a.num_workers
-    a = msgspec.structs.replace(a, max_concurrent_trajectories=max(a.max_concurrent_trajectories, -(-1000 // workers)))
+    a = msgspec.structs.replace(a, max_concurrent_trajectories=max(a.max_concurrent_trajectories, -(-trajectories // workers)))
     s = msgspec.structs.replace(cfg.sandbox, backend="local", num_pools=max(4, cfg.sandbox.num_pools), added_latency_median_s=0.0,
                                 added_latency_p95_s=0.0)
-    s = msgspec.structs.replace(s, max_queue=max(s.max_queue, -(-2000 // s.num_pools)))
+    s = msgspec.structs.replace(s, max_queue=max(s.max_queue, -(-2 * trajectories // s.num_pools)))
     w = msgspec.structs.replace(cfg.reward, num_workers=max(2, cfg.reward.num_workers))
     return msgspec.structs.replace(cfg, rollout=r, agent=a, sandbox=s, reward=w)
 
@@ -141,18 +143,22 @@ def _round(graph, rows, count: int, tag: str) -> dict:
     }
 
 
-def bench(cfg: RunConfig) -> tuple[str, dict]:
+def bench(cfg: RunConfig, trajectories: int = TRAJECTORIES) -> tuple[str, dict]:
+    from raytool.config import ConfigError
     from raytool.models import resolve_model
 
-    cfg = _with_bench_settings(cfg)
+    if trajectories < 40 or trajectories % (4 * GROUP):
+        raise ConfigError(f"--trajectories {trajectories}: a multiple of {4 * GROUP} (groups of {GROUP}; the small round has a quarter)")
+    big, small = str(trajectories), str(trajectories // 4)
+    cfg = _with_bench_settings(cfg, trajectories)
     connect(cfg.cluster.address)
     graph = build(cfg, resolve_model(cfg.model.path), with_trainer=False)
     try:
         rows = [prompt_row(p, cfg.agent.system_prompt) for p in make_splits(100, 1, cfg.data.seed)[0]]
         pids = _actor_pids(graph)
         rounds, memory = {}, {}
-        for name, count in ROUNDS:
-            if name == "250":  # the idle level: every actor warm, nothing running
+        for name, count in (("warm-up", WARM_UP), (small, trajectories // 4), (big, trajectories)):
+            if name == small:  # the idle level: every actor warm, nothing running
                 idle, idle_store = _Sampler(pids).read()
             with _Sampler(pids) as sampler_round:
                 rounds[name] = _round(graph, rows, count, name)
@@ -162,16 +168,17 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
                                 "growth": sum(max(0, sampler_round.peak[k] - idle[k]) for k in idle) + max(0, sampler_round.store_peak - idle_store)}
     finally:
         graph.shutdown()
-    big = rounds["1000"]
+    last = rounds[big]
+    ratio = f"memory_{big}_vs_{small}"
     result = {
-        "completed": big["completed"],
-        "lost": big["lost"],
-        "duplicated": big["duplicated"],
-        "wrong": big["wrong"],
-        "trajectories_per_s": big["trajectories_per_s"],
-        "overhead_ms_per_request": big["overhead_ms_per_request"],
-        "manager_cpu_ms_per_request": big["cpu_ms_per_trajectory"]["llm-manager"] / len(SCRIPT),
-        "memory_1000_vs_250": memory["1000"]["growth"] / max(1, memory["250"]["growth"]),
+        "completed": last["completed"],
+        "lost": last["lost"],
+        "duplicated": last["duplicated"],
+        "wrong": last["wrong"],
+        "trajectories_per_s": last["trajectories_per_s"],
+        "overhead_ms_per_request": last["overhead_ms_per_request"],
+        "manager_cpu_ms_per_request": last["cpu_ms_per_trajectory"]["llm-manager"] / len(SCRIPT),
+        ratio: memory[big]["growth"] / max(1, memory[small]["growth"]),
         "rounds": rounds,
         "rss_peak_mb": {n: {k: v / 2**20 for k, v in memory[n]["rss_peak"].items()} for n in memory},
         "rss_idle_mb": {k: v / 2**20 for k, v in idle.items()},
@@ -184,17 +191,17 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
         f"{cfg.agent.num_workers} agent workers, {cfg.sandbox.num_pools} sandbox pools (local, 2 cells each), {cfg.reward.num_workers} reward workers",
         f"{'round':<10}{'done':>6}{'lost':>6}{'dup':>5}{'wrong':>7}{'traj/s':>8}{'overhead ms/req':>17}",
     ]
-    for name in ("250", "1000"):
+    for name in (small, big):
         r = rounds[name]
         lines.append(f"{name:<10}{r['completed']:>6}{r['lost']:>6}{r['duplicated']:>5}{r['wrong']:>7}{r['trajectories_per_s']:>8.1f}{r['overhead_ms_per_request']:>17.1f}")
     lines.append(f"{'peak RSS MiB':<20}" + "".join(f"{k:>16}" for k in idle) + f"{'object store':>14}")
     lines.append(f"{'idle':<20}" + "".join(f"{v / 2**20:>16.0f}" for v in idle.values()) + f"{idle_store / 2**20:>14.1f}")
-    for name in ("250", "1000"):
+    for name in (small, big):
         m = memory[name]
         lines.append(f"{name:<20}" + "".join(f"{m['rss_peak'][k] / 2**20:>16.0f}" for k in idle) + f"{m['store_peak'] / 2**20:>14.1f}")
     lines.append(f"{'CPU ms/trajectory':<20}" + "".join(f"{k:>16}" for k in idle))
-    for name in ("250", "1000"):
+    for name in (small, big):
         lines.append(f"{name:<20}" + "".join(f"{rounds[name]['cpu_ms_per_trajectory'][k]:>16.1f}" for k in idle))
-    lines.append(f"memory_1000_vs_250 {result['memory_1000_vs_250']:.2f} (growth over idle, goal <= 4.5); "
+    lines.append(f"{ratio} {result[ratio]:.2f} (growth over idle, goal <= 4.5); "
                  f"LLM manager CPU per request {result['manager_cpu_ms_per_request']:.2f} ms")
     return "\n".join(lines), result

@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="also print the result as one JSON object, the last line of stdout")
     bench.add_argument("--link-mbit", type=float, help="weight-sync only: the sender and 4 receivers on simulated nodes (network "
                                                         "namespaces, as root), each behind one link of this many Mbit/s")
+    bench.add_argument("--trajectories", type=int, help="load only: the big round's trajectories, a multiple of 40 (default 1000); "
+                                                         "the small round has a quarter")
     return parser
 
 
@@ -306,6 +308,12 @@ def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
                 from raytool.bench.weight_sync import linked_bench
 
                 table, result = linked_bench(cfg, args.link_mbit)
+            elif args.trajectories is not None:
+                if args.name != "load":
+                    raise ConfigError(f"--trajectories is for `raytool bench load`, not {args.name}")
+                from actors.bench_load import bench as load_bench
+
+                table, result = load_bench(cfg, args.trajectories)
             else:
                 table, result = BENCHES[args.name](cfg)
             print(table)

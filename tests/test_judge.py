@@ -1,4 +1,4 @@
-"""LLM-judge rewards (raytool.rewards.judge): the real `openai` client against raytool's own
+"""LLM-judge rewards (raytool.rewards.llm_judge): the real `openai` client against raytool's own
 OpenAI-compatible server (raytool.agent.gateway) on loopback, whose scripted engine plays the
 judge: it reads the rubric it is sent and answers with a verdict."""
 
@@ -12,7 +12,7 @@ from helpers.judge_server import JudgeServer, grade
 from raytool.agent.loop import reward_view
 from raytool.config import ConfigError, load_config
 from raytool.rewards import RewardError, make_reward_fn
-from raytool.rewards.judge import Judge, JudgeError, check_config, parse_score, probe
+from raytool.rewards.llm_judge import Judge, JudgeError, check_config, parse_score, probe
 from raytool.types import Message, Trajectory
 
 

@@ -6,7 +6,7 @@ A reward fn is `(trajectory_view, ground_truth, extra) -> float | dict(score=...
 `turns`, `num_turns`, `tool_calls`, `tool_errors`, `finish_reason`, `response_tokens`,
 `max_response_tokens`, `solution_str`); `extra` carries the row's `data_source` and `extra_info`.
 A registered name maps to a builder `(RewardConfig) -> reward fn`; the built-ins return `score`,
-`acc`, `has_answer` and `verify_timeout`; `judge` asks an LLM judge (raytool.rewards.judge).
+`acc`, `has_answer` and `verify_timeout`; `judge` asks an LLM judge (raytool.rewards.llm_judge).
 
 A user's file may instead hold a verl reward function, `compute_score(data_source, solution_str,
 ground_truth, extra_info=None)` (any function with a `solution_str` parameter): it is called the
@@ -182,7 +182,7 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 @register("judge")
 def llm_judge(cfg: RewardConfig) -> RewardFn:
-    from raytool.rewards.judge import Judge
+    from raytool.rewards.llm_judge import Judge
 
     return Judge(cfg.judge)
 
@@ -198,7 +198,7 @@ def check_judge(cfg: RewardConfig, rows: list) -> None:
     """With reward.fn=judge: its settings against the rows (`PromptRow`s) and one call to the
     judge's API, before any actor starts; each failure one line naming the key."""
     if cfg.fn == "judge":
-        from raytool.rewards.judge import check_config, probe
+        from raytool.rewards.llm_judge import check_config, probe
 
         check_config(cfg.judge, [set(row.extra_info) for row in rows])
         probe(cfg.judge)

@@ -1,5 +1,6 @@
 """LLM-judge rewards (`reward.fn: judge`): a judge model behind an OpenAI-compatible API scores each
-response by a rubric, for tasks whose answer no program can check.
+response by a rubric, for tasks whose answer no program can check. (Not `rewards/judge.py`: the
+package's `judge` is the math answer check, which a submodule of that name would shadow.)
 
 The rubric is a Python format string over the trajectory's `prompt` (the row's last user message),
 `response` (the final answer, after any reasoning), `reasoning`, the row's `ground_truth` and
