@@ -271,8 +271,18 @@ def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_clust
         assert {a["server"] for a in graph.sync_weights(version=1)["acks"]} == {"rollout-server-0", "rollout-server-1", "rollout-server-2"}
         version = 1
         if not in_place:
-            ray.kill(graph.servers["rollout-server-0"], no_restart=False)
-            assert wait_until_alive(graph.servers["rollout-server-0"], 60)
+            server = graph.servers["rollout-server-0"]
+            before = ray.get(server.health.remote())["pid"]
+            ray.kill(server, no_restart=False)
+            deadline = time.monotonic() + 60
+            while True:  # the kill is asynchronous: the old process may answer once more
+                assert wait_until_alive(server, 60) and time.monotonic() < deadline
+                try:
+                    if ray.get(server.health.remote())["pid"] != before:
+                        break
+                except ray.exceptions.RayActorError:
+                    pass
+                time.sleep(0.2)
             start, version = time.monotonic(), 2
             result = graph.sync_weights(version=version, timeout_s=30)
             assert {a["server"] for a in result["acks"]} == set(graph.servers) and not result["failed"], result
