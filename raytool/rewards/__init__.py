@@ -2,9 +2,9 @@
 shaping every fn gets from `RewardConfig` (format penalty, DAPO overlong).
 
 A reward fn is `(trajectory_view, ground_truth, extra) -> float | dict(score=..., **metrics)`;
-`trajectory_view` is `raytool.agent.loop.reward_view(traj)` (the question `prompt`, the final assistant text `response`,
-`turns`, `num_turns`, `tool_calls`, `tool_errors`, `finish_reason`, `response_tokens`,
-`max_response_tokens`, `solution_str`); `extra` carries the row's `data_source` and `extra_info`.
+`trajectory_view` is `raytool.agent.loop.reward_view(traj)` (the question `prompt`, the final
+assistant text `response`, `turns`, `num_turns`, `tool_calls`, `tool_errors`, `finish_reason`,
+`response_tokens`, `max_response_tokens`, `solution_str`); `extra` carries the row's `data_source` and `extra_info`.
 A registered name maps to a builder `(RewardConfig) -> reward fn`; the built-ins return `score`,
 `acc`, `has_answer` and `verify_timeout`; `judge` asks an LLM judge (raytool.rewards.llm_judge).
 
