@@ -198,7 +198,8 @@ class TrainerGroup:
 
     def check_heartbeats(self, ranks: list[int] | None = None) -> None:
         """Ping `ranks` (all by default); kill the first that stays silent for a heartbeat interval
-        while running (`actors.common.Liveness`) or cannot be reached -> TrainerLost. Nothing to do when heartbeats are off (cluster.heartbeat_s=0)."""
+        while running (`actors.common.Liveness`) or cannot be reached -> TrainerLost. Nothing to do
+        when heartbeats are off (cluster.heartbeat_s=0)."""
         if not self.heartbeat_s:
             return
         pings = {self.workers[rank].heartbeat.remote(): rank for rank in (range(len(self.workers)) if ranks is None else ranks)}

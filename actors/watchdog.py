@@ -6,9 +6,9 @@ answered by the actor's event loop even while it works) every `cluster.heartbeat
 Ray reports alive, that was running before the ping went out (`actors.common.Liveness`) and that
 has not answered by the next beat is killed with a restart, and its callers' failure handling
 takes over (groups rolled out again, scoring retried, a server re-synced). A hang is therefore
-found within twice the interval (three times for a process that has not answered yet). Trainer ranks are watched where the driver waits on them
-(`actors.trainer.TrainerGroup.gather`, the same deadline): a rank that hangs or dies re-forms the
-trainer group from its last checkpoint.
+found within twice the interval (three times for a process that has not answered yet). Trainer
+ranks are watched where the driver waits on them (`actors.trainer.TrainerGroup.gather`, the same
+deadline): a rank that hangs or dies re-forms the trainer group from its last checkpoint.
 
 An actor that died for good (Ray used up its restarts) is remembered with its cause; `check()`,
 which the driver calls while it waits, then stops the run in one line naming the actor and the

@@ -189,7 +189,7 @@ class JudgeConfig(_Section):
     max_tokens: Positive = 256  # the judge's reply length limit
     concurrency: Positive = 8  # judge calls one reward worker makes at once
     timeout_s: PositiveNumber = 60.0  # one judge call; a judge that fails or times out makes the trajectory infra-failed (retried), never a zero score
-    cache_size: Count = 100000  # verdicts remembered per reward worker, keyed by (rubric, prompt, response): a retried group is not judged twice (0: off)
+    cache_size: Count = 100000  # verdicts remembered per reward worker, keyed by the rubric text sent (question, answer, reference): a retried group is not judged twice (0: off)
 
 
 class RewardConfig(_Section):

@@ -66,7 +66,7 @@ def test_a_judge_that_fails_times_out_or_gives_no_score_raises_and_never_scores_
             make_reward_fn(judge_cfg(url, "reward.judge.timeout_s=0.5"))(view("What is 6 x 7?", "42"), "42", {})
         assert time.monotonic() - start < 1.5
     with pytest.raises(JudgeError, match="'x' is not a number"):
-        parse_score("Score: x", r"Score: (\w)", 10)
+        parse_score("Score: x", r"Score: (\w)")
 
 
 def test_bad_judge_settings_are_one_line_before_anything_starts(tokenizer):

@@ -8,7 +8,8 @@ The rubric is a Python format string over the trajectory's `prompt` (the row's l
 `reward.judge.score_pattern` (its last match), and the number found, divided by `max_score`, is the
 score. A judge that fails, times out or answers without a score raises a RewardError: the reward
 worker retries it and then the trajectory is infra-failed, never scored 0. Verdicts are cached by
-(rubric, prompt, response), so a group rolled out again is not judged twice for the same text.
+the rubric text the judge is sent (question, answer, reference, ...), so a group rolled out again
+is not judged twice for the same text.
 The client is the `openai` package's, so any server that speaks the API is a judge: `raytool serve`
 of a judge model, vLLM's or SGLang's server, a hosted API.
 """
@@ -76,17 +77,16 @@ def check_config(cfg: JudgeConfig, extra_keys: list[set[str]] | None = None) -> 
                               f"(its keys: {sorted(keys)})")
 
 
-def parse_score(reply: str, pattern: str, max_score: float | None) -> float:
-    """The last match of `pattern` in the judge's reply, divided by `max_score` -> the score."""
+def parse_score(reply: str, pattern: str) -> float:
+    """The judge's number: the last match of `pattern` in its reply."""
     found = re.findall(pattern, reply or "")
     if not found:
         raise JudgeError(f"the judge's reply has no score matching reward.judge.score_pattern: {one_line(reply or '(empty)')[:200]!r}")
     value = found[-1][0] if isinstance(found[-1], tuple) else found[-1]
     try:
-        score = float(value)
+        return float(value)
     except ValueError:
         raise JudgeError(f"the judge's score {value!r} is not a number") from None
-    return score / max_score if max_score else score
 
 
 class Judge:
@@ -102,7 +102,7 @@ class Judge:
         self.client = openai.OpenAI(base_url=cfg.base_url, api_key=os.environ.get(cfg.api_key_env) or "EMPTY", timeout=cfg.timeout_s,
                                     max_retries=0)  # the reward worker retries, on another worker
         self.model = cfg.model
-        self.cache: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.cache: OrderedDict[bytes, float] = OrderedDict()  # the judge's number by the digest of the text it was sent
         self.lock = threading.Lock()
         self.concurrency = cfg.concurrency
 
@@ -119,35 +119,38 @@ class Judge:
         fields = {**(extra.get("extra_info") or {}), "prompt": view.get("prompt", ""), "response": view.get("response", ""),
                   "reasoning": view.get("reasoning", ""), "ground_truth": ground_truth, "data_source": extra.get("data_source", "")}
         text = self.rubric.format_map(fields)
-        key = hashlib.sha256("\0".join((self.rubric, fields["prompt"], fields["response"])).encode()).hexdigest()
+        key = hashlib.sha256(text.encode()).digest()  # the same rubric text (question, answer, reference): the same verdict
         with self.lock:
-            cached = self.cache.get(key)
-        if cached is not None:
-            return {"score": cached[0], "judge_raw": cached[1], "judge_cached": 1.0}
+            raw = self.cache.get(key)
+        if raw is not None:
+            return self._scored(raw, cached=True)
         try:
             reply = self.client.chat.completions.create(model=self.served_model(), messages=[{"role": "user", "content": text}],
                                                         temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens)
         except Exception as exc:  # the openai client's errors, a connection refused, a timeout
             raise JudgeError(f"judge_error: the judge at {self.cfg.base_url} failed: {one_line(exc)}") from None
-        score = parse_score(reply.choices[0].message.content, self.cfg.score_pattern, self.cfg.max_score)
-        raw = score * self.cfg.max_score if self.cfg.max_score else score
+        raw = parse_score(reply.choices[0].message.content, self.cfg.score_pattern)
         if self.cfg.cache_size:
             with self.lock:
-                self.cache[key] = (score, raw)
+                self.cache[key] = raw
                 while len(self.cache) > self.cfg.cache_size:
                     self.cache.popitem(last=False)
-        return {"score": score, "judge_raw": raw, "judge_cached": 0.0}
+        return self._scored(raw, cached=False)
+
+    def _scored(self, raw: float, cached: bool) -> dict:
+        """The judge's number over reward.judge.max_score as the score, the number itself as a metric."""
+        return {"score": raw / self.cfg.max_score if self.cfg.max_score else raw, "judge_raw": raw, "judge_cached": float(cached)}
 
 
 def probe(cfg: JudgeConfig) -> None:
     """At start, before any actor: the judge answers and serves reward.judge.model -> else one line."""
     judge = Judge(cfg)
     try:
-        model = judge.served_model()
-        if cfg.model is not None:
-            listed = [m.id for m in judge.client.models.list().data]
-            if listed and model not in listed:
-                raise ConfigError(f"reward.judge.model={model!r}: the judge at {cfg.base_url} serves {listed}")
+        listed = [m.id for m in judge.client.models.list().data]
+        if not listed:
+            raise JudgeError(f"the judge at {cfg.base_url} serves no model")
+        if cfg.model is not None and cfg.model not in listed:
+            raise ConfigError(f"reward.judge.model={cfg.model!r}: the judge at {cfg.base_url} serves {listed}")
     except (ConfigError, JudgeError):
         raise
     except Exception as exc:
