@@ -131,7 +131,10 @@ class AgentLoopWorker:
         session = self.sessions[uid] = f"{uid}@{self.nonce}.{attempt}"
         async with self.slots:
             try:
-                traj = await loop.run(messages, ground_truth, uid, group_id)
+                if getattr(loop, "row_extra", False):  # a loop that reads the row's extra (verifiers: the environment's input)
+                    traj = await loop.run(messages, ground_truth, uid, group_id, extra=extra)
+                else:
+                    traj = await loop.run(messages, ground_truth, uid, group_id)
             finally:  # whatever happened, the trajectory's interpreter and routing state are released
                 self.plane.end_session(uid)
                 del self.sessions[uid]
@@ -139,7 +142,7 @@ class AgentLoopWorker:
                     self.started.discard(session)
                     self._pool(session).close_session.remote(session)
         traj.agent_name = agent_name
-        if not traj.infra_failure:  # score now, while sibling trajectories are still rolling out
+        if not traj.infra_failure and not hasattr(loop, "score_group"):  # score now, while sibling trajectories are still rolling out
             await self._score(traj, ground_truth, extra)
         return traj
 
@@ -153,5 +156,13 @@ class AgentLoopWorker:
         name = agent_name or self.cfg.agent.default_agent
         extra = extra or {}
         rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
-        trajs = await asyncio.gather(*(self._one(messages, ground_truth, f"{group_id}/{i}", group_id, name, extra, rollout, attempt) for i in range(n)))
+        loop = get_agent_loop(name)
+        uids = [f"{group_id}/{i}" for i in range(n)]
+        try:
+            trajs = await asyncio.gather(*(self._one(messages, ground_truth, uid, group_id, name, extra, rollout, attempt) for uid in uids))
+            if hasattr(loop, "score_group"):  # a loop whose environment scores its groups together (verifiers' rubric)
+                await loop.score_group(list(trajs), self.cfg.reward.call_timeout_s)
+        finally:
+            if hasattr(loop, "forget"):
+                loop.forget(uids)
         return list(trajs), [trajectory_stats(t) for t in trajs]

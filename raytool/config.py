@@ -77,7 +77,7 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["auto", "tool_arith", "files"] = "auto"  # tool_arith: the generated task; files: prompt rows from train_files / val_files; auto: files when train_files names any
+    task: Literal["auto", "tool_arith", "files", "verifiers"] = "auto"  # tool_arith: the generated task; files: prompt rows from train_files / val_files; verifiers: the dataset (and eval dataset) of the verifiers environment agent.environment names; auto: files when train_files names any, else verifiers when agent.environment is set, else tool_arith
     train_files: list[str] = msgspec.field(default_factory=list)  # files: raytool prompt rows (.parquet/.jsonl, as `raytool preprocess` writes them)
     val_files: list[str] = msgspec.field(default_factory=list)  # files: validation prompt rows (metrics per data source)
     train_size: Positive = 2048  # tool_arith: generated problems in the train split
@@ -138,6 +138,8 @@ class AgentConfig(_Section):
     default_agent: str = "tool_agent"  # agent loop of rows without an agent_name (registered in raytool.agent.registry)
     langgraph_graph: str | None = None  # rows with agent_name langgraph: 'package.module:function' building the LangGraph agent from a chat model
     openai_agent: str | None = None  # rows with agent_name openai: 'package.module:function', an `async def agent(client, row) -> str` given an openai.AsyncOpenAI client on its trajectory's gateway URL
+    environment: str | None = None  # rows with agent_name verifiers: the verifiers environment (an installed environment's id, or 'package.module:load_environment')
+    environment_args: dict = msgspec.field(default_factory=dict)  # keyword arguments of the environment's load_environment
     on_history_rewrite: Literal["truncate", "drop"] = "truncate"  # an agent (langgraph, openai) that rewrote its history: train on what was recorded up to there, or on none of it
     gateway: bool = False  # start an OpenAI-compatible gateway actor with the run, for agents outside raytool (its URL is logged and in RUN_DIR/gateway.json)
     gateway_host: str = "127.0.0.1"  # the gateway's interface (0.0.0.0: reachable from other machines, unauthenticated)
@@ -517,6 +519,12 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
     if cfg.data.task == "tool_arith" and (cfg.data.train_files or cfg.data.val_files):
         raise ConfigError(f"{source}: config key 'data.task': tool_arith generates its prompts, but data.train_files/val_files name files; "
                           "set data.task=auto (or files) to train on the files, or drop the files")
+    if cfg.data.task == "verifiers" and not cfg.agent.environment:
+        raise ConfigError(f"{source}: config key 'agent.environment': data.task=verifiers takes its prompts from a verifiers environment: name it "
+                          "(an installed environment's id, or 'package.module:load_environment')")
+    if cfg.data.task == "verifiers" and (cfg.data.train_files or cfg.data.val_files):
+        raise ConfigError(f"{source}: config key 'data.task': verifiers takes its prompts from the environment's datasets, but data.train_files/val_files name files; "
+                          "set data.task=files (rows with agent_name verifiers are mapped onto the environment), or drop the files")
     if cfg.data.val_files and not cfg.data.train_files:
         raise ConfigError(f"{source}: config key 'data.val_files': validation files without data.train_files would validate on "
                           "files while training on the generated task; give data.train_files too")
@@ -540,10 +548,11 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
                           f"({cfg.agent.max_response_tokens}), got {r.overlong_buffer_tokens}")
 
 
-def prompt_source(data: DataConfig) -> Literal["tool_arith", "files"]:
-    """Where the run's prompts come from: data.task, with auto deciding by whether files are named."""
+def prompt_source(data: DataConfig, environment: str | None = None) -> Literal["tool_arith", "files", "verifiers"]:
+    """Where the run's prompts come from: data.task, with auto deciding by whether files are named,
+    then whether a verifiers environment is (agent.environment)."""
     if data.task == "auto":
-        return "files" if data.train_files else "tool_arith"
+        return "files" if data.train_files else "verifiers" if environment else "tool_arith"
     return data.task
 
 

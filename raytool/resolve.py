@@ -7,7 +7,10 @@ place before any actor starts, into the one RunConfig every actor receives and c
 - `model.dtype: auto` -> the dtype the rollout engine runs on its device (raytool.device.engine_dtype);
 - `algorithm.rollout_correction.rollout_is: auto` -> `token` in asynchronous mode, null (off) in
   synchronous mode;
-- `agent.format: auto` -> the tool-call format the model's chat template writes.
+- `agent.format: auto` -> the tool-call format the model's chat template writes;
+- user code named by a file path relative to the working directory (`agent.openai_agent`,
+  `agent.langgraph_graph`, `agent.environment`: `path/to/file.py:name`) -> its absolute path, which
+  the actors (started in other directories) can import.
 It is idempotent: a resolved config comes back unchanged. What depends on the trainer's own device
 and memory (`trainer.compile`, micro-batch sizes: raytool.planner.resolve_auto) is decided by the
 trainer ranks, which are the only ones that see that device.
@@ -27,7 +30,20 @@ log = logging.getLogger(__name__)
 
 def resolve(cfg: RunConfig) -> RunConfig:
     """`cfg` with its autos and derived settings decided (see the module's docstring)."""
-    return with_tool_format(with_rollout_correction(with_engine_dtype(with_tool_sandbox_settings(cfg))))
+    return with_user_code_paths(with_tool_format(with_rollout_correction(with_engine_dtype(with_tool_sandbox_settings(cfg)))))
+
+
+def with_user_code_paths(cfg: RunConfig) -> RunConfig:
+    """`path/to/file.py:name` specs of the agent's user code with the file's absolute path."""
+    from pathlib import Path
+
+    changes = {}
+    for key in ("openai_agent", "langgraph_graph", "environment"):
+        spec = getattr(cfg.agent, key)
+        module, sep, name = (spec or "").rpartition(":")
+        if sep and module.endswith(".py") and not Path(module).is_absolute() and Path(module).is_file():
+            changes[key] = f"{Path(module).resolve()}:{name}"
+    return msgspec.structs.replace(cfg, agent=msgspec.structs.replace(cfg.agent, **changes)) if changes else cfg
 
 
 def with_tool_format(cfg: RunConfig) -> RunConfig:

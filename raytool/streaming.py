@@ -63,6 +63,7 @@ class TrajectoryStats(msgspec.Struct, frozen=True):
     max_version: int
     version_counts: dict[int, int]  # generated tokens per policy version
     group: int = -1  # the index of its group, in a batch or a rollout's rows (-1: not placed yet)
+    scores: dict[str, float] = {}  # the reward fn's other numbers (reward_extra: each verifiers reward function's value, the judge's score)
 
 
 def trajectory_stats(t: Trajectory) -> TrajectoryStats:
@@ -73,6 +74,7 @@ def trajectory_stats(t: Trajectory) -> TrajectoryStats:
         tool_error_kinds=dict(t.tool_error_kinds), tool_repaired=t.tool_repaired, tool_cut_in_fence=t.tool_cut_in_fence,
         finish_reason=t.finish_reason, verify_timeout=float(t.reward_extra.get("verify_timeout", 0.0)), infra_failure=t.infra_failure,
         min_version=min(counts, default=t.policy_version), max_version=max(counts, default=t.policy_version), version_counts=counts,
+        scores={k: float(v) for k, v in t.reward_extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("acc", "verify_timeout")},
     )
 
 
@@ -96,6 +98,9 @@ def rollout_metrics(stats: list[TrajectoryStats]) -> dict:
     metrics["tool/repaired"] = sum(s.tool_repaired for s in stats)
     metrics["tool/cut_in_fence"] = sum(s.tool_cut_in_fence for s in stats)
     metrics["reward/timeouts"] = sum(s.verify_timeout for s in stats)  # answers whose check ran out of time (scored wrong)
+    for name in sorted({k for s in stats for k in s.scores}):  # each reward function's mean over the trajectories it scored
+        scored = [s.scores[name] for s in stats if name in s.scores]
+        metrics[f"reward/fn/{name}"] = sum(scored) / len(scored)
     for reason in sorted({s.finish_reason for s in stats}):
         metrics[f"finish/{reason}"] = sum(s.finish_reason == reason for s in stats) / n
     return metrics

@@ -50,6 +50,21 @@ def tokenizer(tiny_model_path):
     return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
+@pytest.fixture(scope="module")
+def qwen(tokenizer):
+    """A renderer of SmolLM2's tokenizer with Qwen2.5-Instruct's own chat template
+    (tests/fixtures/templates), end of turn and tool-call tokens."""
+    import copy
+
+    from raytool.agent.render import ChatRenderer
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = (Path(__file__).parent / "fixtures" / "templates" / "qwen2_5_instruct.jinja").read_text()
+    return ChatRenderer(tok)
+
+
 @pytest.fixture(scope="session")
 def logprob_tolerance() -> float:
     """Per-token |engine - trainer| log-prob of the sampled tokens after a weight sync, with this

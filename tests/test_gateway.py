@@ -11,12 +11,13 @@ import aiohttp
 import openai
 import pytest
 
+from helpers.scripted_chat import scripted
+
 from raytool.agent.gateway import Gateway
 from raytool.agent.recorder import HISTORY_REWRITTEN
 from raytool.agent.render import ChatRenderer
 from raytool.types import Message, SamplingParams, TokenOutput
 
-TEMPLATE = Path(__file__).parent / "fixtures" / "templates" / "qwen2_5_instruct.jinja"
 MODEL = "raytool-policy"
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
                                         "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -29,30 +30,6 @@ def call(name, **args):
 
 
 TURNS = ["First 17 + 25.\n" + call("add", a=17, b=25), "Now add 100.\n" + call("add", a=42, b=100), "The answer is 142."]
-
-
-@pytest.fixture(scope="module")
-def qwen(tokenizer):
-    """SmolLM2's tokenizer with Qwen2.5-Instruct's chat template, end of turn and tool-call tokens."""
-    tok = copy.deepcopy(tokenizer)
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
-    tok.eos_token = "<|im_end|>"
-    tok.chat_template = TEMPLATE.read_text()
-    return ChatRenderer(tok)
-
-
-def scripted(renderer, turns):
-    """A fake engine: each scripted turn's ids plus eos, log-prob -0.5 each; records its prompts."""
-    prompts, generated = [], []
-
-    async def generate(prompt_ids, sampling, request_id, session):
-        text = turns[min(len(prompts), len(turns) - 1)]
-        ids = renderer.encode(text)[: sampling.max_tokens - 1] + [renderer.eos_id]
-        prompts.append(list(prompt_ids))
-        generated.append(ids)
-        return TokenOutput(ids, [-0.5] * len(ids), "stop", policy_version=2)
-
-    return generate, prompts, generated
 
 
 async def calculator_agent(client, row):

@@ -27,7 +27,8 @@ def register_agent_loop(name: str):
 
 
 # Built-in loops live in modules imported on first use (langgraph's needs an optional extra).
-BUILTIN = {"tool_agent": "raytool.agent.loop", "langgraph": "raytool.agent.langgraph_loop", "openai": "raytool.agent.openai_loop"}
+BUILTIN = {"tool_agent": "raytool.agent.loop", "langgraph": "raytool.agent.langgraph_loop", "openai": "raytool.agent.openai_loop",
+           "verifiers": "raytool.agent.verifiers_loop"}
 
 
 def get_agent_loop(name: str) -> type:
@@ -73,3 +74,10 @@ def check_agents(agent: AgentConfig, rows) -> None:
         required_object(agent.openai_agent, "agent.openai_agent", "openai")
     if "langgraph" in used:
         required_object(agent.langgraph_graph, "agent.langgraph_graph", "langgraph")
+    if "verifiers" in used:  # the environment loads here once, so a missing one stops the run before any actor starts
+        from raytool.agent.verifiers_loop import load_environment
+
+        load_environment(agent.environment, dict(agent.environment_args))
+    elif agent.environment:
+        raise ConfigError(f"config key 'agent.environment': {agent.environment!r} rolls out no row (no row has agent_name verifiers): "
+                          "set data.task verifiers for the environment's own dataset, or agent.default_agent verifiers")
