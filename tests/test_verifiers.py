@@ -15,7 +15,7 @@ pytest.importorskip("verifiers")
 from helpers.scripted_chat import scripted  # noqa: E402
 
 from raytool.agent.registry import check_agents, get_agent_loop  # noqa: E402
-from raytool.agent.verifiers_loop import environment_rows, load_environment  # noqa: E402
+from raytool.agent.verifiers_loop import environment_rows, load_environment, source_name  # noqa: E402
 from raytool.config import AgentConfig, ConfigError, DataConfig, RolloutConfig, load_config, prompt_source  # noqa: E402
 from raytool.streaming import rollout_metrics, trajectory_stats  # noqa: E402
 
@@ -104,6 +104,9 @@ def test_an_environments_datasets_are_the_prompt_rows():
     assert [r.ground_truth for r in train] == ["5", "42", "42"] and len(val) == 2
     assert [(m.role, m.content) for m in train[1].prompt] == [("system", "Answer with the number only."), ("user", "What is 17 + 25?")]
     assert train[1].agent_name == "verifiers" and train[1].extra_info == {"example_id": 1, "info": {"index": 1}}
+    assert train[1].data_source == "verifiers:helpers.vf_envs:load_single_turn"
+    assert source_name("/abs/envs/my_env.py:load_environment") == "verifiers:my_env:load_environment"
+    assert source_name("primeintellect/vf-math") == "verifiers:vf-math"
     assert environment_rows(f"{ENVS}:load_failing_rubric", {}, "eval") == []  # no eval dataset: no validation rows
     assert prompt_source(DataConfig(), spec) == "verifiers" and prompt_source(DataConfig(train_files=["a.jsonl"]), spec) == "files"
 
@@ -129,3 +132,21 @@ def test_an_environment_no_row_uses_is_an_error_not_ignored(tmp_path):
         check_agents(AgentConfig(environment=f"{ENVS}:load_single_turn"), [])
     with pytest.raises(ConfigError, match=r"'agent.environment': data.task=verifiers takes its prompts from a verifiers environment"):
         load_config(None, ["data.task=verifiers"])
+
+
+def test_an_environment_loads_off_the_main_thread_where_agent_workers_build_it():
+    """verifiers installs signal handlers as an environment is built, which Python refuses off the
+    main thread (an agent worker's event loop thread): there the load keeps the process's handlers."""
+    import signal
+    import threading
+
+    from raytool.agent import verifiers_loop
+
+    before, install, out = signal.getsignal(signal.SIGTERM), signal.signal, {}
+    spec = f"{ENVS}:load_guess"
+    verifiers_loop._ENVIRONMENTS.pop(verifiers_loop._key(spec, {"n": 2}), None)
+    thread = threading.Thread(target=lambda: out.update(env=load_environment(spec, {"n": 2})))
+    thread.start()
+    thread.join()
+    assert type(out["env"]).__name__ == "GuessEnv" and signal.getsignal(signal.SIGTERM) is before
+    assert signal.signal is install  # put back

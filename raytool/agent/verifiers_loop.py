@@ -30,12 +30,16 @@ Needs the `verifiers` package (`pip install raytool[verifiers]`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
 import json
 import logging
 import math
+import signal
+import threading
+from pathlib import Path
 
 from raytool.agent.openai_loop import MODEL_NAME, first_line, shared_http_client, worker_gateway
 from raytool.agent.registry import register_agent_loop
@@ -92,6 +96,22 @@ def _key(spec: str, args: dict) -> str:
     return spec + "\0" + json.dumps(args, sort_keys=True, default=str)
 
 
+@contextlib.contextmanager
+def _process_signals_kept():
+    """verifiers' Environment installs SIGINT/SIGTERM handlers as it is built, which Python allows
+    only on the main thread; an agent worker builds it on its event loop's thread. There the
+    handlers are not installed (the worker keeps Ray's); on the main thread (the driver) they are."""
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    install = signal.signal
+    signal.signal = lambda signum, handler: signal.getsignal(signum)
+    try:
+        yield
+    finally:
+        signal.signal = install
+
+
 def load_environment(spec: str | None, args: dict):
     """The verifiers environment `spec` names (loaded once per process); one ConfigError line naming
     agent.environment when it is unset, not installed, its loader raises or returns something else."""
@@ -106,12 +126,13 @@ def load_environment(spec: str | None, args: dict):
     except ImportError as exc:
         raise ConfigError(f"config key 'agent.environment': needs the verifiers package ({one_line(exc)}; pip install 'raytool[verifiers]')") from None
     try:
-        if ":" in spec:
-            from raytool.imports import import_object
+        with _process_signals_kept():
+            if ":" in spec:
+                from raytool.imports import import_object
 
-            env = import_object(spec, "agent.environment")(**args)
-        else:
-            env = vf.load_environment(spec, **args)
+                env = import_object(spec, "agent.environment")(**args)
+            else:
+                env = vf.load_environment(spec, **args)
     except ConfigError:
         raise
     except Exception as exc:  # not installed, or the environment's own loader failed
@@ -126,6 +147,15 @@ def load_environment(spec: str | None, args: dict):
     _guard_rubric(env.rubric)
     _ENVIRONMENTS[key] = env
     return env
+
+
+def source_name(spec: str) -> str:
+    """The data source of an environment's rows: `verifiers:` and its id, or its file's stem and
+    function (metric keys are split at '/': a path would break them)."""
+    module, sep, name = spec.rpartition(":")
+    if sep and module.endswith(".py"):
+        return f"verifiers:{Path(module).stem}:{name}"
+    return "verifiers:" + spec.split("/")[-1]
 
 
 def _text(content, where: str) -> str:
@@ -165,7 +195,7 @@ def environment_rows(spec: str, args: dict, split: str, limit: int | None = None
         extra = {"example_id": item.get("example_id", i), "info": info}
         if item.get("task") is not None:
             extra["task"] = item["task"]
-        rows.append(PromptRow(prompt=messages, ground_truth=str(item.get("answer") or ""), data_source=f"verifiers:{spec}",
+        rows.append(PromptRow(prompt=messages, ground_truth=str(item.get("answer") or ""), data_source=source_name(spec),
                               agent_name="verifiers", extra_info=extra, origin=where))
     return rows
 

@@ -33,5 +33,5 @@ def test_the_verifiers_example_trains_on_the_environments_rubric(ray_cluster, tm
     assert all("reward/fn/correct" in m and "reward/fn/total_tool_calls" in m and "finish/infra_failed" not in m for m in train)
     recorded = (run_dir / "config.yaml").read_text()
     assert f"{REPO}/examples/vf_tool_arith.py:load_environment" in recorded  # made absolute for the actors
-    source = f"verifiers:{REPO}/examples/vf_tool_arith.py:load_environment"
+    source = "verifiers:vf_tool_arith:load_environment"
     assert any(f"val-core/{source}/acc/mean@2" in m for m in steps), "validation on the environment's eval dataset"
