@@ -17,9 +17,11 @@ from raytool.tools.base import ERROR_KINDS
 from raytool.types import ToolCall
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
-SCHEMAS = {"get_weather": {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}, "hours": {"type": "array"},
-    "ratio": {"type": "number"}}, "required": ["city"]}}}}
+SCHEMAS = {"get_weather": {"type": "function", "function": {"name": "get_weather", "description": "The weather.", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string", "description": "Where."}, "days": {"type": "integer", "description": "How many days."},
+        "metric": {"type": "boolean", "description": "Celsius."}, "hours": {"type": "array", "description": "Which hours."},
+        "ratio": {"type": "number", "description": "A ratio."}}, "required": ["city"]}}}}
 DS_BEGIN, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
 # One output per family with two calls (parallel calls), as its models write them.
@@ -210,12 +212,54 @@ def _render(template: str, messages: list[dict], tools: list[dict], add_generati
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
     env.globals["raise_exception"] = lambda message: (_ for _ in ()).throw(jinja2.TemplateError(message))
-    return env.from_string(template).render(messages=messages, tools=tools, bos_token="<s>", add_generation_prompt=add_generation_prompt)
+    env.globals["strftime_now"] = time.strftime  # as transformers gives templates (Mistral's dates its system prompt)
+    return env.from_string(template).render(messages=messages, tools=tools, bos_token="<s>", eos_token="</s>",
+                                            add_generation_prompt=add_generation_prompt)
+
+
+# The families' own templates beside the ones test_chat_templates.py runs the loop on, each with its
+# source and sha256 (docs/agents.md lists them): where a copy was adapted by the project it comes
+# from, that is said.
+FAMILY_TEMPLATES = {
+    # vLLM examples/tool_chat_template_qwen3coder.jinja: Qwen3-Coder's template as vLLM ships it.
+    "qwen3_coder_vllm.jinja": None,
+    # meta-llama/Llama-3.1-8B-Instruct's own (test_chat_templates.py checks its sha256).
+    "llama3_1_instruct.jinja": None,
+    # deepseek-ai/DeepSeek-V3.1's own: llama.cpp models/templates/deepseek-ai-DeepSeek-V3.1.jinja
+    # (0374c5b6e4c19370262d93e2c3f2a98c9af9fe1f), written from the hub's tokenizer_config.json.
+    "deepseek_v3_1.jinja": "7fe7159748925dc7d9e2aaeb11e4bd3121c311d8d0e3a0d6377fb8550e64c560",
+    # moonshotai/Kimi-K2-Thinking's own: llama.cpp models/templates/moonshotai-Kimi-K2-Thinking.jinja
+    # (0c3c896ea80643608b4e961eec7e1efcd844e109). (Kimi-K2-Instruct's first template rendered no tool calls.)
+    "kimi_k2_thinking.jinja": "833d0c375531149a922a0f2addf9a66cce8e4503c500fe4ca6a95e9d1ed3c75a",
+    # zai-org/GLM-4.5's template as llama.cpp ships it (models/templates/glm_4_5.jinja at
+    # 623f3dd04b05999ffcb598a88d4f79fa9c3af849): llama.cpp's adaptation (string arguments as one
+    # raw_arguments pair), the call format itself GLM's.
+    "glm_4_5_llamacpp.jinja": "0f25e04269293cd5dda8b73283c758817d28afea579ac30a5f95cd56f31a7447",
+    # mistralai/Mistral-Small-3.1-24B-Instruct-2503's own: llama.cpp models/templates/
+    # mistralai-Mistral-Small-3.1-24B-Instruct-2503.jinja (9190da2208fbaa161e10f5f0f9ab437faeacba13).
+    "mistral_small_3_1.jinja": "773c8c8c2ffb59c8d1069fe423733d2007a88c52d0a838d89e6aae6693b97427",
+    # openai/gpt-oss-20b's own (harmony), as mirrored with the model in EchoCog/gpt-oss-20b
+    # (chat_template.jinja at f81fef1ddd90d214968e951a76834f1ded130a18).
+    "gpt_oss_20b.jinja": "3aff18eca7ee88d43372b19f7e3784fb15d1acd014f31fa2e71614d9453576fa",
+}
+
+
+def test_the_family_templates_are_the_fetched_bytes():
+    import hashlib
+
+    for name, digest in FAMILY_TEMPLATES.items():
+        if digest is not None:
+            assert hashlib.sha256((TEMPLATES / name).read_bytes()).hexdigest() == digest, name
 
 
 @pytest.mark.parametrize("fmt, template, arguments_as", [
-    ("qwen3_coder", "qwen3_coder_vllm.jinja", dict),  # Qwen3-Coder's template as vLLM ships it (examples/tool_chat_template_qwen3coder.jinja)
-    ("llama3_json", "llama3_1_instruct.jinja", dict),  # Llama-3.1-8B-Instruct's own
+    ("qwen3_coder", "qwen3_coder_vllm.jinja", dict),
+    ("llama3_json", "llama3_1_instruct.jinja", dict),
+    ("deepseek", "deepseek_v3_1.jinja", json.dumps),  # its template concatenates the arguments: a JSON string
+    ("kimi_k2", "kimi_k2_thinking.jinja", dict),
+    ("glm45", "glm_4_5_llamacpp.jinja", dict),
+    ("mistral", "mistral_small_3_1.jinja", dict),
+    ("gpt_oss", "gpt_oss_20b.jinja", dict),
 ])
 def test_what_a_familys_own_template_writes_for_a_call_its_parser_reads_back(fmt, template, arguments_as):
     """The real template renders an assistant turn with parallel calls (typed arguments: a string, an
@@ -223,9 +267,10 @@ def test_what_a_familys_own_template_writes_for_a_call_its_parser_reads_back(fmt
     and auto picks the format."""
     text = _template(template)
     assert detect(text) == fmt
-    calls = [{"type": "function", "function": {"name": c.name, "arguments": arguments_as(c.arguments)}} for c in EXPECTED]
-    if fmt == "llama3_json":
-        calls = calls[:1]  # Llama 3.1's template refuses more than one call per turn ("only supports single tool-calls")
+    calls = [{"type": "function", "id": f"functions.{c.name}:{i}", "function": {"name": c.name, "arguments": arguments_as(c.arguments)}}
+             for i, c in enumerate(EXPECTED)]  # Kimi's template writes the id, which its models write as functions.NAME:IDX
+    if fmt in ("llama3_json", "gpt_oss"):
+        calls = calls[:1]  # Llama 3.1's template refuses a second call in a turn; gpt-oss's writes only the first
     tools = [SCHEMAS["get_weather"]]
     before = _render(text, [{"role": "user", "content": "Weather?"}], tools, add_generation_prompt=True)  # what the engine continues
     after = _render(text, [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": calls}], tools)
