@@ -327,3 +327,35 @@ def test_a_thinking_models_reasoning_comes_back_as_reasoning_content_and_the_rec
     # The agent sent back the answer alone; the second prompt still extends what was generated.
     assert prompts[1][: len(prompts[0]) + len(generated[0])] == prompts[0] + generated[0]
     assert traj.num_turns == 2
+
+
+@pytest.mark.parametrize("fmt, markers, turn", [
+    ("kimi_k2", ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                 "<|tool_call_end|>"],
+     "Adding.<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{\"a\": 17, \"b\": 25}"
+     "<|tool_call_end|><|tool_calls_section_end|>"),
+    ("deepseek", ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"],
+     "Adding.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 17, \"b\": 25}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+])
+def test_a_format_whose_markers_are_special_tokens_is_parsed_from_them(qwen, fmt, markers, turn):
+    """Kimi's and DeepSeek's call markers are special tokens of their tokenizers: the gateway reads
+    the calls from the turn decoded with them, and the message's content is the text before them."""
+    tok = copy.deepcopy(qwen.tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": markers})
+    renderer = ChatRenderer(tok)
+    generate, _, generated = scripted(renderer, [turn, "42."])
+
+    async def main():
+        gateway = Gateway(renderer, generate, model_name=MODEL, tool_format=fmt)
+        url = await gateway.start()
+        try:
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+                return await client.chat.completions.create(model=MODEL, messages=PROMPT, tools=[ADD])
+        finally:
+            await gateway.stop()
+
+    reply = asyncio.run(main())
+    assert any(i >= len(qwen.tokenizer) for i in generated[0])  # the markers were single special tokens
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Adding."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls] == [("add", {"a": 17, "b": 25})]
