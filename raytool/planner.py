@@ -70,6 +70,11 @@ class Architecture:
     tied: bool
     qkv_bias: bool = False
     source: str = ""  # where these figures come from
+    # Mixture of experts (Qwen3-MoE's, Mixtral's layout: every layer's MLP is `experts` SwiGLU experts
+    # of `expert_intermediate`, `experts_per_token` of them per token, and a linear router); 0: dense.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -79,10 +84,23 @@ class Architecture:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    def attention_params(self) -> int:
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        return h * q + 2 * h * kv + q * h + 2 * h + ((q + 2 * kv) if self.qkv_bias else 0)
+
+    def mlp_params(self, active: bool = False) -> int:
+        """One layer's MLP: the dense SwiGLU, or every expert and the router (`active`: the experts a token uses)."""
+        h = self.hidden
+        if not self.moe:
+            return 3 * h * self.intermediate
+        return (self.experts_per_token if active else self.experts) * 3 * h * self.expert_intermediate + h * self.experts
+
     def layer_params(self) -> int:
-        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        bias = (q + 2 * kv) if self.qkv_bias else 0
-        return h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + bias
+        return self.attention_params() + self.mlp_params()
 
     def root_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
@@ -90,11 +108,19 @@ class Architecture:
     def params(self) -> int:
         return self.root_params() + self.layers * self.layer_params()
 
+    def active_params(self) -> int:
+        """The parameters one token's forward uses (all of them for a dense model)."""
+        return self.root_params() + self.layers * (self.attention_params() + self.mlp_params(active=True))
+
+    def activation_intermediate(self) -> int:
+        """The MLP width one token's activations span: the dense intermediate, or its experts' together."""
+        return self.experts_per_token * self.expert_intermediate if self.moe else self.intermediate
+
     def lora_params(self, rank: int) -> int:
-        """Adapters on every linear layer of the decoder (peft's all-linear): r x (in + out) each."""
-        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
-        return self.layers * rank * per_layer
+        """Adapters on every linear layer of the decoder (peft's all-linear, each expert's included): r x (in + out) each."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        mlp = self.experts * 3 * (h + self.expert_intermediate) if self.moe else 3 * (h + self.intermediate)
+        return self.layers * rank * ((h + q) + 2 * (h + kv) + (q + h) + mlp)
 
 
 # The recipes' models, for planning on a machine that does not hold their checkpoints (their
@@ -105,6 +131,11 @@ KNOWN = {
     "Qwen2.5-1.5B-Instruct": dict(hidden=1536, layers=28, heads=12, kv_heads=2, head_dim=128, intermediate=8960, vocab=151936, tied=True, qkv_bias=True),
     "Qwen3-4B": dict(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936, tied=True),
     "Qwen3-4B-Instruct-2507": dict(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936, tied=True),
+    # Qwen3's mixtures of experts: 128 experts, 8 per token (30.5B total, 3.3B active; 235B, 22B active)
+    "Qwen3-30B-A3B": dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=6144, vocab=151936, tied=False,
+                          experts=128, experts_per_token=8, expert_intermediate=768),
+    "Qwen3-235B-A22B": dict(hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128, intermediate=12288, vocab=151936, tied=False,
+                            experts=128, experts_per_token=8, expert_intermediate=1536),
 }
 
 
@@ -117,10 +148,12 @@ def architecture(model_path: str) -> Architecture:
         c = json.loads((path / "config.json").read_text())
         c = c.get("text_config", c)
         heads = c["num_attention_heads"]
+        experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0  # Qwen3-MoE, Mixtral, DeepSeek
         return Architecture(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads", heads),
                             head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate=c["intermediate_size"], vocab=c["vocab_size"],
                             tied=bool(c.get("tie_word_embeddings", False)), qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
-                            source=str(path / "config.json"))
+                            source=str(path / "config.json"), experts=experts, experts_per_token=c.get("num_experts_per_tok", 0) if experts else 0,
+                            expert_intermediate=(c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else 0)
     name = path.name
     if name in KNOWN:
         return Architecture(**KNOWN[name], source=f"raytool's table for {name} (no config.json at {model_path})")
@@ -260,8 +293,8 @@ def trainer_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool) -> 
 
         c = 2 if on_accelerator or cpu_bf16_support()[0] else 4
     tokens = -(-t.micro_batch_tokens // sp)
-    h, q, kv, i = arch.hidden, arch.q_dim, arch.kv_dim, arch.intermediate
-    full_layer = (2 * (8 + c) * h + c * (3 * q + 2 * kv + 4 * i)) * tokens
+    h, q, kv, i = arch.hidden, arch.q_dim, arch.kv_dim, arch.activation_intermediate()
+    full_layer = (2 * (8 + c) * h + c * (3 * q + 2 * kv + 4 * i) + 4 * arch.experts) * tokens  # (MoE: the router's fp32 logits)
     states = {"fp32 master weights": 4 * p / world, "fp32 gradients": 4 * trained / world, "AdamW moments": 8 * trained / world}
     if t.load_in_4bit:  # QLoRA, one worker: the base is NF4 (4 bits, double-quantized scales) but for the root, in the compute dtype
         states = {"NF4 base (decoder linear layers)": arch.layers * arch.layer_params() * NF4_BYTES, "base root (embeddings, head)": arch.root_params() * c,
@@ -461,6 +494,9 @@ def table(result: Plan) -> str:
     lines = [verdict(result),
              f"model {result.model}: {result.params / 1e9:.3f}B parameters ({result.trained_params / 1e9:.3f}B trained), "
              f"{a.layers} layers, hidden {a.hidden}, {a.heads}/{a.kv_heads} heads, vocabulary {a.vocab} [{a.source}]",
+             *([f"mixture of experts: {a.experts} experts of width {a.expert_intermediate} per layer, {a.experts_per_token} per token: "
+                f"{a.active_params() / 1e9:.3f}B parameters active per token, experts {a.layers * a.experts * 3 * a.hidden * a.expert_intermediate / 1e9:.3f}B"]
+               if a.moe else []),
              f"cluster: {c.nodes} node(s) x {c.gpus_per_node} accelerator(s) of {c.gpu_memory_gb:.0f} GiB, {c.host_memory_gb:.1f} GiB host memory each",
              *result.notes,
              ""]

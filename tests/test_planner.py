@@ -11,10 +11,11 @@ import pytest
 
 from raytool.cli import main
 from raytool.config import load_config
-from raytool.planner import GiB, Cluster, architecture, plan
+from raytool.planner import KNOWN, Architecture, GiB, Cluster, architecture, plan, trainer_memory
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
-RECIPES = ["retool_qwen2.5_32b_sandbox_fusion.yaml", "retool_qwen3_4b_dapo_ags.yaml", "retool_qwen3_4b_ascend.yaml", "gsm8k_lora_qwen2.5_1.5b.yaml"]
+RECIPES = ["retool_qwen2.5_32b_sandbox_fusion.yaml", "retool_qwen3_4b_dapo_ags.yaml", "retool_qwen3_4b_ascend.yaml", "gsm8k_lora_qwen2.5_1.5b.yaml",
+           "retool_qwen3_30b_a3b.yaml"]
 RECIPE_32B = str(EXAMPLES / "retool_qwen2.5_32b_sandbox_fusion.yaml")
 
 
@@ -211,3 +212,31 @@ def test_auto_micro_batches_and_checkpointing_follow_the_device_and_its_memory(t
         line.startswith("trainer.activation_checkpointing auto: off (without it a trainer worker needs") for line in lines)
     trainer = Trainer(load_config(None, []), tiny_model_path)  # this CPU
     assert (trainer.cfg.trainer.micro_batch_tokens, trainer.cfg.trainer.activation_checkpointing) == (4096, False)
+
+
+def test_mixtures_of_experts_count_every_expert_in_memory_and_a_tokens_experts_in_activations(tmp_path, capsys):
+    """Qwen3-30B-A3B and Qwen3-235B-A22B: their published totals and active counts; a Qwen3-MoE
+    config.json reads as the table's figures; the plan counts every expert's states and prints the
+    active share."""
+    moe, big = architecture("/models/Qwen3-30B-A3B"), architecture("/models/Qwen3-235B-A22B")
+    assert (round(moe.params() / 1e9, 1), round(moe.active_params() / 1e9, 1)) == (30.5, 3.4)
+    assert (round(big.params() / 1e9), round(big.active_params() / 1e9)) == (235, 22)
+    dense = architecture("/models/Qwen2.5-32B-Instruct")
+    assert dense.active_params() == dense.params() and not dense.moe
+    config = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+              "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+              "vocab_size": 151936, "tie_word_embeddings": False}
+    (tmp_path / "Qwen3-30B-A3B").mkdir()
+    (tmp_path / "Qwen3-30B-A3B" / "config.json").write_text(json.dumps(config))
+    read = architecture(str(tmp_path / "Qwen3-30B-A3B"))
+    assert (read.params(), read.active_params()) == (moe.params(), moe.active_params())
+    cfg = load_config(None, ["model.path=/models/Qwen3-30B-A3B", "trainer.num_gpus=1", "trainer.num_workers=16", "trainer.cpu_offload=true",
+                             "trainer.micro_batch_tokens=16384", "trainer.activation_checkpointing=true", "trainer.compute_dtype=bfloat16"])
+    memory = trainer_memory(cfg, moe, on_accelerator=True)
+    assert memory.host["fp32 master weights"] == 4 * moe.params() / 16  # every expert's weights are trained and sharded
+    dense_like = Architecture(**{**KNOWN["Qwen3-30B-A3B"], "experts": 0, "experts_per_token": 0, "expert_intermediate": 0})
+    assert memory.accelerator["activations (checkpointed layer inputs)"] == trainer_memory(cfg, dense_like, True).accelerator[
+        "activations (checkpointed layer inputs)"]
+    assert main(["plan", "-c", str(EXAMPLES / "retool_qwen3_30b_a3b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "mixture of experts: 128 experts of width 768 per layer, 8 per token: 3.353B parameters active per token" in out
