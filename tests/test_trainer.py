@@ -2,6 +2,7 @@
 KL, LoRA, checkpoints. On the tiny random model, in fp32 on the CPU unless a test says otherwise."""
 
 import math
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -609,3 +610,28 @@ def test_a_plain_loop_out_of_memory_in_the_timed_steps_keeps_the_trainer_bench_f
     assert len(plain_steps) == 2 and result["trainer_tokens_per_s"] > 0
     assert result["plain_tokens_per_s"] is None and result["trainer_vs_plain"] is None and result["plain_micro_batch_tokens"] == 4096
     assert "plain HF loop: not measured, out of memory at 4096-token micro-batches" in table and "trainer_vs_plain" not in table
+
+
+def test_a_mixture_of_experts_trains_and_exports_its_experts_one_by_one(tmp_path):
+    """tiny-random-moe (Qwen3-MoE, 4 experts, 2 per token) in the trainer: one RL step moves the
+    experts and the router, and the HF export holds the checkpoint's layout (experts.N.gate_proj,
+    as the original and vLLM have it, not transformers' fused in-memory tensors) with the trained weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from raytool.models import resolve_model
+
+    path = resolve_model("tiny-random-moe")
+    trainer = _trainer(path, "trainer.lr=1e-2")
+    before = {name: w.clone() for name, w in trainer.named_weights()}
+    metrics = trainer.rl_step(BATCH)
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
+    after = dict(trainer.named_weights())
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.gate.weight"):
+        assert not torch.equal(before[name], after[name]), name
+    exported = trainer.export_hf(tmp_path / "hf")
+    written, original = load_file(Path(exported) / "model.safetensors"), load_file(Path(path) / "model.safetensors")
+    assert sorted(written) == sorted(original) and "model.layers.1.mlp.experts.3.up_proj.weight" in written
+    reloaded = dict(AutoModelForCausalLM.from_pretrained(exported).named_parameters())
+    for name, w in after.items():
+        assert torch.equal(reloaded[name], w), name

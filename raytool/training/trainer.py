@@ -598,7 +598,17 @@ def write_hf(state: dict[str, torch.Tensor], source: str | Path, directory: str 
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_torch_state_dict(state, directory, max_shard_size="5GB")  # model.safetensors, or shards and an index
+    if any(t.dim() == 3 and ".experts." in name for name, t in state.items()):
+        # A mixture of experts: transformers holds each layer's experts fused (experts.gate_up_proj),
+        # checkpoints hold them one by one (experts.N.gate_proj.weight), which vLLM loads; transformers'
+        # own save (on a shell of the model without memory) writes that layout.
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+        shell.save_pretrained(directory, state_dict=state, max_shard_size="5GB")
+    else:
+        save_torch_state_dict(state, directory, max_shard_size="5GB")  # model.safetensors, or shards and an index
     for name in _HF_FILES:
         if (Path(source) / name).is_file():
             shutil.copy(Path(source) / name, directory / name)
