@@ -156,13 +156,13 @@ class AgentLoopWorker:
         name = agent_name or self.cfg.agent.default_agent
         extra = extra or {}
         rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
-        loop = get_agent_loop(name)
+        loop_class = get_agent_loop(name)
         uids = [f"{group_id}/{i}" for i in range(n)]
         try:
             trajs = await asyncio.gather(*(self._one(messages, ground_truth, uid, group_id, name, extra, rollout, attempt) for uid in uids))
-            if hasattr(loop, "score_group"):  # a loop whose environment scores its groups together (verifiers' rubric)
-                await loop.score_group(list(trajs), self.cfg.reward.call_timeout_s)
+            if hasattr(loop_class, "score_group"):  # a loop whose environment scores its groups together (verifiers' rubric)
+                await loop_class.score_group(list(trajs), self.cfg.reward.call_timeout_s)
         finally:
-            if hasattr(loop, "forget"):
-                loop.forget(uids)
+            if hasattr(loop_class, "forget"):
+                loop_class.forget(uids)
         return list(trajs), [trajectory_stats(t) for t in trajs]

@@ -3,7 +3,11 @@
 A loop is a class constructed as `Loop(renderer, tools, generate, agent_cfg, rollout_cfg)` with
 `async run(messages, ground_truth, uid, group_id) -> Trajectory`. Register your own with
 `@register_agent_loop("my_agent")` in a module the agent workers import (name it in
-`agent.loop_modules`), and give rows `agent_name: my_agent`.
+`agent.loop_modules`), and give rows `agent_name: my_agent`. Optional, on the class: with
+`row_extra = True`, `run` is also given the row's `extra=` (its data_source and extra_info); a
+static `async score_group(trajs, timeout_s)` scores each group when all its rollouts are done
+(instead of reward.fn, as the verifiers loop's rubric does), and `forget(uids)` drops what it held
+for a group that will not be scored.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 `data.task: tool_arith` generates them (raytool.data.tool_arith); `data.task: files` reads prompt
 rows from `data.train_files` / `data.val_files` (`auto`, the default: files when any are named);
 `data.task: verifiers` takes the dataset and eval dataset of the verifiers environment
-`agent.environment` names (`auto` too when no files are named). The in-run SFT warm-up then reads its conversations from `sft.train_files`. The start says in
-one line per file what it loaded (rows used and skipped, and a warning naming each skipped row),
-or how many problems it generated.
+`agent.environment` names (`auto` too when no files are named). The in-run SFT warm-up then reads
+its conversations from `sft.train_files`. The start says in one line per file what it loaded (rows
+used and skipped, and a warning naming each skipped row), or how many problems it generated.
 """
 
 from __future__ import annotations
