@@ -60,6 +60,38 @@ async def worker_gateway(renderer: ChatRenderer, agent: AgentConfig) -> Gateway:
     return entry[0]
 
 
+class Recording:
+    """One trajectory recorded by this worker's gateway: `client` is a real `openai.AsyncOpenAI` on
+    the trajectory's own URL (every call one generate, recorded token-exactly); `finish(answer)`
+    closes it into the Trajectory."""
+
+    def __init__(self, gateway: Gateway, path: str, client, renderer: ChatRenderer, messages: list[Message], uid: str, group_id: str,
+                 ground_truth: str):
+        self.gateway, self.path, self.client, self.renderer = gateway, path, client, renderer
+        self.messages, self.uid, self.group_id, self.ground_truth = messages, uid, group_id, ground_truth
+
+    def finish(self, answer: str | None) -> Trajectory:
+        traj = self.gateway.finish(self.path, self.uid, self.group_id, self.ground_truth, answer)
+        if traj.prompt_ids == []:  # the agent never called the model: its prompt as the template renders it
+            traj.prompt_ids = self.renderer.prompt_ids(self.messages)
+        return traj
+
+
+async def recording(renderer: ChatRenderer, generate, agent: AgentConfig, rollout: RolloutConfig, messages: list[Message], uid: str,
+                    group_id: str, ground_truth: str) -> Recording:
+    """A new trajectory on this worker's gateway, sampled as the run's rollout.* say."""
+    import openai
+
+    r, a = rollout, agent
+    gateway = await worker_gateway(renderer, a)
+    sampling = SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    path = gateway.open(uid, generate, sampling=sampling, seed=r.seed, max_response_tokens=a.max_response_tokens,
+                        on_history_rewrite=a.on_history_rewrite)
+    client = openai.AsyncOpenAI(base_url=gateway.url + path, api_key="raytool", max_retries=0, timeout=a.max_trajectory_s,
+                                http_client=shared_http_client())
+    return Recording(gateway, path, client, renderer, messages, uid, group_id, ground_truth)
+
+
 def first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
@@ -72,29 +104,20 @@ class OpenAIAgentLoop:
         self.renderer, self.generate, self.agent, self.rollout = renderer, generate, agent, rollout
 
     async def run(self, messages: list[Message], ground_truth: str, uid: str, group_id: str) -> Trajectory:
-        import openai
-
-        r, a = self.rollout, self.agent
-        gateway = await worker_gateway(self.renderer, a)
-        sampling = SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        path = gateway.open(uid, self.generate, sampling=sampling, seed=r.seed, max_response_tokens=a.max_response_tokens,
-                            on_history_rewrite=a.on_history_rewrite)
+        a = self.agent
+        rec = await recording(self.renderer, self.generate, a, self.rollout, messages, uid, group_id, ground_truth)
         row = {"messages": [{"role": m.role, "content": m.content} for m in messages], "model": MODEL_NAME,
                "ground_truth": ground_truth, "uid": uid, "group_id": group_id}
         answer, finish, error = None, "", ""
-        client = openai.AsyncOpenAI(base_url=gateway.url + path, api_key="raytool", max_retries=0, timeout=a.max_trajectory_s,
-                                    http_client=shared_http_client())
         try:
-            answer = await asyncio.wait_for(self.fn(client, row), a.max_trajectory_s)
+            answer = await asyncio.wait_for(self.fn(rec.client, row), a.max_trajectory_s)
             if not isinstance(answer, str):
                 raise TypeError(f"{a.openai_agent} returned {type(answer).__name__}, not the answer string")
         except asyncio.TimeoutError:
             finish = "time_limit"
         except Exception as exc:  # the agent's own failure: its trajectory ends, the run goes on
             finish, error, answer = "agent_error", first_line(exc), None
-        traj = gateway.finish(path, uid, group_id, ground_truth, answer)
-        if traj.prompt_ids == []:  # the agent never called the model: its prompt as the template renders it
-            traj.prompt_ids = self.renderer.prompt_ids(messages)
+        traj = rec.finish(answer)
         if finish and not traj.infra_failure:  # an agent that failed because generation did is not at fault
             traj.finish_reason, traj.agent_error = finish, error
         return traj

@@ -41,12 +41,12 @@ import signal
 import threading
 from pathlib import Path
 
-from raytool.agent.openai_loop import MODEL_NAME, first_line, shared_http_client, worker_gateway
+from raytool.agent.openai_loop import MODEL_NAME, first_line, recording
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, ConfigError, RolloutConfig
 from raytool.errors import one_line
-from raytool.types import Message, SamplingParams, Trajectory
+from raytool.types import Message, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -226,18 +226,12 @@ class VerifiersAgentLoop:
         self.renderer, self.generate, self.agent, self.rollout = renderer, generate, agent, rollout
 
     async def run(self, messages: list[Message], ground_truth: str, uid: str, group_id: str, extra: dict | None = None) -> Trajectory:
-        import openai
         import verifiers as vf
         from verifiers.clients import OpenAIChatCompletionsClient
 
-        r, a = self.rollout, self.agent
         row = (extra or {}).get("extra_info") or {}
-        gateway = await worker_gateway(self.renderer, a)
-        sampling = SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        path = gateway.open(uid, self.generate, sampling=sampling, seed=r.seed, max_response_tokens=a.max_response_tokens,
-                            on_history_rewrite=a.on_history_rewrite)
-        client = OpenAIChatCompletionsClient(openai.AsyncOpenAI(base_url=gateway.url + path, api_key="raytool", max_retries=0,
-                                                                timeout=a.max_trajectory_s, http_client=shared_http_client()))
+        rec = await recording(self.renderer, self.generate, self.agent, self.rollout, messages, uid, group_id, ground_truth)
+        client = OpenAIChatCompletionsClient(rec.client)
         example = {"prompt": [{"role": m.role, "content": m.content} for m in messages], "answer": ground_truth,
                    "example_id": int(row.get("example_id", 0)), "info": row.get("info") or {}}
         if row.get("task") is not None:
@@ -245,7 +239,7 @@ class VerifiersAgentLoop:
         state, finish, error, infra = None, "", "", ""
         try:
             # Sampling is the run's (the gateway applies rollout.*): the environment's own sampling args are not sent.
-            state = await asyncio.wait_for(self.env.rollout(example, client, MODEL_NAME, {}), a.max_trajectory_s)
+            state = await asyncio.wait_for(self.env.rollout(example, client, MODEL_NAME, {}), self.agent.max_trajectory_s)
             failure = state.get("error")
             if isinstance(failure, vf.InfraError):
                 infra = f"env: {first_line(failure)}"
@@ -255,9 +249,7 @@ class VerifiersAgentLoop:
             finish = "time_limit"
         except Exception as exc:  # the environment itself failed: not the policy's doing
             infra = f"env: {first_line(exc)}"
-        traj = gateway.finish(path, uid, group_id, ground_truth, last_answer(state.get("completion")) if state is not None else None)
-        if traj.prompt_ids == []:  # the environment never called the model: its prompt as the template renders it
-            traj.prompt_ids = self.renderer.prompt_ids(messages)
+        traj = rec.finish(last_answer(state.get("completion")) if state is not None else None)
         if traj.infra_failure:
             return traj
         if infra:
