@@ -69,55 +69,33 @@ def _build_smollm2(out: Path) -> None:
     _load_smollm2_tokenizer().save_pretrained(out)
 
 
-def _build_tiny_random(out: Path) -> None:
+def _build_random(out: Path, config_class: str, model_class: str, **shape) -> None:
+    """A random model of transformers' `model_class` with SmolLM2's tokenizer and chat template,
+    `shape` its config (plus the tokenizer's vocabulary and special ids), seeded."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     tokenizer = _load_smollm2_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,  # head_dim 64: vLLM's CPU attention kernels have no head size below 32
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
+    getattr(transformers, model_class)(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+# head_dim 64 (128 / 2 heads): vLLM's CPU attention kernels have no head size below 32.
+_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+
+
+def _build_tiny_random(out: Path) -> None:
+    _build_random(out, "LlamaConfig", "LlamaForCausalLM", **_TINY)
 
 
 def _build_tiny_random_moe(out: Path) -> None:
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    tokenizer = _load_smollm2_tokenizer()
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=2,  # head_dim 64, as tiny-random's
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        router_aux_loss_coef=0.0,  # RL trains without the load-balancing loss unless asked (trainer.moe_aux_loss_coef)
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    # 4 experts of width 64, 2 per token; no load-balancing loss (RL trains without it).
+    _build_random(out, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", **_TINY, head_dim=64, moe_intermediate_size=64, num_experts=4,
+                  num_experts_per_tok=2, router_aux_loss_coef=0.0)
 
 
 _BUILDERS = {SMOLLM2: _build_smollm2, TINY_RANDOM: _build_tiny_random, TINY_RANDOM_MOE: _build_tiny_random_moe}
