@@ -92,12 +92,15 @@ class Architecture:
         h, q, kv = self.hidden, self.q_dim, self.kv_dim
         return h * q + 2 * h * kv + q * h + 2 * h + ((q + 2 * kv) if self.qkv_bias else 0)
 
+    def expert_params(self, experts: int) -> int:
+        """`experts` SwiGLU experts of one layer."""
+        return experts * 3 * self.hidden * self.expert_intermediate
+
     def mlp_params(self, active: bool = False) -> int:
         """One layer's MLP: the dense SwiGLU, or every expert and the router (`active`: the experts a token uses)."""
-        h = self.hidden
         if not self.moe:
-            return 3 * h * self.intermediate
-        return (self.experts_per_token if active else self.experts) * 3 * h * self.expert_intermediate + h * self.experts
+            return 3 * self.hidden * self.intermediate
+        return self.expert_params(self.experts_per_token if active else self.experts) + self.hidden * self.experts
 
     def layer_params(self) -> int:
         return self.attention_params() + self.mlp_params()
@@ -117,9 +120,12 @@ class Architecture:
         return self.experts_per_token * self.expert_intermediate if self.moe else self.intermediate
 
     def lora_params(self, rank: int) -> int:
-        """Adapters on every linear layer of the decoder (peft's all-linear, each expert's included): r x (in + out) each."""
-        h, q, kv = self.hidden, self.q_dim, self.kv_dim
-        mlp = self.experts * 3 * (h + self.expert_intermediate) if self.moe else 3 * (h + self.intermediate)
+        """Adapters on every linear layer of the decoder (peft's all-linear): r x (in + out) each. In a
+        mixture of experts as peft 0.21 adapts transformers' fused experts: the router at rank r, each
+        layer's experts' gate-and-up projection at rank 2r and their down projection at rank r per
+        expert, (in + out) each (tests/test_planner.py checks it against peft)."""
+        h, q, kv, e, ei = self.hidden, self.q_dim, self.kv_dim, self.experts, self.expert_intermediate
+        mlp = (h + e) + e * 2 * (h + 2 * ei) + e * (ei + h) if self.moe else 3 * (h + self.intermediate)
         return self.layers * rank * ((h + q) + 2 * (h + kv) + (q + h) + mlp)
 
 
@@ -495,7 +501,7 @@ def table(result: Plan) -> str:
              f"model {result.model}: {result.params / 1e9:.3f}B parameters ({result.trained_params / 1e9:.3f}B trained), "
              f"{a.layers} layers, hidden {a.hidden}, {a.heads}/{a.kv_heads} heads, vocabulary {a.vocab} [{a.source}]",
              *([f"mixture of experts: {a.experts} experts of width {a.expert_intermediate} per layer, {a.experts_per_token} per token: "
-                f"{a.active_params() / 1e9:.3f}B parameters active per token, experts {a.layers * a.experts * 3 * a.hidden * a.expert_intermediate / 1e9:.3f}B"]
+                f"{a.active_params() / 1e9:.3f}B parameters active per token, experts {a.layers * a.expert_params(a.experts) / 1e9:.3f}B"]
                if a.moe else []),
              f"cluster: {c.nodes} node(s) x {c.gpus_per_node} accelerator(s) of {c.gpu_memory_gb:.0f} GiB, {c.host_memory_gb:.1f} GiB host memory each",
              *result.notes,

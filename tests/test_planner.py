@@ -240,3 +240,19 @@ def test_mixtures_of_experts_count_every_expert_in_memory_and_a_tokens_experts_i
     assert main(["plan", "-c", str(EXAMPLES / "retool_qwen3_30b_a3b.yaml")]) == 0
     out = capsys.readouterr().out
     assert "mixture of experts: 128 experts of width 768 per layer, 8 per token: 3.353B parameters active per token" in out
+
+
+def test_lora_on_a_mixture_of_experts_counts_what_peft_adapts():
+    """peft's all-linear on transformers' Qwen3-MoE adapts attention, the router and the fused experts
+    (shared low-rank factors per layer): the planner counts exactly the adapters peft makes."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from raytool.models import resolve_model
+
+    path = resolve_model("tiny-random-moe")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules="all-linear"))
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert architecture(path).lora_params(4) == adapters
