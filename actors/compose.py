@@ -418,4 +418,5 @@ def engine_options(cfg: RunConfig, seed: int) -> dict:
         "max_model_len": r.max_model_len, "cpu_kv_cache_gb": r.cpu_kv_cache_gb, "cpu_preload": r.cpu_preload, "enforce_eager": r.enforce_eager,
         "partial_rollout": cfg.async_.partial_rollout, "start_timeout_s": r.engine_start_timeout_s, "delay_s": r.scripted_delay_s,
         "crash_with": r.scripted_crash, "seeded_requests": r.seed is not None,
+        "record_routes": cfg.trainer.router_replay == "r3",
     }

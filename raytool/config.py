@@ -257,6 +257,7 @@ class TrainerConfig(_Section):
     packing: bool | Literal["auto"] = "auto"  # sequences end to end in one row (auto: only with a varlen flash-attention kernel)
     activation_checkpointing: bool | Literal["auto"] = "auto"  # recompute decoder layers in backward; auto: off on a CPU, on an accelerator on only when the planner finds that the micro-batch's activations would not fit without it
     compile: bool | Literal["auto"] = "auto"  # torch.compile each decoder layer and the LM head's log-prob chunk (CUDA GPUs and CPUs; not with NPU, SP or 4-bit); auto: on for CUDA GPUs (1.45x measured on an H100), off on CPUs and where it cannot run
+    router_replay: Literal["off", "r2", "r3"] = "off"  # mixture-of-experts routing in the trainer's forward: r3 uses the experts the rollout engine routed each token to (vLLM on GPUs, or the HF engine, returns them), r2 the trainer's own old-policy routing in a batch's later updates; the gate weights stay the trainer's (verl: router_replay.mode R2/R3)
     logprob_chunk_tokens: Positive = 2048  # the LM head and log-softmax run over this many scored tokens at a time (more: recomputed in backward)
     cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in host memory
     lora_rank: Count = 0  # LoRA adapters of this rank instead of full fine-tuning (0: off; one trainer worker)
@@ -512,6 +513,7 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
                "with a 4-bit base (bitsandbytes kernels) is not supported: set it false" if cfg.trainer.load_in_4bit else "")
         if why:
             raise ConfigError(f"{source}: config key 'trainer.compile' {why}")
+    validate_router_replay(cfg, source)
     if cfg.trainer.lora_rank and cfg.trainer.num_workers > 1:
         raise ConfigError(f"{source}: config key 'trainer.lora_rank': LoRA runs on one trainer worker (trainer.num_workers=1), got {cfg.trainer.num_workers} workers")
     if cfg.data.task == "files" and not cfg.data.train_files:
@@ -546,6 +548,22 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
     if r.overlong_buffer_tokens >= cfg.agent.max_response_tokens:
         raise ConfigError(f"{source}: config key 'reward.overlong_buffer_tokens': must be below agent.max_response_tokens "
                           f"({cfg.agent.max_response_tokens}), got {r.overlong_buffer_tokens}")
+
+
+def validate_router_replay(cfg: RunConfig, source: str) -> None:
+    """trainer.router_replay's rules across keys (a dense model is refused where the trainer loads it)."""
+    t, r = cfg.trainer, cfg.rollout
+    if t.router_replay == "off":
+        return
+    why = ("replays the routing of whole sequences; with sequence parallelism each worker sees a slice: set trainer.sequence_parallel_size=1"
+           if t.sequence_parallel_size > 1 else
+           "replays eager routers; torch.compile'd layers would recompile for every batch: set trainer.compile false or auto" if t.compile is True else
+           "is r3, but the scripted engine runs no model and routes nothing: use rollout.engine=hf or vllm" if t.router_replay == "r3" and r.engine == "scripted" else
+           "is r3, but vLLM's CPU build cannot return routed experts (its capture needs Model Runner V2, which needs Triton): give the "
+           "rollout servers GPUs (rollout.num_gpus), use rollout.engine=hf, or set trainer.router_replay=r2"
+           if t.router_replay == "r3" and r.engine == "vllm" and not r.num_gpus else "")
+    if why:
+        raise ConfigError(f"{source}: config key 'trainer.router_replay' {why}")
 
 
 def prompt_source(data: DataConfig, environment: str | None = None) -> Literal["tool_arith", "files", "verifiers"]:

@@ -372,9 +372,9 @@ def resolve_auto(cfg: RunConfig, arch: Architecture, on_accelerator: bool, accel
     compiled = t.compile
     if compiled == "auto":
         cuda = on_accelerator and cfg.cluster.accelerator == "GPU"
-        compiled = cuda and t.sequence_parallel_size == 1 and not t.load_in_4bit
+        compiled = cuda and t.sequence_parallel_size == 1 and not t.load_in_4bit and t.router_replay == "off"
         why = ("a CUDA GPU" if compiled else "on a CPU" if not on_accelerator else "inductor has no NPU backend" if not cuda
-               else "sequence parallelism" if t.sequence_parallel_size > 1 else "a 4-bit base")
+               else "sequence parallelism" if t.sequence_parallel_size > 1 else "a 4-bit base" if t.load_in_4bit else "router replay")
         notes.append(f"trainer.compile auto: {'on' if compiled else 'off'} ({why})")
     return msgspec.structs.replace(without, trainer=msgspec.structs.replace(without.trainer, activation_checkpointing=checkpointing,
                                                                             compile=compiled)), notes

@@ -187,6 +187,8 @@ class Tracker:
         out = self._traces if data_sources is None else self._val_traces
         for i, t in enumerate(trajectories):
             row = {"step": step, **msgspec.to_builtins(t)}
+            if t.routes is not None:  # MoE routes: their shape, not megabytes of expert indices
+                row["routes"] = {"start": t.routes.start, "positions": len(t.routes.array()), "layers": t.routes.layers, "top_k": t.routes.top_k}
             if data_sources is not None:
                 row["data_source"] = data_sources[i]
             if decode is not None:

@@ -23,6 +23,31 @@ class SamplingParams(msgspec.Struct, frozen=True):
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class Routes(msgspec.Struct, frozen=True):
+    """Which experts a mixture-of-experts model routed each token to: top-k expert indices per
+    token and layer for the positions start, start + 1, ... of a sequence, as little-endian bytes
+    (int16; -1 where unknown): compact on the wire (a 4k-token, 48-layer, top-8 sequence: 3 MiB)."""
+
+    start: int
+    layers: int
+    top_k: int
+    data: bytes
+
+    @classmethod
+    def of(cls, picks, start: int = 0) -> "Routes":
+        """From a [tokens, layers, k] integer array."""
+        import numpy as np
+
+        picks = np.asarray(picks)
+        return cls(start=start, layers=picks.shape[1], top_k=picks.shape[2], data=picks.astype("<i2").tobytes())
+
+    def array(self):
+        """The [tokens, layers, k] int16 array."""
+        import numpy as np
+
+        return np.frombuffer(self.data, dtype="<i2").reshape(-1, self.layers, self.top_k)
+
+
 class TokenOutput(msgspec.Struct):
     """What an engine returns: the sampled ids verbatim and the log-prob of each under the sampler."""
 
@@ -33,6 +58,7 @@ class TokenOutput(msgspec.Struct):
     policy_version: int = 0  # the version the engine held when the request ended
     versions: list[int] = []  # the policy version that produced each token ([]: all policy_version)
     server_in_flight: int = 0  # requests the server still held when it answered (for the callers' routers)
+    routes: Routes | None = None  # MoE with trainer.router_replay=r3: the experts the engine routed the prompt and output tokens to
 
     def token_versions(self) -> list[int]:
         return list(self.versions) if self.versions else [self.policy_version] * len(self.token_ids)
@@ -92,6 +118,7 @@ class Trajectory(msgspec.Struct):
     infra_failure: str = ""  # why it failed through no fault of the policy (a sandbox, engine, reward or worker failure; "": it did not): never trained as the policy's mistake
     turns: list[dict] = []  # the trace: per generate call its text, tokens, timing, tool calls and their outputs
     timings: dict[str, float] = {}
+    routes: Routes | None = None  # MoE with trainer.router_replay=r3: the engine's experts for prompt_ids + response_ids (raytool.moe)
 
 
 def generated_versions(t: Trajectory) -> list[int]:

@@ -38,6 +38,7 @@ from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer, RenderError
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.errors import one_line
+from raytool.moe import RouteLog
 from raytool.tools.base import Tool, ToolContext, ToolResult
 from raytool.types import Message, SamplingParams, TokenOutput, ToolCall, Trajectory
 
@@ -78,6 +79,7 @@ class _State:
     finish: str = "max_turns"
     version: int = 0
     infra: str = ""  # the cause of an infrastructure failure that ended it ("": none)
+    routes: RouteLog = field(default_factory=RouteLog)  # MoE: the experts the engine routed each position to (r3)
 
     def infra_failed(self, cause: str) -> None:
         self.infra, self.finish = cause, "infra_failed"
@@ -88,6 +90,7 @@ class _State:
         self.logprobs += out.logprobs
         self.versions += out.token_versions()
         self.version = out.policy_version
+        self.routes.add(out.routes)
 
     def observed(self, ids: list[int]) -> None:
         self.response_ids += ids
@@ -137,7 +140,7 @@ class ToolAgentLoop:
             tool_errors=sum(state.errors.values()), tool_error_kinds=dict(state.errors), tool_repaired=state.repaired,
             tool_cut_in_fence=state.cut_in_fence,
             finish_reason=state.finish, policy_version=state.version, response_versions=state.versions, turns=state.turns,
-            infra_failure=state.infra,
+            infra_failure=state.infra, routes=state.routes.routes(),
             timings={"total_s": time.monotonic() - start, "generate_s": sum(t["generate_s"] for t in state.turns),
                      "tools_s": sum(t.get("tools_s", 0.0) for t in state.turns)},
         )

@@ -23,6 +23,7 @@ import logging
 import os
 
 from raytool.agent.render import ChatRenderer
+from raytool.moe import RouteLog
 from raytool.types import Message, TokenOutput, Trajectory
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class TokenRecorder:
         self._text = ""  # the text of everything recorded
         self._last_finish = ""  # the engine's finish reason of the last recorded turn
         self._last_called_tools = False
+        self.routes = RouteLog()  # MoE: the experts the engine routed each position to (r3)
 
     def next_prompt(self, rendered: str) -> list[int] | None:
         """The ids to generate from, given the rendered history; None when the token budget is spent."""
@@ -104,6 +106,7 @@ class TokenRecorder:
             self.num_turns += 1
             self._last_finish = out.finish_reason
             self.policy_version = out.policy_version
+            self.routes.add(out.routes)
         return self.renderer.reply_text(ids)
 
     def count_tool_calls(self, parsed: int, malformed: int) -> None:
@@ -142,4 +145,5 @@ class TokenRecorder:
             tool_errors=self.malformed_calls + failed_tools,
             finish_reason=self.finish_reason(),
             policy_version=self.policy_version,
+            routes=self.routes.routes(),
         )

@@ -20,7 +20,8 @@ import torch
 from transformers import GenerationConfig
 
 from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
-from raytool.types import SamplingParams, TokenOutput
+from raytool.moe import RouterTap
+from raytool.types import Routes, SamplingParams, TokenOutput
 from raytool.weightsync import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,19 @@ class _Request:
         return (s.temperature, s.top_p, s.top_k, s.stop_token_ids)
 
 
+def _routes_of(recorded: list[list[torch.Tensor]], row: int, rows: int, width: int, prompt_len: int, generated: int) -> Routes:
+    """Request `row`'s routes from one batch's recording (per layer: the prefill's [rows * width, k]
+    picks, then one [rows, k] per decoding step): its prompt's positions (left-padded), then each
+    generated token but the last (which no forward has read yet)."""
+    prefill = torch.stack([calls[0].view(rows, width, -1)[row, width - prompt_len:] for calls in recorded], dim=1)
+    steps = [torch.stack([calls[t].view(rows, -1)[row] for calls in recorded], dim=0) for t in range(1, generated)]
+    picks = torch.cat([prefill, torch.stack(steps)]) if steps else prefill
+    return Routes.of(picks.cpu().numpy())
+
+
 class HFEngine:
-    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 64, seed: int = 0, **_ignored):
+    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 64, seed: int = 0,
+                 record_routes: bool = False, **_ignored):
         from transformers import AutoModelForCausalLM
 
         from raytool.errors import preflight_engine
@@ -64,6 +76,8 @@ class HFEngine:
         self._weights_lock = threading.RLock()  # a weight sync never overlaps a batch: each batch is of one version
         self._receiver: WeightReceiver | None = None
         self.stats = EngineStats()
+        # trainer.router_replay=r3: the experts each prompt and generated token went to (raytool.moe)
+        self.router_tap = RouterTap(self.model) if record_routes else None
         torch.manual_seed(seed)
 
     # -- generation ---------------------------------------------------------------------------
@@ -129,9 +143,14 @@ class HFEngine:
         with self._weights_lock:
             version = self.policy_version
             check_weights_complete(version)
-            out = self.model.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=config
-            )
+            if self.router_tap is not None:
+                self.router_tap.start_recording()
+            try:
+                out = self.model.generate(
+                    input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=config
+                )
+            finally:
+                recorded = self.router_tap.stop_recording() if self.router_tap is not None else None
         new = out.sequences[:, width:].cpu()
         logprobs = torch.stack(
             [torch.log_softmax(step.float(), -1).gather(-1, new[:, t : t + 1].to(step.device)).squeeze(-1).cpu()
@@ -147,8 +166,10 @@ class HFEngine:
                 if tok in stops:
                     ids, finish = ids[: t + 1], "stop"
                     break
+            routes = _routes_of(recorded, i, len(batch), width, len(r.prompt_ids), len(ids)) if recorded is not None else None
             results.append(
-                TokenOutput(token_ids=ids, logprobs=logprobs[i, : len(ids)].tolist(), finish_reason=finish, policy_version=version)
+                TokenOutput(token_ids=ids, logprobs=logprobs[i, : len(ids)].tolist(), finish_reason=finish, policy_version=version,
+                            routes=routes)
             )
         return results
 

@@ -44,7 +44,7 @@ import psutil
 
 from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
 from raytool.engines.crash import CRASH_FILE_ENV, EngineCrash, read_crash
-from raytool.types import SamplingParams, TokenOutput
+from raytool.types import Routes, SamplingParams, TokenOutput
 from raytool.weightsync import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class VLLMEngine:
         seeded_requests: bool = False,
         partial_rollout: Literal["continue", "abort", "wait"] = "continue",
         start_timeout_s: int = 600,
+        record_routes: bool = False,
         **_ignored,
     ):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -138,6 +139,10 @@ class VLLMEngine:
         # generator has no offset: with chunked prefill the first step that splits a seeded prompt
         # kills the engine ("CPU Generator does not use offset"). Without chunked prefill every
         # prompt is prefilled whole (preempted requests too: they go back to the waiting queue).
+        if record_routes and current_platform.is_cpu():
+            raise ValueError("config key 'trainer.router_replay' is r3, but vLLM's CPU build cannot return routed experts (its routed-experts "
+                             "capture needs Model Runner V2, which needs Triton): set rollout.engine=hf, or trainer.router_replay=r2 or off")
+        self.record_routes = record_routes
         chunked = not (seeded_requests and current_platform.is_cpu())
         if not chunked:
             log.info("rollout.seed on a CPU engine: chunked prefill off (vLLM cannot rewind a seeded request's "
@@ -159,6 +164,7 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
             enable_sleep_mode=self.supports_sleep(),
             disable_log_stats=False,
+            enable_return_routed_experts=record_routes,  # r3: each request's routed experts, [tokens, layers, k]
         )
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.stats)])
         # The engine-core process(es) vLLM started: one killed is seen at once (dead()), even where
@@ -206,6 +212,7 @@ class VLLMEngine:
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        routes = None
         try:
             for n in itertools.count():
                 if n:
@@ -217,7 +224,8 @@ class VLLMEngine:
                 self._parts[request_id] = part_id
                 load_aborts = self._load_aborts
                 budget = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(ids))
-                part_ids, part_logprobs, part_versions, finish = await self._generate_part(prompt_ids + ids, budget, part_id)
+                part_ids, part_logprobs, part_versions, finish, part_routes = await self._generate_part(prompt_ids + ids, budget, part_id)
+                routes = part_routes if part_routes is not None else routes  # a later part's prompt holds the earlier parts
                 boundary = len(ids)
                 ids += part_ids
                 logprobs += part_logprobs
@@ -244,10 +252,12 @@ class VLLMEngine:
             finish if finish in ("stop", "length") else "abort",
             policy_version=version,
             versions=versions if any(v != version for v in versions) else [],
+            routes=Routes.of(routes) if routes is not None else None,
         )
 
-    async def _generate_part(self, prompt_ids: list[int], sampling: SamplingParams, part_id: str) -> tuple[list[int], list[float], list[int], str]:
-        """One vLLM request: its token ids, their log-probs, the policy version of each and vLLM's finish reason."""
+    async def _generate_part(self, prompt_ids: list[int], sampling: SamplingParams, part_id: str):
+        """One vLLM request: its token ids, their log-probs, the policy version of each, vLLM's finish
+        reason, and (r3) the experts of each of its prompt and output tokens but the last one."""
         from vllm.inputs import TokensPrompt
 
         submitted = self.policy_version
@@ -256,7 +266,7 @@ class VLLMEngine:
             final = out
             self.stats.progressed()
         if final is None or not final.outputs:
-            return [], [], [], "abort"
+            return [], [], [], "abort", None
         c = final.outputs[0]
         ids = list(c.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(ids, c.logprobs or [])]
@@ -264,7 +274,8 @@ class VLLMEngine:
         if not len(logprobs) == len(versions) == len(ids):
             raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs and {len(versions)} weight versions "
                                f"for {len(ids)} tokens (request {part_id})")
-        return ids, logprobs, versions, c.finish_reason
+        routes = getattr(c, "routed_experts", None) if self.record_routes else None
+        return ids, logprobs, versions, c.finish_reason, routes
 
     def _token_versions(self, spans, num_tokens: int, submitted: int) -> list[int]:
         """The policy version of each token from vLLM's weight-version spans. A vLLM that reports

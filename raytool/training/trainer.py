@@ -31,6 +31,7 @@ import torch.distributed as dist
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
 from raytool.algos.correction import rollout_correction
 from raytool.config import RunConfig
+from raytool.moe import RouterTap, covers, find_routers, load_imbalance, moe_classes_without_replay, replay_tensor, routes_array, split_recording
 from raytool.resolve import with_rollout_correction
 from raytool import device as device_info
 from raytool import storage
@@ -62,6 +63,7 @@ class _Seq:
     rollout: list[float] | None = None  # engine log-probs, aligned like mask (0.0 where mask is 0)
     old: list[float] | torch.Tensor | None = None  # log-probs before this update, when the update is not purely on-policy (on the device)
     ref: list[float] | torch.Tensor | None = None  # reference-policy log-probs, when a KL term is on (on the device)
+    routes: np.ndarray | None = None  # MoE router replay: the experts of each position of ids, [len(ids), layers, k] (-1: the router's own)
 
     def scored(self) -> list[int]:
         return [t for t, m in enumerate(self.mask) if m]
@@ -153,6 +155,40 @@ class Trainer:
         self.reference: PolicyModel | None = None  # built on first use (KL on); LoRA uses the base model instead
         self.step = 0  # optimizer steps taken
         self.rl_updates = 0  # optimizer steps of the RL phase (drive its learning-rate schedule)
+        self.router_tap = self._router_tap()  # MoE models: expert load, and router replay when on
+
+    def _router_tap(self) -> RouterTap | None:
+        t = self.cfg.trainer
+        if not find_routers(self.lm):
+            if t.router_replay != "off":
+                others = moe_classes_without_replay(self.lm)
+                raise ValueError(f"config key 'trainer.router_replay' is {t.router_replay}, but {self.model_path} " + (
+                    f"routes with {', '.join(others)}, which raytool cannot replay yet (it replays the softmax top-k routers of "
+                    "Qwen2-MoE, Qwen3-MoE, OLMoE and Mixtral): set it off" if others else "is a dense model, with no experts to route: set it off"))
+            return None
+        if t.router_replay == "r2" and self.cfg.algorithm.ppo_epochs == 1 and self.cfg.algorithm.mini_batches == 1 and self.rank == 0:
+            log.info("trainer.router_replay=r2 with one update per batch: the update's forward is the old policy's own, so there is "
+                     "nothing to replay (r2 replays it in the later updates of algorithm.ppo_epochs / mini_batches > 1)")
+        return RouterTap(self.lm)
+
+    @contextlib.contextmanager
+    def _routing(self, group: list[_Seq], counting: bool = False):
+        """The policy's routers use `group`'s routes (r2/r3; -1 and sequences without routes: their
+        own) through the forward and the backward's recomputation; `counting` adds the forward's
+        expert loads and replay disagreements to the step's counts."""
+        tap = self.router_tap
+        if tap is None:
+            yield
+            return
+        lengths = [len(x.ids) for x in group]
+        if any(x.routes is not None for x in group):
+            tap.replay = to_device(replay_tensor([x.routes for x in group], lengths, self.packed, tap.top_k, tap.num_layers), self.device)
+        tap.valid = to_device(torch.from_numpy(np.concatenate([np.arange(max(lengths) if not self.packed else n) < n for n in lengths])), self.device)
+        tap.counting = counting
+        try:
+            yield
+        finally:
+            tap.replay, tap.valid, tap.counting = None, None, False
 
     def _sequence_parallel_groups(self, sp: int):
         """(SP group or None, data-parallel group, its size). Ranks r and r' share sequences when
@@ -237,8 +273,16 @@ class Trainer:
     def _fill(self, seqs: list[_Seq], field: str, model: PolicyModel) -> None:
         """Store `model`'s log-probs of each sequence's scored tokens in `seq.<field>`, on the
         device (read back to the host they would cost a synchronisation per micro-batch)."""
+        record = model is self.policy and field == "old" and self.cfg.trainer.router_replay == "r2"
         for group in self._plan(seqs):
-            grid, _ = self._logprobs(model, group, temperature=self.cfg.rollout.temperature)
+            with self._routing(group) if model is self.policy else contextlib.nullcontext():
+                if record:
+                    self.router_tap.start_recording()
+                grid, _ = self._logprobs(model, group, temperature=self.cfg.rollout.temperature)
+                if record:  # r2: the old policy's routing, replayed in this batch's updates
+                    recorded = split_recording(self.router_tap.stop_recording(), [len(x.ids) for x in group], self.packed)
+                    for x, routes in zip(group, recorded):
+                        x.routes = routes
             grid = grid.float()
             for row, x in enumerate(group):
                 setattr(x, field, grid[row, : len(x.ids) - 1])
@@ -322,6 +366,9 @@ class Trainer:
             for t in trajectories
         ]
         on_policy = a.ppo_epochs == 1 and a.mini_batches == 1
+        route_counts = self._engine_routes(seqs, trajectories) if self.cfg.trainer.router_replay == "r3" else []
+        if self.router_tap is not None:
+            self.router_tap.reset_counts()
         kl_on = a.kl_on
         if kl_on:
             self._fill(seqs, "ref", self._reference())
@@ -352,10 +399,12 @@ class Trainer:
         # penalty above (when on), the mini-batches' loss normalizers and the batch's counts here
         # in one all-reduce, the metrics in one at the end (_reduce_metrics, then the token count).
         # Normalizers count every sequence of a mini-batch on every rank, skipped ones too.
-        counts = self._global_sums([v for mini in minis for v in (sum(sum(x.mask) for x in mini), len(mini))] + [len(active), len(seqs)])
+        counts = self._global_sums([v for mini in minis for v in (sum(sum(x.mask) for x in mini), len(mini))] + route_counts + [len(active), len(seqs)])
         tokens, grad_norms = 0, []
         lr = self._rl_lr()
         plans = self._plans([[x for x in mini if id(x) in active] if skip_zero_adv else mini for mini in minis])
+        if route_counts:
+            self._replay_diagnostics(self._plan(seqs)[0], sums)
         for k, plan in enumerate(plans):
             n_tokens, n_seqs = max(counts[2 * k], 1.0), max(counts[2 * k + 1], 1.0)
             lr = self._rl_lr()
@@ -364,8 +413,12 @@ class Trainer:
                 self._rl_micro_step(group, on_policy, n_tokens, n_seqs, sums)
             grad_norms.append(self._optimizer_step(lr))
             self.rl_updates += 1
+        self._routing_metrics(sums)
         out = self._reduce_metrics(sums)
         out.update(metrics)
+        if route_counts:
+            replayed, total = counts[2 * len(minis)], counts[2 * len(minis) + 1]
+            out["router/replayed_seq_frac"] = replayed / max(total, 1.0)  # the rest had no (complete) engine routes: trained on their own routing
         (tokens,) = self._global_sums([tokens])
         elapsed = time.perf_counter() - start
         self._note_compile_time(len(grad_norms), elapsed)
@@ -377,9 +430,15 @@ class Trainer:
         return out
 
     def _rl_micro_step(self, group: list[_Seq], on_policy: bool, n_tokens: float, n_seqs: float, sums: dict) -> None:
+        with self._routing(group, counting=True):
+            self._rl_micro_update(group, on_policy, n_tokens, n_seqs, sums)
+
+    def _rl_micro_update(self, group: list[_Seq], on_policy: bool, n_tokens: float, n_seqs: float, sums: dict) -> None:
         a = self.cfg.algorithm
         logp, entropy = self._logprobs(self.policy, group, temperature=self.cfg.rollout.temperature, with_entropy=True,
                                        entropy_grad=a.entropy_coeff > 0)
+        if self.router_tap is not None:
+            self.router_tap.counting = False  # the backward's recomputation is not counted again
         width = logp.size(1)
         mask = self._grid(group, "mask", width)
         rollout = self._grid(group, "rollout", width)  # the engine's (behaviour policy)
@@ -417,6 +476,47 @@ class Trainer:
             acc += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) * weight, weight.double()])
         acc = sums.setdefault("actor/pg_loss", torch.zeros(2, dtype=torch.float64, device=self.device))
         acc += torch.stack([pg_loss.detach().double(), torch.ones((), dtype=torch.float64, device=self.device)])
+
+    def _engine_routes(self, seqs: list[_Seq], trajectories: list[Trajectory]) -> list[float]:
+        """r3: each sequence's engine routes, where they are complete and of this model's shape (the
+        others train on their own routing, never on misaligned routes); returns [replayed, total]."""
+        tap = self.router_tap
+        shapes = set()
+        for x, t in zip(seqs, trajectories):
+            routes = routes_array(t.routes, len(x.ids), tap.num_layers, tap.top_k)
+            if t.routes is not None and routes is None:
+                shapes.add((t.routes.layers, t.routes.top_k))
+            x.routes = routes if routes is not None and covers(routes, x.scored()) else None
+        if shapes:
+            log.warning("router replay: routes of %s (layers, experts per token) for a model of %s: those trajectories train without replay",
+                        sorted(shapes), (tap.num_layers, tap.top_k))
+        return [float(sum(x.routes is not None for x in seqs)), float(len(seqs))]
+
+    @torch.no_grad()
+    def _replay_diagnostics(self, group: list[_Seq], sums: dict) -> None:
+        """r3's evidence on one micro-batch per step (also when no sequence of the step is trained):
+        how far the trainer's log-probs are from the engine's routing on its own and replaying the
+        engine's routes, and how many routes replay changed."""
+        for name, replay in (("router/logprob_abs_diff_without_replay", False), ("router/logprob_abs_diff_with_replay", True)):
+            with self._routing(group, counting=True) if replay else contextlib.nullcontext():
+                logp, _ = self._logprobs(self.policy, group, temperature=self.cfg.rollout.temperature)
+            width = logp.size(1)
+            mask, rollout = self._grid(group, "mask", width), self._grid(group, "rollout", width)
+            acc = sums.setdefault(name, torch.zeros(2, dtype=torch.float64, device=self.device))
+            acc += torch.stack([((logp.float() - rollout).abs() * mask).sum().double(), mask.sum().double()])
+
+    def _routing_metrics(self, sums: dict) -> None:
+        """The step's expert load (busiest over mean expert, per layer) and, when replaying, the share
+        of (token, layer) routes where the trainer's own top-k differed from the replayed one."""
+        tap = self.router_tap
+        if tap is None:
+            return
+        if tap.load is not None:
+            sums["moe/load_imbalance"] = torch.tensor([load_imbalance(tap.load), 1.0], dtype=torch.float64, device=self.device)
+        if tap.compared is not None:
+            sums["router/replay_differs_frac"] = torch.stack([tap.differs.double(), tap.compared.double()]).to(self.device)
+        elif self.cfg.trainer.router_replay != "off" and self.world_size > 1:  # every rank reduces the same names
+            sums["router/replay_differs_frac"] = torch.zeros(2, dtype=torch.float64, device=self.device)
 
     def _reduce_metrics(self, sums: dict) -> dict:
         """Token-weighted means over every micro-batch of every rank (pg_loss: summed per optimizer
