@@ -50,6 +50,7 @@ PLOTS = [
     Plot("timings", "Step timings (s)", "grpo", prefixes=("timing_s/",), exclude=("timing_s/update_weights",)),  # that one: weight_sync
     Plot("weight_sync", "Weight sync", "grpo", ("timing_s/update_weights", "weight_sync/bytes", "weight_sync/failed_servers"), panels=True),
     Plot("policy", "Policy update", "grpo", ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac"), panels=True),
+    Plot("moe", "Mixture of experts: expert load and router replay", "grpo", prefixes=("moe/", "router/"), panels=True),
     Plot("sft", "SFT loss", "sft", ("train/loss", "val/loss")),
 ]
 

@@ -50,7 +50,7 @@ _PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"), "wandb":
 _CONSOLE_KEYS = [
     ("critic/score/mean", "score"), ("acc/mean", "acc"), ("tool/calls_per_traj", "calls"),
     ("tool/error_rate", "tool_err"), ("num_turns/mean", "turns"), ("response_length/mean", "len"),
-    ("actor/pg_loss", "loss"), ("timing_s/step", "step_s"),
+    ("actor/pg_loss", "loss"), ("router/replay_differs_frac", "routes_replayed_differ"), ("timing_s/step", "step_s"),
 ]
 
 

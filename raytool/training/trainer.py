@@ -403,8 +403,10 @@ class Trainer:
         tokens, grad_norms = 0, []
         lr = self._rl_lr()
         plans = self._plans([[x for x in mini if id(x) in active] if skip_zero_adv else mini for mini in minis])
-        if route_counts:
-            self._replay_diagnostics(self._plan(seqs)[0], sums)
+        if route_counts:  # every rank: the diagnostics' forwards are collectives under FSDP
+            first = self._plan(seqs)
+            if first:
+                self._replay_diagnostics(first[0], sums)
         for k, plan in enumerate(plans):
             n_tokens, n_seqs = max(counts[2 * k], 1.0), max(counts[2 * k + 1], 1.0)
             lr = self._rl_lr()
