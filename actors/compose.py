@@ -284,7 +284,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         no_server_wait_s=r.engine_start_timeout_s
     )
     sandbox_pools = build_sandbox_pools(cfg, options)
-    reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward) for i in range(cfg.reward.num_workers)]
+    reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward, ns) for i in range(cfg.reward.num_workers)]
     agent_workers = [
         AgentLoopWorker.options(**options(f"agent-worker-{i}", light), **restarts).remote(
             model_path, "llm-manager", list(servers), [f"sandbox-pool-{i}" for i in range(len(sandbox_pools))],
@@ -303,7 +303,9 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     try:
         results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, r.engine_start_timeout_s))
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
-        if cfg.agent.gateway:  # the OpenAI-compatible API over the manager, for agents outside raytool (actors.gateway)
+        # The OpenAI-compatible API over the manager, for agents outside raytool (actors.gateway), and
+        # for a judge that is the run's own model (reward.judge.base_url self).
+        if cfg.agent.gateway or cfg.reward.judges_itself:
             a = cfg.agent
             graph.gateway = GatewayActor.options(**options("gateway", light), **restarts).remote(model_path, "llm-manager", list(servers), cfg, ns,
                                                                                                a.gateway_host, a.gateway_port)

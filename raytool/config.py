@@ -181,7 +181,7 @@ class SandboxConfig(_Section):
 class JudgeConfig(_Section):
     """An LLM judge (reward.fn: judge): a model behind an OpenAI-compatible API scores each response by a rubric."""
 
-    base_url: str | None = None  # the judge's OpenAI-compatible API, e.g. http://judge-host:8000/v1 (`raytool serve` of a judge model, vLLM's server, a hosted API)
+    base_url: str | None = None  # the judge's OpenAI-compatible API, e.g. http://judge-host:8000/v1 (`raytool serve` of a judge model, vLLM's server, a hosted API); `self`: the run's own rollout servers through its gateway (the policy judges)
     model: str | None = None  # the model name the judge's API serves (null: the first its /models lists)
     api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the judge API's key (never the key itself; unset: no key)
     rubric: str | None = None  # the judge's prompt, a Python format string over {prompt}, {response}, {reasoning}, {ground_truth}, {data_source} and the row's extra_info keys (null: a 0-10 correctness rubric)
@@ -195,6 +195,11 @@ class JudgeConfig(_Section):
 
 
 class RewardConfig(_Section):
+    @property
+    def judges_itself(self) -> bool:
+        """reward.judge.base_url self: the policy being trained is the judge, through the run's gateway."""
+        return self.fn == "judge" and self.judge.base_url == "self"
+
     fn: str = "math"  # registered reward (boxed_match: exact; math: 1/0 by math-verify; retool: +1/-1 shaped; judge: an LLM judge, see reward.judge) or `path/to/file.py:function`
     num_workers: Positive = 1  # RewardWorker actors
     timeout_s: PositiveNumber = 5.0  # per-answer math-verify limit; a timed-out answer scores as wrong (metric verify_timeout)

@@ -83,3 +83,26 @@ def test_bad_judge_settings_are_one_line_before_anything_starts(tokenizer):
         with pytest.raises(ConfigError, match=r"reward.judge.model='gpt-4o': the judge at .* serves \['judge-model'\]"):
             probe(judge_cfg(url, "reward.judge.model=gpt-4o").judge)
     assert Judge(judge_cfg("http://127.0.0.1:9/v1").judge).concurrency == 8
+
+
+def test_a_judge_that_is_the_runs_own_model_asks_where_the_gateway_is_and_again_after_a_failure(tokenizer):
+    """reward.judge.base_url self: no URL at start (nothing is probed); the reward worker's
+    `own_api` says where the run's gateway serves, on first use and again after a failed call."""
+    probe(judge_cfg("self").judge)  # the run's servers start with the run: nothing to ask before
+    asked = []
+    with JudgeServer(tokenizer, grade) as url, JudgeServer(tokenizer, grade) as moved:
+        where = iter([url, "http://127.0.0.1:9/v1", moved])
+
+        def own_api():
+            asked.append(next(where))
+            return asked[-1]
+
+        reward = make_reward_fn(judge_cfg("self"), own_api=own_api)
+        right = view("What is 6 x 7?", "It is 42.")
+        assert reward(right, "42", {})[0] == pytest.approx(0.9) and asked == [url]
+        reward = make_reward_fn(judge_cfg("self", "reward.judge.cache_size=0"), own_api=own_api)
+        with pytest.raises(RewardError, match="judge_error: the judge at http://127.0.0.1:9/v1 failed"):
+            reward(right, "42", {})  # the gateway restarted elsewhere: this call fails ...
+        assert reward(right, "42", {})[0] == pytest.approx(0.9) and asked[-1] == moved  # ... the next asks again
+    with pytest.raises(RewardError, match="reward.judge.base_url is self, but this process belongs to no run"):
+        make_reward_fn(judge_cfg("self"))(right, "42", {})

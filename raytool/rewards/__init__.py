@@ -204,10 +204,16 @@ def check_judge(cfg: RewardConfig, rows: list) -> None:
         probe(cfg.judge)
 
 
-def make_reward_fn(cfg: RewardConfig) -> Callable[[dict, str, dict], tuple[float, dict]]:
+def make_reward_fn(cfg: RewardConfig, own_api: Callable[[], str] | None = None) -> Callable[[dict, str, dict], tuple[float, dict]]:
     """The configured reward as `(view, ground_truth, extra) -> (score, metrics)`, with the format
-    penalty and overlong shaping applied; a failing fn raises a one-line RewardError."""
-    fn = REWARDS[cfg.fn](cfg) if cfg.fn in REWARDS else load_reward_fn(cfg.fn)
+    penalty and overlong shaping applied; a failing fn raises a one-line RewardError. `own_api`:
+    where the run's gateway serves, for a judge that is the run's own model (reward.judge.base_url self)."""
+    if cfg.judges_itself:
+        from raytool.rewards.llm_judge import Judge
+
+        fn = Judge(cfg.judge, own_api)
+    else:
+        fn = REWARDS[cfg.fn](cfg) if cfg.fn in REWARDS else load_reward_fn(cfg.fn)
 
     def reward(view: dict, ground_truth: str, extra: dict) -> tuple[float, dict]:
         try:

@@ -22,6 +22,7 @@ import re
 import string
 import threading
 from collections import OrderedDict
+from typing import Callable
 
 from raytool.config import ConfigError, JudgeConfig
 from raytool.errors import RaytoolError, one_line
@@ -89,29 +90,51 @@ def parse_score(reply: str, pattern: str) -> float:
         raise JudgeError(f"the judge's score {value!r} is not a number") from None
 
 
+SELF = "self"  # reward.judge.base_url: the run's own rollout servers, through its gateway
+
+
 class Judge:
     """`reward.fn: judge` as a reward fn `(view, ground_truth, extra) -> dict` (thread-safe: a
-    reward worker runs up to `concurrency` of them at once)."""
+    reward worker runs up to `concurrency` of them at once). With base_url `self`, `own_api()`
+    gives the run's gateway's API URL, asked on first use and again after a call failed (a
+    restarted gateway on port 0 listens elsewhere)."""
 
-    def __init__(self, cfg: JudgeConfig):
-        import openai
-
+    def __init__(self, cfg: JudgeConfig, own_api: Callable[[], str] | None = None):
         check_config(cfg)
         self.cfg = cfg
         self.rubric = rubric_of(cfg)
-        self.client = openai.OpenAI(base_url=cfg.base_url, api_key=os.environ.get(cfg.api_key_env) or "EMPTY", timeout=cfg.timeout_s,
-                                    max_retries=0)  # the reward worker retries, on another worker
+        self.own_api = own_api
+        self.base_url = None if cfg.base_url == SELF else cfg.base_url
+        self._client = None if cfg.base_url == SELF else self._connect(cfg.base_url)
         self.model = cfg.model
         self.cache: OrderedDict[bytes, float] = OrderedDict()  # the judge's number by the digest of the text it was sent
         self.lock = threading.Lock()
         self.concurrency = cfg.concurrency
+
+    def _connect(self, base_url: str):
+        import openai
+
+        return openai.OpenAI(base_url=base_url, api_key=os.environ.get(self.cfg.api_key_env) or "EMPTY", timeout=self.cfg.timeout_s,
+                             max_retries=0)  # the reward worker retries, on another worker
+
+    @property
+    def client(self):
+        if self._client is None:  # base_url self: the run's gateway
+            if self.own_api is None:
+                raise JudgeError("judge_error: reward.judge.base_url is self, but this process belongs to no run whose gateway could judge")
+            try:
+                self.base_url = self.own_api()
+            except Exception as exc:
+                raise JudgeError(f"judge_error: the run's gateway (reward.judge.base_url self) is not reachable: {one_line(exc)}") from None
+            self._client = self._connect(self.base_url)
+        return self._client
 
     def served_model(self) -> str:
         """reward.judge.model, else the first model the judge's API lists; a judge that does not answer raises."""
         if self.model is None:
             models = self.client.models.list().data
             if not models:
-                raise JudgeError(f"the judge at {self.cfg.base_url} serves no model")
+                raise JudgeError(f"the judge at {self.base_url} serves no model")
             self.model = models[0].id
         return self.model
 
@@ -127,8 +150,13 @@ class Judge:
         try:
             reply = self.client.chat.completions.create(model=self.served_model(), messages=[{"role": "user", "content": text}],
                                                         temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens)
+        except JudgeError:
+            raise
         except Exception as exc:  # the openai client's errors, a connection refused, a timeout
-            raise JudgeError(f"judge_error: the judge at {self.cfg.base_url} failed: {one_line(exc)}") from None
+            failed_at = self.base_url
+            if self.cfg.base_url == SELF:
+                self._client = None  # ask the run where its gateway is before the next call
+            raise JudgeError(f"judge_error: the judge at {failed_at} failed: {one_line(exc)}") from None
         raw = parse_score(reply.choices[0].message.content, self.cfg.score_pattern)
         if self.cfg.cache_size:
             with self.lock:
@@ -143,7 +171,10 @@ class Judge:
 
 
 def probe(cfg: JudgeConfig) -> None:
-    """At start, before any actor: the judge answers and serves reward.judge.model -> else one line."""
+    """At start, before any actor: the judge answers and serves reward.judge.model -> else one line.
+    The run's own servers (base_url self) start with the run: nothing to ask yet."""
+    if cfg.base_url == SELF:
+        return
     judge = Judge(cfg)
     try:
         listed = [m.id for m in judge.client.models.list().data]
