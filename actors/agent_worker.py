@@ -142,7 +142,8 @@ class AgentLoopWorker:
                     self.started.discard(session)
                     self._pool(session).close_session.remote(session)
         traj.agent_name = agent_name
-        if not traj.infra_failure and not hasattr(loop, "score_group"):  # score now, while sibling trajectories are still rolling out
+        scored_by_loop = hasattr(loop, "score_group") or getattr(loop, "scored_by_environment", False)
+        if not traj.infra_failure and not scored_by_loop:  # score now, while sibling trajectories are still rolling out
             await self._score(traj, ground_truth, extra)
         return traj
 

@@ -138,8 +138,8 @@ class AgentConfig(_Section):
     default_agent: str = "tool_agent"  # agent loop of rows without an agent_name (registered in raytool.agent.registry)
     langgraph_graph: str | None = None  # rows with agent_name langgraph: 'package.module:function' building the LangGraph agent from a chat model
     openai_agent: str | None = None  # rows with agent_name openai: 'package.module:function', an `async def agent(client, row) -> str` given an openai.AsyncOpenAI client on its trajectory's gateway URL
-    environment: str | None = None  # rows with agent_name verifiers: the verifiers environment (an installed environment's id, or 'package.module:load_environment')
-    environment_args: dict = msgspec.field(default_factory=dict)  # keyword arguments of the environment's load_environment
+    environment: str | None = None  # rows with agent_name verifiers: the verifiers environment (an installed environment's id, or 'package.module:load_environment'); agent_name openenv: the OpenEnv server's URL, or its app ('package.module:app', served by each agent worker)
+    environment_args: dict = msgspec.field(default_factory=dict)  # verifiers: keyword arguments of the environment's load_environment; openenv: action_field (default message) and observation_field (default: the observation as JSON)
     on_history_rewrite: Literal["truncate", "drop"] = "truncate"  # an agent (langgraph, openai) that rewrote its history: train on what was recorded up to there, or on none of it
     gateway: bool = False  # start an OpenAI-compatible gateway actor with the run, for agents outside raytool (its URL is logged and in RUN_DIR/gateway.json)
     gateway_host: str = "127.0.0.1"  # the gateway's interface (0.0.0.0: reachable from other machines, unauthenticated)

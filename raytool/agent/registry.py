@@ -6,8 +6,9 @@ A loop is a class constructed as `Loop(renderer, tools, generate, agent_cfg, rol
 `agent.loop_modules`), and give rows `agent_name: my_agent`. Optional, on the class: with
 `row_extra = True`, `run` is also given the row's `extra=` (its data_source and extra_info); a
 static `async score_group(trajs, timeout_s)` scores each group when all its rollouts are done
-(instead of reward.fn, as the verifiers loop's rubric does), and `forget(uids)` drops what it held
-for a group that will not be scored.
+(instead of reward.fn, as the verifiers loop's rubric does), `forget(uids)` drops what it held
+for a group that will not be scored, and `scored_by_environment = True` says `run` set the reward
+itself (the openenv loop: the environment's step rewards), so reward.fn is not called.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def register_agent_loop(name: str):
 
 # Built-in loops live in modules imported on first use (langgraph's needs an optional extra).
 BUILTIN = {"tool_agent": "raytool.agent.loop", "langgraph": "raytool.agent.langgraph_loop", "openai": "raytool.agent.openai_loop",
-           "verifiers": "raytool.agent.verifiers_loop"}
+           "verifiers": "raytool.agent.verifiers_loop", "openenv": "raytool.agent.openenv_loop"}
 
 
 def get_agent_loop(name: str) -> type:
@@ -78,10 +79,17 @@ def check_agents(agent: AgentConfig, rows) -> None:
         required_object(agent.openai_agent, "agent.openai_agent", "openai")
     if "langgraph" in used:
         required_object(agent.langgraph_graph, "agent.langgraph_graph", "langgraph")
+    if "verifiers" in used and "openenv" in used:
+        raise ConfigError("config key 'agent.environment': rows with agent_name verifiers and rows with agent_name openenv would share "
+                          "the one environment it names: give one of the two kinds of rows")
     if "verifiers" in used:  # the environment loads here once, so a missing one stops the run before any actor starts
         from raytool.agent.verifiers_loop import load_environment
 
         load_environment(agent.environment, dict(agent.environment_args))
+    elif "openenv" in used:  # its app imports, or its server answers, before any actor starts
+        from raytool.agent.openenv_loop import check_environment
+
+        check_environment(agent.environment)
     elif agent.environment:
-        raise ConfigError(f"config key 'agent.environment': {agent.environment!r} rolls out no row (no row has agent_name verifiers): "
-                          "set data.task verifiers for the environment's own dataset, or agent.default_agent verifiers")
+        raise ConfigError(f"config key 'agent.environment': {agent.environment!r} rolls out no row (no row has agent_name verifiers or openenv): "
+                          "set data.task verifiers for a verifiers environment's own dataset, or agent.default_agent verifiers or openenv")
