@@ -263,6 +263,7 @@ class TrainerConfig(_Section):
     activation_checkpointing: bool | Literal["auto"] = "auto"  # recompute decoder layers in backward; auto: off on a CPU, on an accelerator on only when the planner finds that the micro-batch's activations would not fit without it
     compile: bool | Literal["auto"] = "auto"  # torch.compile each decoder layer and the LM head's log-prob chunk (CUDA GPUs and CPUs; not with NPU, SP or 4-bit); auto: on for CUDA GPUs (1.45x measured on an H100), off on CPUs and where it cannot run
     router_replay: Literal["off", "r2", "r3"] = "off"  # mixture-of-experts routing in the trainer's forward: r3 uses the experts the rollout engine routed each token to (vLLM on GPUs, or the HF engine, returns them), r2 the trainer's own old-policy routing in a batch's later updates; the gate weights stay the trainer's (verl: router_replay.mode R2/R3)
+    router_aux_loss_coef: NonNegative = 0.0  # mixture of experts: the load-balancing loss (Switch Transformer's: experts x sum of each expert's token share x its mean router probability, per layer) added to the RL loss with this weight (0: off, as RL recipes run; the checkpoint's own router_aux_loss_coef is not used)
     logprob_chunk_tokens: Positive = 2048  # the LM head and log-softmax run over this many scored tokens at a time (more: recomputed in backward)
     cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in host memory
     lora_rank: Count = 0  # LoRA adapters of this rank instead of full fine-tuning (0: off; one trainer worker)

@@ -54,6 +54,8 @@ class RouterTap:
     - `recording` (a list per layer): each call's picks ([N, k]) are appended to its layer's list.
     - `counting`, with `valid` ([N] bool, False on padding): `load` ([layers, experts]) sums the
       tokens per expert, and replayed forwards add to `differs`/`compared`.
+    - `balancing`: each layer's router probabilities and picks are kept (with their graph) for
+      `balance_loss()`.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -69,6 +71,8 @@ class RouterTap:
         self.differs: torch.Tensor | None = None  # summed on the device: no read-back per micro-batch
         self.compared: torch.Tensor | None = None
         self.load: torch.Tensor | None = None
+        self.balancing = False
+        self.kept: list[tuple] = []  # (probs [N, E], picks [N, k]) per layer, while balancing
         for layer, router in enumerate(self.routers):
             router.forward = types.MethodType(_routing_forward(self, layer), router)
 
@@ -110,6 +114,25 @@ class RouterTap:
             self.differs = changed.sum() + (0 if self.differs is None else self.differs)
             self.compared = known.sum() + (0 if self.compared is None else self.compared)
 
+    def balance_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the forward kept, as transformers defines it for these models
+        (Switch Transformers, Fedus et al. 2021, eq. 4, over top-k picks; `load_balancing_loss_func`):
+        experts x sum over experts of (its picks per valid token, over every layer and top-k slot) x
+        (its mean router probability over every layer's valid tokens). k when perfectly balanced."""
+        import torch
+
+        probs = torch.cat([p for p, _ in self.kept])  # [layers * N, experts]
+        picks = torch.cat([k for _, k in self.kept])  # [layers * N, k]
+        self.kept = []
+        valid = torch.ones(probs.size(0), dtype=probs.dtype, device=probs.device)
+        if self.valid is not None:
+            valid = self.valid.to(probs.device, probs.dtype).repeat(self.num_layers)
+        tokens = valid.sum().clamp(min=1.0)
+        weights = valid[:, None].expand_as(picks).reshape(-1)
+        picked = torch.zeros(self.num_experts, dtype=probs.dtype, device=probs.device).scatter_add_(0, picks.reshape(-1), weights)
+        mean_prob = (probs * valid[:, None]).sum(0) / tokens
+        return self.num_experts * ((picked / tokens) * mean_prob).sum()
+
     def _note(self, layer: int, picks: torch.Tensor) -> None:
         import torch
 
@@ -140,6 +163,8 @@ def _routing_forward(tap: RouterTap, layer: int):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         picks = tap._pick(layer, probs)
         tap._note(layer, picks)
+        if tap.balancing:
+            tap.kept.append((probs, picks))
         weights = probs.gather(-1, picks)
         if getattr(router, "norm_topk_prob", True):  # Mixtral has no flag: it always renormalises
             weights = weights / weights.sum(dim=-1, keepdim=True)

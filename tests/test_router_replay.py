@@ -168,3 +168,54 @@ def test_router_replay_on_a_dense_model_or_where_no_routes_can_come_is_one_line(
     ]:
         with pytest.raises(ConfigError, match=rf"config key 'trainer.router_replay' .*{why}"):
             load_config(None, ["trainer.router_replay=r3", *overrides])
+
+
+def test_the_load_balancing_loss_is_transformers_own_and_only_on_when_asked(moe_path):
+    """The tap's loss on a padded batch equals transformers' load_balancing_loss_func over the
+    router logits it returns (with the attention mask); trainer.router_aux_loss_coef adds it to
+    the RL loss (0 by default: RL recipes run without it)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = _model(moe_path)
+    tap = RouterTap(model)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41], [7, 8, 9, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    tap.balancing, tap.valid = True, mask.reshape(-1).bool()
+    out = model(ids, attention_mask=mask, output_router_logits=True)
+    ours = tap.balance_loss()
+    theirs = load_balancing_loss_func(out.router_logits, 4, 2, mask)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5) and ours.requires_grad
+    batch = _batch(moe_path)
+    assert "moe/aux_loss" not in _trainer(moe_path).rl_step(batch)
+    on = _trainer(moe_path, "trainer.router_aux_loss_coef=0.01").rl_step(batch)
+    assert 1.5 < on["moe/aux_loss"] < 4.0  # k = 2 when balanced, experts x k at worst
+
+
+def test_a_second_family_mixtral_trains_records_and_replays(tmp_path):
+    """Mixtral's router (always renormalised, float32 weights): the tap computes what transformers
+    does, and a trainer replays engine routes on it."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    from raytool.models import resolve_model
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+                           router_aux_loss_coef=0.0)
+    MixtralForCausalLM(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(resolve_model("tiny-random")).save_pretrained(tmp_path)
+    plain, tapped = _model(tmp_path), _model(tmp_path)
+    RouterTap(tapped)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7]])
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, tapped(ids).logits)
+    batch = _batch(str(tmp_path))
+    metrics = _trainer(str(tmp_path), "trainer.router_replay=r3", "trainer.router_aux_loss_coef=0.01").rl_step(batch)
+    assert metrics["router/replayed_seq_frac"] == 1.0 and metrics["router/replay_differs_frac"] > 0
+    assert metrics["router/logprob_abs_diff_with_replay"] < 1e-5 < metrics["router/logprob_abs_diff_without_replay"]
+    assert "moe/aux_loss" in metrics
+
+
+def test_a_balancing_loss_on_a_dense_model_is_one_line(tiny_model_path):
+    with pytest.raises(ValueError, match=r"'trainer.router_aux_loss_coef' is 0.1, but .* has no router"):
+        _trainer(tiny_model_path, "trainer.router_aux_loss_coef=0.1")

@@ -160,6 +160,9 @@ class Trainer:
     def _router_tap(self) -> RouterTap | None:
         t = self.cfg.trainer
         if not find_routers(self.lm):
+            if t.router_aux_loss_coef > 0:
+                raise ValueError(f"config key 'trainer.router_aux_loss_coef' is {t.router_aux_loss_coef}, but {self.model_path} has no router "
+                                 "raytool can balance (a dense model, or an MoE family it does not tap): set it 0")
             if t.router_replay != "off":
                 others = moe_classes_without_replay(self.lm)
                 raise ValueError(f"config key 'trainer.router_replay' is {t.router_replay}, but {self.model_path} " + (
@@ -185,10 +188,11 @@ class Trainer:
             tap.replay = to_device(replay_tensor([x.routes for x in group], lengths, self.packed, tap.top_k, tap.num_layers), self.device)
         tap.valid = to_device(torch.from_numpy(np.concatenate([np.arange(max(lengths) if not self.packed else n) < n for n in lengths])), self.device)
         tap.counting = counting
+        tap.balancing = counting and self.cfg.trainer.router_aux_loss_coef > 0
         try:
             yield
         finally:
-            tap.replay, tap.valid, tap.counting = None, None, False
+            tap.replay, tap.valid, tap.counting, tap.balancing, tap.kept = None, None, False, False, []
 
     def _sequence_parallel_groups(self, sp: int):
         """(SP group or None, data-parallel group, its size). Ranks r and r' share sequences when
@@ -439,8 +443,9 @@ class Trainer:
         a = self.cfg.algorithm
         logp, entropy = self._logprobs(self.policy, group, temperature=self.cfg.rollout.temperature, with_entropy=True,
                                        entropy_grad=a.entropy_coeff > 0)
-        if self.router_tap is not None:
-            self.router_tap.counting = False  # the backward's recomputation is not counted again
+        tap = self.router_tap
+        if tap is not None:
+            tap.counting = tap.balancing = False  # the backward's recomputation is not counted or kept again
         width = logp.size(1)
         mask = self._grid(group, "mask", width)
         rollout = self._grid(group, "rollout", width)  # the engine's (behaviour policy)
@@ -469,6 +474,11 @@ class Trainer:
             extra["actor/kl_loss"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1.0)
         if a.entropy_coeff > 0:
             loss = loss - a.entropy_coeff * masked_aggregate(entropy, mask, a.loss_agg, n_tokens, n_seqs)
+        coef = self.cfg.trainer.router_aux_loss_coef
+        if coef > 0:  # this micro-batch's share of the mini-batch's trained tokens, like the policy loss
+            balance = tap.balance_loss()
+            loss = loss + coef * balance * mask.sum() / n_tokens
+            extra["moe/aux_loss"] = balance.detach()
         # FSDP averages gradients over ranks; the global normalizers already divide by the whole
         # mini-batch, so undo that average.
         (loss * self.world_size).backward()
