@@ -234,9 +234,11 @@ def load_imbalance(load: torch.Tensor) -> float:
 
 
 class RouteLog:
-    """A trajectory's routes, assembled from its generate calls: each call's routes cover the
-    positions it forwarded; a later call's overwrite an earlier one's (they are what the engine
-    computed last at those positions)."""
+    """A trajectory's routes, assembled from its generate calls (or a request's parts): each call's
+    routes cover the positions it forwarded, and a position keeps the routes of the call that
+    first computed it. That is what produced its tokens' log-probs, and what a later turn read
+    when the engine reused the position's cached keys and values (vLLM's prefix cache; a partial
+    rollout continued on new weights keeps the routes each version computed)."""
 
     def __init__(self):
         self.picks: np.ndarray | None = None  # [positions, layers, k]
@@ -248,11 +250,16 @@ class RouteLog:
         end = routes.start + given.shape[0]
         if self.picks is None or self.picks.shape[1:] != given.shape[1:]:
             self.picks = np.full((end, *given.shape[1:]), NO_ROUTE, dtype=np.int16)
-        elif self.picks.shape[0] < end:
+            self.picks[routes.start:end] = given
+            return
+        known = self.picks.shape[0]
+        if known < end:
             grown = np.full((end, *given.shape[1:]), NO_ROUTE, dtype=np.int16)
-            grown[: self.picks.shape[0]] = self.picks
+            grown[:known] = self.picks
             self.picks = grown
-        self.picks[routes.start:end] = given
+        span = self.picks[routes.start:end]
+        unknown = span[:, :, 0] < 0
+        span[unknown] = given[unknown]
 
     def routes(self) -> Routes | None:
         return None if self.picks is None else Routes.of(self.picks)

@@ -28,16 +28,16 @@ def _model(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def test_routes_travel_as_compact_bytes_and_a_later_turn_overwrites_what_it_recomputed():
+def test_routes_travel_as_compact_bytes_and_each_position_keeps_its_first_computation():
     picks = np.arange(5 * 2 * 2, dtype=np.int16).reshape(5, 2, 2) % 4
     routes = Routes.of(picks, start=3)
     assert len(routes.data) == picks.size * 2 and np.array_equal(routes.array(), picks)
     log = RouteLog()
     log.add(Routes.of(np.zeros((4, 2, 2)), start=0))  # turn 1: prompt + its tokens but the last
     log.add(None)  # an engine that returned none adds nothing
-    log.add(Routes.of(np.ones((3, 2, 2)), start=2))  # turn 2 re-read positions 2.. and went on
+    log.add(Routes.of(np.ones((3, 2, 2)), start=2))  # turn 2 re-read positions 2-3 (cached: as turn 1 computed them) and went on
     got = log.routes().array()
-    assert got.shape == (5, 2, 2) and (got[:2] == 0).all() and (got[2:] == 1).all()
+    assert got.shape == (5, 2, 2) and (got[:4] == 0).all() and (got[4:] == 1).all()
     full = routes_array(log.routes(), 7, 2, 2)
     assert full.shape == (7, 2, 2) and (full[5:] == NO_ROUTE).all()
     assert routes_array(log.routes(), 7, 3, 2) is None  # another model's layer count: not used

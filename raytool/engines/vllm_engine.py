@@ -44,6 +44,7 @@ import psutil
 
 from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
 from raytool.engines.crash import CRASH_FILE_ENV, EngineCrash, read_crash
+from raytool.moe import RouteLog
 from raytool.types import Routes, SamplingParams, TokenOutput
 from raytool.weightsync import WeightSyncError
 
@@ -212,7 +213,7 @@ class VLLMEngine:
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
-        routes = None
+        routes = RouteLog()
         try:
             for n in itertools.count():
                 if n:
@@ -225,7 +226,7 @@ class VLLMEngine:
                 load_aborts = self._load_aborts
                 budget = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(ids))
                 part_ids, part_logprobs, part_versions, finish, part_routes = await self._generate_part(prompt_ids + ids, budget, part_id)
-                routes = part_routes if part_routes is not None else routes  # a later part's prompt holds the earlier parts
+                routes.add(Routes.of(part_routes) if part_routes is not None else None)  # a later part re-reads the earlier parts
                 boundary = len(ids)
                 ids += part_ids
                 logprobs += part_logprobs
@@ -252,7 +253,7 @@ class VLLMEngine:
             finish if finish in ("stop", "length") else "abort",
             policy_version=version,
             versions=versions if any(v != version for v in versions) else [],
-            routes=Routes.of(routes) if routes is not None else None,
+            routes=routes.routes(),
         )
 
     async def _generate_part(self, prompt_ids: list[int], sampling: SamplingParams, part_id: str):
