@@ -150,3 +150,21 @@ def test_an_environment_loads_off_the_main_thread_where_agent_workers_build_it()
     thread.join()
     assert type(out["env"]).__name__ == "GuessEnv" and signal.getsignal(signal.SIGTERM) is before
     assert signal.signal is install  # put back
+
+
+def test_a_stateful_tool_environment_injects_its_hidden_argument_and_keeps_its_state(qwen):
+    """StatefulToolEnv: the model calls add_to_total(x) without the hidden `total`; the environment
+    injects it from its state and updates the state, which its rubric then reads."""
+    (traj,), _, _ = roll(qwen, "load_stateful_tool_env", [[tool_call("add_to_total", x=2), "Done: 42."]])
+    told = qwen.tokenizer.decode([i for i, m in zip(traj.response_ids, traj.response_mask) if not m])
+    assert "42" in told and traj.reward == 1.0 and traj.finish_reason != "infra_failed"
+    assert '"total"' not in qwen.tokenizer.decode(traj.prompt_ids)  # the hidden argument is not in the tools the model sees
+
+
+def test_an_environment_group_routes_each_row_to_its_environment(qwen):
+    rows = environment_rows(f"{ENVS}:load_group", {"n": 2}, "train")
+    assert len(rows) == 4 and {r.data_source for r in rows} == {"verifiers:helpers.vf_envs:load_group"}
+    (single,), _, _ = roll(qwen, "load_group", [["5"]], row=0, n=2)  # the single-turn environment's row 0: 2 + 3
+    assert single.reward == pytest.approx(1.0 + 0.5 + 0.25) and single.num_turns == 1
+    (tool,), _, _ = roll(qwen, "load_group", [["Adding.\n" + tool_call("add", a=2, b=3), "So it is 5."]], row=2, n=2)
+    assert tool.num_turns == 2 and tool.reward == 1.0 and "5" in qwen.tokenizer.decode(tool.response_ids)

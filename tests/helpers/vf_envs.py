@@ -95,3 +95,44 @@ def load_failing_rubric(n: int = 4) -> vf.Environment:
 
 def load_broken(**kwargs) -> vf.Environment:
     raise RuntimeError("the environment's data is missing")
+
+
+def add_to_total(x: int, total: int) -> int:
+    """Add x to the running total.
+
+    Args:
+        x: The number to add.
+        total: The running total (kept by the environment, hidden from the model).
+    """
+    return total + x
+
+
+class TotalEnv(vf.StatefulToolEnv):
+    """A StatefulToolEnv: the tool's `total` argument is hidden from the model and injected from
+    the rollout's state, which each call updates."""
+
+    def __init__(self, **kwargs):
+        super().__init__(tools=[], **kwargs)
+        self.add_tool(add_to_total, args_to_skip=["total"])
+
+    async def setup_state(self, state, **kwargs):
+        state["total"] = 40
+        return await super().setup_state(state, **kwargs)
+
+    def update_tool_args(self, tool_name, tool_args, messages, state, **kwargs):
+        state["total"] = add_to_total(int(tool_args["x"]), state["total"])
+        return {**tool_args, "total": state["total"] - int(tool_args["x"])}
+
+
+def total_reached(state) -> float:
+    return float(state.get("total") == 42)
+
+
+def load_stateful_tool_env(n: int = 4) -> vf.Environment:
+    return TotalEnv(dataset=_dataset(n), max_turns=3, system_prompt="Bring the total to 42 with add_to_total.",
+                    rubric=vf.Rubric(funcs=[total_reached]))
+
+
+def load_group(n: int = 4) -> vf.Environment:
+    """An EnvGroup of the single-turn and the tool environment: each row is routed to its own."""
+    return vf.EnvGroup(envs=[load_single_turn(n), load_tool_env(n)], env_names=["single", "tool"])
