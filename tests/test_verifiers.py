@@ -1,6 +1,6 @@
 """verifiers environments as raytool tasks: the real `verifiers` package's environments
 (tests/helpers/vf_envs.py: single-turn with a group-level reward function, a ToolEnv with a Python
-tool, a stateful multi-turn game) rolled out by the `verifiers` agent loop through the real gateway
+tool, a stateful multi-turn game, a StatefulToolEnv with a hidden argument, an EnvGroup) rolled out by the `verifiers` agent loop through the real gateway
 and `openai` client on Qwen2.5-Instruct's own chat template, with a scripted engine; recorded
 token-exactly and scored by the environment's rubric (see tests/integration/test_verifiers_run.py
 for a run on Ray)."""
