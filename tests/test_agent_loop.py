@@ -371,9 +371,11 @@ def test_the_scripted_engine_drives_two_real_cells_and_an_answer(renderer, tiny_
     assert engine.stats.requests == 3 and engine.engine_stats()["busy_s"] >= 0.03
 
 
-def test_a_family_whose_markers_are_special_tokens_is_parsed_with_them_and_recorded_without(renderer):
-    """Kimi-K2's call markers are special tokens: the loop parses the turn decoded with them (the
-    text it records for the turn has none), types nothing away, and runs the call."""
+def test_a_family_whose_markers_are_special_tokens_is_parsed_and_recorded_with_them(renderer):
+    """Kimi-K2's call markers are special tokens: the loop parses the turn decoded with them, runs
+    the call, and keeps them in the turn's message, so the template renders the turn as it was
+    generated (SFT on it gives the rollout's tokens: test_chat_templates.py, DeepSeek-V3.1); the
+    trace's text of the turn shows it without them."""
     tok = _hermes(renderer)
     markers = ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
                "<|tool_calls_section_end|>"]
@@ -385,7 +387,8 @@ def test_a_family_whose_markers_are_special_tokens_is_parsed_with_them_and_recor
     run, calls = make_loop(r, [call, "It is 5."], tools=tools, format="kimi_k2")
     traj = run()
     assert traj.tool_calls == 1 and traj.tool_errors == 0 and observations(traj) == ["5"]
-    assert traj.messages[2].content == 'Adding.functions.add:0{"a": 2, "b": 3}'  # the turn's text: no special tokens
+    assert traj.messages[2].content == call
+    assert traj.turns[0]["text"] == 'Adding.functions.add:0{"a": 2, "b": 3}'
     assert len(calls) == 2
 
 

@@ -222,7 +222,7 @@ def _render(template: str, messages: list[dict], tools: list[dict], add_generati
 # from, that is said.
 FAMILY_TEMPLATES = {
     # vLLM examples/tool_chat_template_qwen3coder.jinja: Qwen3-Coder's template as vLLM ships it.
-    "qwen3_coder_vllm.jinja": None,
+    "qwen3_coder_vllm.jinja": "5a38bfa05833266240066aedc497decc9b00cc0d3e3b8cceea98cf530196ab06",
     # meta-llama/Llama-3.1-8B-Instruct's own (test_chat_templates.py checks its sha256).
     "llama3_1_instruct.jinja": None,
     # deepseek-ai/DeepSeek-V3.1's own: llama.cpp models/templates/deepseek-ai-DeepSeek-V3.1.jinja

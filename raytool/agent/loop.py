@@ -181,7 +181,9 @@ class ToolAgentLoop:
             if got is None:
                 return
             out, info = got
-            state.messages.append(Message("assistant", info["text"]))
+            # A format whose call markers are special tokens keeps them in the message (the template
+            # then renders the turn as it was generated); the trace's text shows the turn without them.
+            state.messages.append(Message("assistant", self.renderer.reply_text(out.token_ids) if self.with_special_tokens else info["text"]))
             if out.finish_reason != "stop":
                 state.finish = "length" if out.finish_reason == "length" else out.finish_reason
                 return
