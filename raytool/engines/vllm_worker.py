@@ -51,20 +51,42 @@ class WeightSyncExtension:
         tied = getattr(self.model_config.hf_config.get_text_config(), "tie_word_embeddings", False)
         start = time.perf_counter()
         loaded = 0
+        moe_layers: set[str] = set()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
             try:
                 for bucket in self._raytool_receiver.receive(version, timeout_s, attempt):
                     model.load_weights(bucket)
                     loaded += len(bucket)
+                    moe_layers.update(name.split(".experts.")[0] for name, _ in bucket if ".experts." in name)
                     if tied:
                         _load_tied_lm_head(model, bucket)
             except WeightSyncError as exc:
                 return {"error": exc.fields()}
             finally:
                 finalize_layerwise_reload(model, self.model_config)
+                repack_cpu_moe_experts(model, moe_layers)
         log.debug("weights v%d: %d tensors in %.2fs", version, loaded, time.perf_counter() - start)
         return loaded
+
+
+def repack_cpu_moe_experts(model, moe_layers: set[str]) -> None:
+    """vLLM 0.32 on a CPU: a weight update re-runs the MoE method's processing but not its experts'
+    own hook, which is where the CPU kernel prepacks w13/w2 into its grouped-GEMM layout (the first
+    load's `UnquantizedFusedMoEMethod._setup_kernel` calls it; an update's, with the kernel already
+    set up, does not). Without this the kernel reads checkpoint-layout experts as if packed
+    (measured on tiny-random-moe: log-probs off by 0.047 after reloading the very same weights).
+    `moe_layers`: the prefixes (`model.layers.N.mlp`) whose experts this sync loaded; only those are
+    packed (a second prepack of packed weights would scramble them)."""
+    from vllm.platforms import current_platform
+
+    if not moe_layers or not current_platform.is_cpu():
+        return
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(module, "w13_weight") and name.split(".experts")[0] in moe_layers:
+            experts.process_weights_after_loading(module)
 
 
 def _load_tied_lm_head(model, bucket) -> None:
