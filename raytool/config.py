@@ -195,11 +195,6 @@ class JudgeConfig(_Section):
 
 
 class RewardConfig(_Section):
-    @property
-    def judges_itself(self) -> bool:
-        """reward.judge.base_url self: the policy being trained is the judge, through the run's gateway."""
-        return self.fn == "judge" and self.judge.base_url == "self"
-
     fn: str = "math"  # registered reward (boxed_match: exact; math: 1/0 by math-verify; retool: +1/-1 shaped; judge: an LLM judge, see reward.judge) or `path/to/file.py:function`
     num_workers: Positive = 1  # RewardWorker actors
     timeout_s: PositiveNumber = 5.0  # per-answer math-verify limit; a timed-out answer scores as wrong (metric verify_timeout)
@@ -211,6 +206,11 @@ class RewardConfig(_Section):
     overlong_buffer_tokens: Count = 0  # DAPO overlong shaping over the last N tokens before agent.max_response_tokens (0: off)
     overlong_penalty_factor: NonNegative = 1.0  # DAPO: the penalty at agent.max_response_tokens, rising linearly from 0 over the buffer
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+
+    @property
+    def judges_itself(self) -> bool:
+        """reward.judge.base_url self: the policy being trained is the judge, through the run's gateway."""
+        return self.fn == "judge" and self.judge.base_url == "self"
 
 
 class RolloutCorrectionConfig(_Section):
