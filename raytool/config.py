@@ -556,6 +556,10 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
                           f"({cfg.agent.max_response_tokens}), got {r.overlong_buffer_tokens}")
 
 
+# Why r3 cannot run on vLLM without GPUs (measured with vLLM 0.32); the config rule and the engine say it alike.
+VLLM_CPU_NO_ROUTES = "vLLM's CPU build cannot return routed experts (its capture needs Model Runner V2, which needs Triton)"
+
+
 def validate_router_replay(cfg: RunConfig, source: str) -> None:
     """trainer.router_replay's rules across keys (a dense model is refused where the trainer loads it)."""
     t, r = cfg.trainer, cfg.rollout
@@ -565,8 +569,8 @@ def validate_router_replay(cfg: RunConfig, source: str) -> None:
            if t.sequence_parallel_size > 1 else
            "replays eager routers; torch.compile'd layers would recompile for every batch: set trainer.compile false or auto" if t.compile is True else
            "is r3, but the scripted engine runs no model and routes nothing: use rollout.engine=hf or vllm" if t.router_replay == "r3" and r.engine == "scripted" else
-           "is r3, but vLLM's CPU build cannot return routed experts (its capture needs Model Runner V2, which needs Triton): give the "
-           "rollout servers GPUs (rollout.num_gpus), use rollout.engine=hf, or set trainer.router_replay=r2"
+           f"is r3, but {VLLM_CPU_NO_ROUTES}: give the rollout servers GPUs (rollout.num_gpus), use rollout.engine=hf, "
+           "or set trainer.router_replay=r2"
            if t.router_replay == "r3" and r.engine == "vllm" and not r.num_gpus else "")
     if why:
         raise ConfigError(f"{source}: config key 'trainer.router_replay' {why}")

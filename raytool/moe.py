@@ -199,18 +199,37 @@ def covers(routes: np.ndarray, scored: list[int]) -> bool:
     return bool((routes[: max(scored) + 1, :, 0] >= 0).all())
 
 
+def token_slots(lengths: list[int], packed: bool) -> tuple[list[int], int]:
+    """Where each sequence starts among a forward's flattened tokens, and how many there are:
+    packed end to end, or in padded rows of the longest length (as raytool.training.batching lays
+    them out)."""
+    row = None if packed else max(lengths)
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += n if packed else row
+    return starts, at
+
+
+def valid_tokens(lengths: list[int], packed: bool) -> np.ndarray:
+    """[flattened tokens] bool: False on padding."""
+    starts, total = token_slots(lengths, packed)
+    valid = np.zeros(total, dtype=bool)
+    for start, n in zip(starts, lengths):
+        valid[start:start + n] = True
+    return valid
+
+
 def replay_tensor(routes: list[np.ndarray | None], lengths: list[int], packed: bool, top_k: int, num_layers: int) -> torch.Tensor:
-    """Per-sequence routes laid out as a forward flattens its tokens: packed end to end, or padded
-    rows of the longest length (NO_ROUTE on padding and on sequences without routes)."""
+    """Per-sequence routes laid out as a forward flattens its tokens (NO_ROUTE on padding and on
+    sequences without routes)."""
     import torch
 
-    width = sum(lengths) if packed else max(lengths) * len(lengths)
-    out = np.full((width, num_layers, top_k), NO_ROUTE, dtype=np.int64)
-    offset = 0
-    for r, n in zip(routes, lengths):
+    starts, total = token_slots(lengths, packed)
+    out = np.full((total, num_layers, top_k), NO_ROUTE, dtype=np.int64)
+    for r, start, n in zip(routes, starts, lengths):
         if r is not None:
-            out[offset:offset + n] = r[:n]
-        offset += n if packed else max(lengths)
+            out[start:start + n] = r[:n]
     return torch.from_numpy(out)
 
 
@@ -220,11 +239,8 @@ def split_recording(recording: list[list[torch.Tensor]], lengths: list[int], pac
     import torch
 
     picks = torch.stack([calls[-1] for calls in recording], dim=1).cpu().numpy().astype(np.int16)  # [N, layers, k]
-    out, offset = [], 0
-    for n in lengths:
-        out.append(picks[offset:offset + n].copy())
-        offset += n if packed else max(lengths)
-    return out
+    starts, _ = token_slots(lengths, packed)
+    return [picks[start:start + n].copy() for start, n in zip(starts, lengths)]
 
 
 def load_imbalance(load: torch.Tensor) -> float:

@@ -42,6 +42,7 @@ from typing import Literal
 import msgspec
 import psutil
 
+from raytool.config import VLLM_CPU_NO_ROUTES
 from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
 from raytool.engines.crash import CRASH_FILE_ENV, EngineCrash, read_crash
 from raytool.moe import RouteLog
@@ -141,8 +142,8 @@ class VLLMEngine:
         # kills the engine ("CPU Generator does not use offset"). Without chunked prefill every
         # prompt is prefilled whole (preempted requests too: they go back to the waiting queue).
         if record_routes and current_platform.is_cpu():
-            raise ValueError("config key 'trainer.router_replay' is r3, but vLLM's CPU build cannot return routed experts (its routed-experts "
-                             "capture needs Model Runner V2, which needs Triton): set rollout.engine=hf, or trainer.router_replay=r2 or off")
+            raise ValueError(f"config key 'trainer.router_replay' is r3, but {VLLM_CPU_NO_ROUTES}: set rollout.engine=hf, "
+                             "or trainer.router_replay=r2 or off")
         self.record_routes = record_routes
         chunked = not (seeded_requests and current_platform.is_cpu())
         if not chunked:

@@ -181,10 +181,12 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 @register("judge")
-def llm_judge(cfg: RewardConfig) -> RewardFn:
+def judge_reward(cfg: RewardConfig, own_api: Callable[[], str] | None = None) -> RewardFn:
+    """`own_api`: where the run's gateway serves, for a judge that is the run's own model (base_url
+    self). (Not named llm_judge: importing that submodule would rebind the package's name.)"""
     from raytool.rewards.llm_judge import Judge
 
-    return Judge(cfg.judge)
+    return Judge(cfg.judge, own_api)
 
 
 def validate_reward_fn(spec: str) -> None:
@@ -208,10 +210,8 @@ def make_reward_fn(cfg: RewardConfig, own_api: Callable[[], str] | None = None) 
     """The configured reward as `(view, ground_truth, extra) -> (score, metrics)`, with the format
     penalty and overlong shaping applied; a failing fn raises a one-line RewardError. `own_api`:
     where the run's gateway serves, for a judge that is the run's own model (reward.judge.base_url self)."""
-    if cfg.judges_itself:
-        from raytool.rewards.llm_judge import Judge
-
-        fn = Judge(cfg.judge, own_api)
+    if cfg.fn == "judge":  # the one reward that may call the run itself
+        fn = judge_reward(cfg, own_api)
     else:
         fn = REWARDS[cfg.fn](cfg) if cfg.fn in REWARDS else load_reward_fn(cfg.fn)
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
 from raytool.algos.correction import rollout_correction
 from raytool.config import RunConfig
-from raytool.moe import RouterTap, covers, find_routers, load_imbalance, moe_classes_without_replay, replay_tensor, routes_array, split_recording
+from raytool.moe import RouterTap, covers, find_routers, load_imbalance, moe_classes_without_replay, replay_tensor, routes_array, split_recording, valid_tokens
 from raytool.resolve import with_rollout_correction
 from raytool import device as device_info
 from raytool import storage
@@ -186,7 +186,7 @@ class Trainer:
         lengths = [len(x.ids) for x in group]
         if any(x.routes is not None for x in group):
             tap.replay = to_device(replay_tensor([x.routes for x in group], lengths, self.packed, tap.top_k, tap.num_layers), self.device)
-        tap.valid = to_device(torch.from_numpy(np.concatenate([np.arange(max(lengths) if not self.packed else n) < n for n in lengths])), self.device)
+        tap.valid = to_device(torch.from_numpy(valid_tokens(lengths, self.packed)), self.device)
         tap.counting = counting
         tap.balancing = counting and self.cfg.trainer.router_aux_loss_coef > 0
         try:
