@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 
 import ray
@@ -35,23 +34,31 @@ class TrainerWorker:
         self.trainer: Trainer | None = None
         self.sender: WeightSender | None = None
         self._sender_key: tuple = ()
+        self._store = None  # rank 0's process-group store (rendezvous_address)
 
     @ray.method(concurrency_group="heartbeat")
     def heartbeat(self) -> int:
         return os.getpid()
 
     def rendezvous_address(self) -> str:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        """Rank 0 opens the process group's store on a port the OS gives it and holds it open: a
+        port picked free and bound later can be taken in between by another process."""
+        import torch.distributed as dist
 
-    def setup(self, init_method: str | None) -> None:
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
+        return f"{host}:{self._store.port}"
+
+    def setup(self, rendezvous: str | None) -> None:
         device = detect()
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.init_process_group(device.process_group_backend, init_method=init_method, rank=self.rank, world_size=self.world_size)
+            store = self._store
+            if store is None:
+                host, port = rendezvous.rsplit(":", 1)
+                store = dist.TCPStore(host, int(port), self.world_size, is_master=False)
+            dist.init_process_group(device.process_group_backend, store=store, rank=self.rank, world_size=self.world_size)
         local = "cuda" if device.kind == "cuda" else device.kind
         self.trainer = Trainer(self.cfg, self.model_path, device=local, rank=self.rank, world_size=self.world_size)
 

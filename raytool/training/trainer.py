@@ -15,7 +15,6 @@ import logging
 import math
 import random
 import shutil
-import socket
 import tempfile
 import time
 import warnings
@@ -118,11 +117,9 @@ def check_4bit(device: torch.device) -> None:
 
 
 def _init_single_process_group(backend: str) -> None:
-    """FSDP2 (mixed precision, offload) needs a process group even with one worker."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    """FSDP2 (mixed precision, offload) needs a process group even with one worker. Its store is
+    in-process: a TCP port picked free and bound later can be taken in between by another process."""
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 class Trainer:
