@@ -299,6 +299,23 @@ def test_in_place_buckets_wait_for_every_receivers_ack_and_name_the_missing_one(
         r.close()
 
 
+def test_staging_files_of_killed_senders_are_removed_and_live_ones_kept(tmp_path):
+    """A sender killed with SIGKILL cannot remove its shared-memory files (64 MiB each): the next
+    process that makes one removes those whose process is gone, or whose PID a later process reuses."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead, mine, reused = (tmp_path / f"raytool-weights-{gone.stdout.strip()}-0", tmp_path / f"raytool-weights-{os.getpid()}-0",
+                          tmp_path / "raytool-weights-1-0")  # PID 1 started long before this file
+    other = tmp_path / "psm_vllm"
+    for path in (dead, mine, reused, other):
+        path.write_bytes(b"x")
+    os.utime(reused, (1.0, 1.0))  # "made" in 1970, before PID 1 started: its maker is gone
+    assert sorted(same_node.unlink_orphaned_segments(str(tmp_path))) == sorted([str(dead), str(reused)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name])
+
+
 def test_the_header_names_each_hop_upstream():
     header = BucketHeader(1, 0, True, "bytes", 0, [], ["tcp://a:1", "tcp://b:2"], 0, "trainer pid 7")
     assert header.upstream() == "the sender (trainer pid 7)"

@@ -15,6 +15,7 @@ import os
 import socket
 import warnings
 import weakref
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -25,6 +26,7 @@ from raytool.weightsync.protocol import CudaBuffer
 SHM_DIR = "/dev/shm"
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _segment_ids = itertools.count()
+_swept = False  # whether this process removed the files of killed senders yet
 _STORAGE_CLASSES = {"TypedStorage": torch.TypedStorage, "UntypedStorage": torch.UntypedStorage}
 
 
@@ -128,7 +130,13 @@ def import_buffer(handle: CudaBuffer) -> torch.Tensor:
 def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
     """A shared-memory file of nbytes, mapped here as a writable uint8 tensor. Remove the file with
     `remove_segment` when done (receivers that mapped it keep their mapping); it is removed when the
-    tensor is collected too, so a sender that is never closed leaves nothing behind."""
+    tensor is collected too, so a sender that is never closed leaves nothing behind. A sender
+    killed (SIGKILL: a trainer rank Ray kills) leaves its files: the first segment a process makes
+    removes those of processes that are gone (`unlink_orphaned_segments`)."""
+    global _swept
+    if not _swept:
+        _swept = True
+        unlink_orphaned_segments()
     path = f"{SHM_DIR}/raytool-weights-{os.getpid()}-{next(_segment_ids)}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -147,6 +155,31 @@ def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
 
 def remove_segment(path: str) -> None:
     _unlink(path)
+
+
+def unlink_orphaned_segments(shm: str = SHM_DIR) -> list[str]:
+    """Remove the staging files (`raytool-weights-PID-N`) whose sender process is gone: no process
+    PID, or a process PID started after the file was made (the PID reused) -> the paths removed.
+    A receiver that still maps one keeps its mapping."""
+    import psutil
+
+    removed = []
+    for path in Path(shm).glob("raytool-weights-*-*"):
+        try:
+            pid = int(path.name.split("-")[2])
+            made = path.stat().st_mtime
+        except (ValueError, IndexError, FileNotFoundError):
+            continue
+        try:
+            alive = psutil.Process(pid).create_time() <= made + 1.0  # the file's last write, after its start
+        except psutil.NoSuchProcess:
+            alive = False
+        except psutil.Error:  # not ours to ask: left alone
+            alive = True
+        if not alive:
+            _unlink(str(path))
+            removed.append(str(path))
+    return removed
 
 
 def _unlink(path: str) -> None:
