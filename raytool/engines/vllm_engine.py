@@ -145,6 +145,12 @@ class VLLMEngine:
             raise ValueError(f"config key 'trainer.router_replay' is r3, but {VLLM_CPU_NO_ROUTES}: set rollout.engine=hf, "
                              "or trainer.router_replay=r2 or off")
         self.record_routes = record_routes
+        one_worker_on_cpu = current_platform.is_cpu() and tensor_parallel_size == 1
+        if one_worker_on_cpu:
+            # The CPU backend runs its one worker in a process of its own beside the engine core unless
+            # this is off (AsyncLLM keeps the engine core in its own process either way): one process
+            # less to start and import vLLM in.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         chunked = not (seeded_requests and current_platform.is_cpu())
         if not chunked:
             log.info("rollout.seed on a CPU engine: chunked prefill off (vLLM cannot rewind a seeded request's "
@@ -156,7 +162,8 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             max_num_seqs=max_batch_size,
-            distributed_executor_backend="mp",  # TP workers as child processes of this actor, not Ray tasks
+            # TP workers as child processes of this actor, not Ray tasks; one CPU worker in the engine core
+            distributed_executor_backend="uni" if one_worker_on_cpu else "mp",
             enforce_eager=enforce_eager,
             seed=seed,
             enable_prefix_caching=True,
