@@ -21,6 +21,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Token auth for the session's cluster (the safe default of a job API). Ray reads this when it is
 # first imported, so it is set here, before any test module imports ray.
 os.environ["RAY_AUTH_MODE"] = "token"
+# The processes the tests start (Ray workers, engine cores, `raytool` subprocesses: hundreds a run)
+# cache raytool's bytecode instead of compiling it each time, where the environment turned that off.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 def pytest_collection_modifyitems(config, items):

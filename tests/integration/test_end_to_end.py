@@ -301,7 +301,7 @@ def test_smollm2_after_sft_warmup_calls_the_tool_with_masked_output(ray_cluster,
     from actors.pipeline import run
 
     cfg = load_config(None, [
-        "trainer.sft_warmup_steps=10", "trainer.total_steps=1", "data.prompts_per_step=2", "rollout.n=2", "eval.before_train=false",
+        "trainer.sft_warmup_steps=6", "trainer.total_steps=1", "data.prompts_per_step=2", "rollout.n=2", "eval.before_train=false",
         "eval.after_train=false", "trainer.save_final=false", "logging.trace_samples=2", "rollout.temperature=0.7", f"agent.observation_style={style}",
     ])
     run_dir = run(cfg, tmp_path / f"smol-{style}")
