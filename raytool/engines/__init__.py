@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from raytool.types import SamplingParams, TokenOutput
+
+if TYPE_CHECKING:
+    from raytool.engines.crash import EngineCrash
 
 ENGINES = ("vllm", "hf", "scripted")
 INCOMPLETE = -1  # the policy version of an engine whose last weight load failed half-way
@@ -74,7 +77,7 @@ class RolloutEngine(Protocol):
     def dead(self, exc: BaseException | None = None) -> bool:
         """Whether the engine can never serve again in this process (`exc`: what a call raised)."""
 
-    def crash(self) -> "EngineCrash | None":
+    def crash(self) -> EngineCrash | None:
         """The exception the engine died of, where its process recorded one (None: not known, or alive)."""
 
     def shutdown(self) -> None: ...
