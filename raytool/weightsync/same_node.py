@@ -159,7 +159,8 @@ def remove_segment(path: str) -> None:
 
 def unlink_orphaned_segments(shm: str = SHM_DIR) -> list[str]:
     """Remove the staging files (`raytool-weights-PID-N`) whose sender process is gone: no process
-    PID, or a process PID started after the file was made (the PID reused) -> the paths removed.
+    PID, or a process PID started a minute or more after the file's last write (the PID reused; the
+    margin covers a VM's drift between process start times and file times) -> the paths removed.
     A receiver that still maps one keeps its mapping."""
     import psutil
 
@@ -171,7 +172,7 @@ def unlink_orphaned_segments(shm: str = SHM_DIR) -> list[str]:
         except (ValueError, IndexError, FileNotFoundError):
             continue
         try:
-            alive = psutil.Process(pid).create_time() <= made + 1.0  # the file's last write, after its start
+            alive = psutil.Process(pid).create_time() < made + 60.0  # its maker wrote it after it started
         except psutil.NoSuchProcess:
             alive = False
         except psutil.Error:  # not ours to ask: left alone
