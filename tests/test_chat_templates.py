@@ -236,8 +236,8 @@ def scenario_of(template: str, name: str) -> Scenario:
 # Hermes-3's tool_use template needs tools (its `default` template is for chat without them): the
 # retool scenarios, which pass none, do not apply; enable_thinking is Qwen3's. Llama 3.1's template
 # takes one call per turn and has no reasoning; DeepSeek-V3.1's opens <think> in its generation
-# prompt only with thinking=True, and a reasoning turn is then rendered from the text after it (not
-# run here). Not run at all, since their templates need structured messages raytool's loop does not
+# prompt only with thinking=True and only after a user message (none after tool output), and renders
+# a reasoning turn from the text after it: the model calls tools in its non-thinking mode (not run here). Not run at all, since their templates need structured messages raytool's loop does not
 # record yet (test_families.py checks their parsers on them): Kimi-K2-Thinking (each turn's
 # reasoning as `reasoning_content`: it writes "<think></think>" before a turn's own), Mistral
 # (tool calls with ids, tool messages with `tool_call_id`), gpt-oss (harmony: structured
