@@ -312,7 +312,7 @@ def test_staging_files_of_killed_senders_are_removed_and_live_ones_kept(tmp_path
     for path in (dead, mine, reused, other):
         path.write_bytes(b"x")
     os.utime(reused, (1.0, 1.0))  # "made" in 1970, before PID 1 started: its maker is gone
-    assert sorted(same_node.unlink_orphaned_segments(str(tmp_path))) == sorted([str(dead), str(reused)])
+    assert sorted(same_node.unlink_dead_senders_files(str(tmp_path))) == sorted([str(dead), str(reused)])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name])
 
 

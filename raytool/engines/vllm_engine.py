@@ -141,17 +141,18 @@ class VLLMEngine:
         # generator has no offset: with chunked prefill the first step that splits a seeded prompt
         # kills the engine ("CPU Generator does not use offset"). Without chunked prefill every
         # prompt is prefilled whole (preempted requests too: they go back to the waiting queue).
-        if record_routes and current_platform.is_cpu():
+        on_cpu = current_platform.is_cpu()
+        if record_routes and on_cpu:
             raise ValueError(f"config key 'trainer.router_replay' is r3, but {VLLM_CPU_NO_ROUTES}: set rollout.engine=hf, "
                              "or trainer.router_replay=r2 or off")
         self.record_routes = record_routes
-        one_worker_on_cpu = current_platform.is_cpu() and tensor_parallel_size == 1
+        one_worker_on_cpu = on_cpu and tensor_parallel_size == 1
         if one_worker_on_cpu:
             # The CPU backend runs its one worker in a process of its own beside the engine core unless
             # this is off (AsyncLLM keeps the engine core in its own process either way): one process
             # less to start and import vLLM in.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        chunked = not (seeded_requests and current_platform.is_cpu())
+        chunked = not (seeded_requests and on_cpu)
         if not chunked:
             log.info("rollout.seed on a CPU engine: chunked prefill off (vLLM cannot rewind a seeded request's "
                      "CPU generator after a partial prefill)")

@@ -132,11 +132,11 @@ def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
     `remove_segment` when done (receivers that mapped it keep their mapping); it is removed when the
     tensor is collected too, so a sender that is never closed leaves nothing behind. A sender
     killed (SIGKILL: a trainer rank Ray kills) leaves its files: the first segment a process makes
-    removes those of processes that are gone (`unlink_orphaned_segments`)."""
+    removes those of processes that are gone (`unlink_dead_senders_files`)."""
     global _swept
     if not _swept:
         _swept = True
-        unlink_orphaned_segments()
+        unlink_dead_senders_files()
     path = f"{SHM_DIR}/raytool-weights-{os.getpid()}-{next(_segment_ids)}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -157,11 +157,12 @@ def remove_segment(path: str) -> None:
     _unlink(path)
 
 
-def unlink_orphaned_segments(shm: str = SHM_DIR) -> list[str]:
+def unlink_dead_senders_files(shm: str = SHM_DIR) -> list[str]:
     """Remove the staging files (`raytool-weights-PID-N`) whose sender process is gone: no process
     PID, or a process PID started a minute or more after the file's last write (the PID reused; the
     margin covers a VM's drift between process start times and file times) -> the paths removed.
-    A receiver that still maps one keeps its mapping."""
+    A receiver that still maps one keeps its mapping. (vLLM's own segments, which carry no PID, are
+    `raytool.engines.vllm_engine.unlink_orphaned_segments`'.)"""
     import psutil
 
     removed = []
