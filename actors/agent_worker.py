@@ -76,7 +76,7 @@ class AgentLoopWorker:
         key = tuple(t.name for t in tools) if self.cfg.agent.format != "retool" else ()
         if key not in self.renderers:
             self.renderers[key] = ChatRenderer(self.tokenizer, tools=[t.schema for t in tools] if self.cfg.agent.format != "retool" else None,
-                                               template_kwargs=self.cfg.agent.chat_template_kwargs)
+                                               template_kwargs=self.cfg.agent.chat_template_kwargs, fmt=self.cfg.agent.format)
         return self.renderers[key]
 
     def _pool(self, session: str):

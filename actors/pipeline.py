@@ -103,10 +103,10 @@ def warmup_examples(cfg: RunConfig, task: Task, tokenizer, rng: random.Random) -
     log.info("SFT warm-up: %d steps on %d of the %d conversations %s", cfg.trainer.sft_warmup_steps, len(chosen), len(pool),
              f"of sft.train_files ({', '.join(cfg.sft.train_files)})" if own else "generated with the tool_arith task")
     if own:
-        return sft_examples(chosen, tokenizer, cfg.sft.max_length, cfg.agent.chat_template_kwargs)[0]
+        return sft_examples(chosen, tokenizer, cfg.sft.max_length, cfg.agent.chat_template_kwargs, cfg.agent.format)[0]
     if cfg.agent.observation_style == "in_turn":
         chosen = [as_in_turn(m) for m in chosen]
-    renderer = ChatRenderer(tokenizer, template_kwargs=cfg.agent.chat_template_kwargs)
+    renderer = ChatRenderer(tokenizer, template_kwargs=cfg.agent.chat_template_kwargs, fmt=cfg.agent.format)
     return [ex for m in chosen for ex in renderer.sft_examples(m)]
 
 

@@ -50,7 +50,7 @@ def _load(files: list[str]):
 def _examples(conversations, cfg: RunConfig, tokenizer):
     if cfg.agent.observation_style == "in_turn":
         conversations = [msgspec.structs.replace(c, messages=as_in_turn(c.messages)) for c in conversations]
-    return sft_examples(conversations, tokenizer, cfg.sft.max_length, cfg.agent.chat_template_kwargs)[0]  # (it logs its own counts)
+    return sft_examples(conversations, tokenizer, cfg.sft.max_length, cfg.agent.chat_template_kwargs, cfg.agent.format)[0]  # (it logs its own counts)
 
 
 def _train(cfg: RunConfig, run_dir: Path, model_path: str, train_examples: list, val_examples: list, checkpoint: str | None) -> None:

@@ -70,8 +70,25 @@ class ToolCall(msgspec.Struct):
 
 
 class Message(msgspec.Struct, omit_defaults=True):
+    """One chat message as the chat template takes it. `content` is the text; the structured fields
+    are for templates that write them themselves: an assistant turn's `tool_calls` (OpenAI's form:
+    {id, type: function, function: {name, arguments}}) and `reasoning_content`, a tool message's
+    `tool_call_id`. None: not given (left out of what the template sees)."""
+
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None
+    tool_call_id: str | None = None
+
+    def as_dict(self) -> dict:
+        """The message as a chat template takes it (the fields that are None left out)."""
+        d = {"role": self.role, "content": self.content}
+        for key in ("tool_calls", "reasoning_content", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                d[key] = value
+        return d
 
 
 ExecStatus = Literal["ok", "error", "timeout", "oom", "killed", "infra_error"]

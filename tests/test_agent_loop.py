@@ -11,6 +11,7 @@ import pytest
 from raytool.agent.loop import ToolAgentLoop, interpreter_block, reward_view
 from raytool.agent.registry import AGENT_LOOPS, get_agent_loop, register_agent_loop
 from raytool.agent.render import ChatRenderer
+from raytool.agent.turns import turn_text
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.sandbox.local import LocalBackend
 from raytool.tools import CodeInterpreterTool
@@ -373,9 +374,10 @@ def test_the_scripted_engine_drives_two_real_cells_and_an_answer(renderer, tiny_
 
 def test_a_family_whose_markers_are_special_tokens_is_parsed_and_recorded_with_them(renderer):
     """Kimi-K2's call markers are special tokens: the loop parses the turn decoded with them, runs
-    the call, and keeps them in the turn's message, so the template renders the turn as it was
-    generated (SFT on it gives the rollout's tokens: test_chat_templates.py, DeepSeek-V3.1); the
-    trace's text of the turn shows it without them."""
+    the call, and records the turn in the parts Kimi's template writes it from (content, calls with
+    their ids as written, arguments as written; the tool result with its call's id), so the template
+    renders the turn as it was generated (test_chat_templates.py); a turn that does not read so is
+    kept as its text. The trace's text of the turn shows it without the markers."""
     tok = _hermes(renderer)
     markers = ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
                "<|tool_calls_section_end|>"]
@@ -387,9 +389,17 @@ def test_a_family_whose_markers_are_special_tokens_is_parsed_and_recorded_with_t
     run, calls = make_loop(r, [call, "It is 5."], tools=tools, format="kimi_k2")
     traj = run()
     assert traj.tool_calls == 1 and traj.tool_errors == 0 and observations(traj) == ["5"]
-    assert traj.messages[2].content == call
+    assert traj.messages[2] == Message("assistant", "Adding.", tool_calls=[
+        {"id": "functions.add:0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}])
+    assert traj.messages[3] == Message("tool", "5", tool_call_id="functions.add:0")
+    assert turn_text("kimi_k2", traj.messages[2]) == "<think></think>" + call  # its template writes the (empty) reasoning block
     assert traj.turns[0]["text"] == 'Adding.functions.add:0{"a": 2, "b": 3}'
     assert len(calls) == 2
+
+    trailing = call + "Done."  # text after the calls: no such parts, kept as generated
+    run, _ = make_loop(r, [trailing, "It is 5."], tools=tools, format="kimi_k2")
+    traj = run()
+    assert traj.messages[2] == Message("assistant", trailing) and traj.messages[3].tool_call_id is not None
 
 
 def test_a_format_with_its_own_end_of_call_token_stops_there(renderer):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ import pytest
 
 from raytool.agent.loop import ToolAgentLoop
 from raytool.agent.render import ChatRenderer, RenderError
+from raytool.agent.turns import turn_text
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.tools import CodeInterpreterTool
 from raytool.types import ExecResult, Message, TokenOutput
@@ -95,6 +97,17 @@ TEMPLATES = {
     "qwen3_coder_vllm": Template("qwen3_coder_vllm.jinja", "5a38bfa05833266240066aedc497decc9b00cc0d3e3b8cceea98cf530196ab06", "<|im_end|>", added=("<tool_call>", "</tool_call>")),
     "llama3_1_json": Template("llama3_1_instruct.jinja", "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65",
                               "<|eot_id|>", special=_LLAMA3_SPECIAL, bos="<|begin_of_text|>", splits_after_generation_prompt=True),
+    # The two families whose templates take a turn in parts (raytool.agent.turns): the loop records
+    # Kimi's reasoning as reasoning_content and both families' calls as tool_calls with their ids.
+    "kimi_k2_thinking": Template("kimi_k2_thinking.jinja", "833d0c375531149a922a0f2addf9a66cce8e4503c500fe4ca6a95e9d1ed3c75a",
+                                 "<|im_end|>", special=(
+                                     "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>",
+                                     "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                                     "<|tool_call_argument_begin|>", "<|tool_call_end|>"), added=("<think>", "</think>")),
+    "mistral_small_3_1": Template("mistral_small_3_1.jinja", "773c8c8c2ffb59c8d1069fe423733d2007a88c52d0a838d89e6aae6693b97427",
+                                  "</s>", bos="<s>", special=(
+                                      "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+                                      "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")),
 }
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -127,9 +140,15 @@ def _hermes3(text: str, finished: bool) -> str:
     return _keep_last(text, "</tool_response><|im_end|>", "</tool_response>\n<|im_end|>", finished)
 
 
+def _kimi(text: str, finished: bool) -> str:
+    """Kimi-K2-Thinking keeps the reasoning of the turns after the last answer (a turn without calls);
+    once the conversation ends on an answer, every turn is before it: all reasoning is dropped."""
+    return re.sub(r"<think>.*?</think>", "<think></think>", text, flags=re.DOTALL) if finished else text
+
+
 # How each template renders what the model already saw (as generated, as observed), given the text
 # the model saw; a template missing here must render it unchanged.
-REWRITES = {"qwen3": _qwen3, "hermes3_tool_use": _hermes3}
+REWRITES = {"qwen3": _qwen3, "hermes3_tool_use": _hermes3, "kimi_k2_thinking": _kimi}
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +222,17 @@ def _args(expr: str) -> str:
 
 
 # Each family's calls as its models write them (what test_families.py's parsers read), by template.
+def _mistral_calls(*exprs: str) -> str:
+    items = [json.dumps({"name": "code_interpreter", "arguments": {"code": f"print({e})"}})[:-1] + f', "id": "call{i:05d}"}}'
+             for i, e in enumerate(exprs)]
+    return "[TOOL_CALLS] [" + ", ".join(items) + "]"
+
+
 FAMILY_CALLS = {
+    "kimi_k2_thinking": ("kimi_k2", lambda *exprs: "<|tool_calls_section_begin|>" + "".join(
+        f"<|tool_call_begin|>functions.code_interpreter:{i}<|tool_call_argument_begin|>{_args(e)}<|tool_call_end|>"
+        for i, e in enumerate(exprs)) + "<|tool_calls_section_end|>"),
+    "mistral_small_3_1": ("mistral", _mistral_calls),
     "deepseek_v3_1": ("deepseek", lambda *exprs: "<｜tool▁calls▁begin｜>" + "".join(
         f"<｜tool▁call▁begin｜>code_interpreter<｜tool▁sep｜>{_args(e)}<｜tool▁call▁end｜>" for e in exprs) + "<｜tool▁calls▁end｜>"),
     "qwen3_coder_vllm": ("qwen3_coder", lambda *exprs: "\n".join(
@@ -214,15 +243,25 @@ FAMILY_CALLS = {
 
 
 def _family_scenarios(fmt: str, calls) -> dict[str, Scenario]:
-    """The tool-message scenarios above, with the family's own calls."""
+    """The tool-message scenarios above, with the family's own calls (Kimi-K2-Thinking opens every
+    turn with its reasoning block, empty or not; Mistral's template writes no text before calls)."""
+    if fmt == "kimi_k2":
+        def think(text: str) -> str:
+            return f"<think>{text}</think>"
+        prior = Message("assistant", "It is 2.", reasoning_content="Easy.")
+    else:
+        def think(text: str) -> str:
+            return f"<think>\n{text}\n</think>\n\n" if text else ""
+        prior = Message("assistant", "<think>\nEasy.\n</think>\n\nIt is 2.")
+    lead = "" if fmt == "mistral" else "Two calls.\n"
     return {
-        "one_call": Scenario((SYSTEM, USER), (calls("2 + 3"), "It is \\boxed{5}."), format=fmt),
-        "parallel_calls": Scenario((SYSTEM, USER), ("Two calls.\n" + calls("2 + 3", "3 + 2"), "Both say \\boxed{5}."), format=fmt),
-        "thinking": Scenario((SYSTEM, USER), ("<think>\nI should run it.\n</think>\n\n" + calls("2 + 3"),
-                                              "<think>\nIt printed 5.\n</think>\n\nIt is \\boxed{5}."), format=fmt),
-        "several_users": Scenario(
-            (SYSTEM, Message("user", "What is 1 + 1?"), Message("assistant", "<think>\nEasy.\n</think>\n\nIt is 2."), USER),
-            (calls("2 + 3"), "<think>\nThe tool said 5.\n</think>\n\nIt is \\boxed{5}."), format=fmt),
+        "one_call": Scenario((SYSTEM, USER), (think("") + calls("2 + 3"), think("") + "It is \\boxed{5}."), format=fmt),
+        "parallel_calls": Scenario((SYSTEM, USER), (think("") + lead + calls("2 + 3", "3 + 2"), think("") + "Both say \\boxed{5}."),
+                                   format=fmt),
+        "thinking": Scenario((SYSTEM, USER), (think("I should run it.") + calls("2 + 3"), think("It printed 5.") + "It is \\boxed{5}."),
+                             format=fmt),
+        "several_users": Scenario((SYSTEM, Message("user", "What is 1 + 1?"), prior, USER),
+                                  (think("") + calls("2 + 3"), think("The tool said 5.") + "It is \\boxed{5}."), format=fmt),
     }
 
 
@@ -235,18 +274,21 @@ def scenario_of(template: str, name: str) -> Scenario:
 
 # Hermes-3's tool_use template needs tools (its `default` template is for chat without them): the
 # retool scenarios, which pass none, do not apply; enable_thinking is Qwen3's. Llama 3.1's template
-# takes one call per turn and has no reasoning; DeepSeek-V3.1's opens <think> in its generation
-# prompt only with thinking=True and only after a user message (none after tool output), and renders
-# a reasoning turn from the text after it: the model calls tools in its non-thinking mode (not run here). Not run at all, since their templates need structured messages raytool's loop does not
-# record yet (test_families.py checks their parsers on them): Kimi-K2-Thinking (each turn's
-# reasoning as `reasoning_content`: it writes "<think></think>" before a turn's own), Mistral
-# (tool calls with ids, tool messages with `tool_call_id`), gpt-oss (harmony: structured
-# `tool_calls` and channels) and GLM-4.5 (its assistant turns end with the next role's token, not eos).
+# takes one call per turn and has no reasoning, nor has Mistral-Small-3.1's; DeepSeek-V3.1's opens
+# <think> in its generation prompt only with thinking=True and only after a user message (none after
+# tool output), and renders a reasoning turn from the text after it: the model calls tools in its
+# non-thinking mode (not run here). Kimi-K2-Thinking and Mistral take a turn in parts: the loop
+# records it so (raytool.agent.turns). Not run at all (test_families.py checks their parsers and
+# writers on them): gpt-oss (harmony: its template writes a call turn in another order of header
+# fields than the model generates, and only a turn's first call) and GLM-4.5 (its assistant turns
+# end with the next role's token, not eos).
 CASES = [(t, s) for t in TEMPLATES if t not in FAMILY_SCENARIOS for s in SCENARIOS
          if (s != "no_thinking_mode" or t == "qwen3") and not (t == "hermes3_tool_use" and s.startswith("retool"))]
 CASES += [(t, s) for t in FAMILY_SCENARIOS for s in FAMILY_SCENARIOS[t]
-          if not (t == "llama3_1_json" and s in ("parallel_calls", "thinking")) and not (t == "deepseek_v3_1" and s == "thinking")]
-STRIPS_EARLIER_REASONING = {"qwen3", "deepseek_v3_1"}  # an answer's reasoning is dropped once a later user turn comes
+          if not (t == "llama3_1_json" and s in ("parallel_calls", "thinking"))
+          and not (t in ("deepseek_v3_1", "mistral_small_3_1") and s == "thinking")]
+# an answer's reasoning is dropped once a later user turn comes
+STRIPS_EARLIER_REASONING = {"qwen3", "deepseek_v3_1", "kimi_k2_thinking"}
 
 
 class Script:
@@ -275,7 +317,7 @@ class Script:
 def run(tok, scenario: Scenario):
     tool = CodeInterpreterTool(Script.execute, tokenizer=tok)
     renderer = ChatRenderer(tok, tools=[tool.schema] if scenario.format == "hermes" else None,
-                            template_kwargs=dict(scenario.template_kwargs))
+                            template_kwargs=dict(scenario.template_kwargs), fmt=scenario.format)
     script = Script(renderer, scenario.turns)
     agent = AgentConfig(format=scenario.format, observation_style=scenario.style, max_turns=6, max_response_tokens=2000)
     loop = ToolAgentLoop(renderer, {"code_interpreter": tool}, script.generate, agent, RolloutConfig(max_tokens_per_turn=500))
@@ -360,7 +402,7 @@ def test_sft_on_the_conversation_gives_the_rollout_tokens(tokenizers, template, 
         # that answer is learned in an example of its own, with its reasoning, as rollout produced it.
         assert len(examples) == 2 and prompt_learned == ""
         # The first example is the rollout of the first question, token for token.
-        _, _, first_traj = run(tok, Scenario(sc.prompt[:2], (sc.prompt[2].content,), format=sc.format))
+        _, _, first_traj = run(tok, Scenario(sc.prompt[:2], (turn_text(sc.format, sc.prompt[2]),), format=sc.format))
         assert examples[0].input_ids == first_traj.prompt_ids + first_traj.response_ids
         assert examples[0].loss_mask == [0] * len(first_traj.prompt_ids) + first_traj.response_mask
     elif scenario == "several_users":

@@ -158,7 +158,7 @@ def _pieces() -> list[str]:
     markers = sorted({m for f in FORMATS.values() for m in f.markers} | {
         "<tool_call>", "</tool_call>", "</function>", "</parameter>", "</arg_key>", "<arg_value>", "</arg_value>", "<|tool_call_end|>",
         "<|tool_call_argument_begin|>", DS_SEP, DS_END, "<|message|>", "<|call|>", "<|end|>", "<|start|>", "[ARGS]", "[CALL_ID]",
-        "functions.f:0", "to=functions.f", "f", ">", ";"})
+        "functions.f:0", "functions.f", "to=functions.f", "f", ">", ";", "<think>", "</think>", "<|tool_calls_section_end|>"})
     return markers + ["{", "}", "[", "]", '"', ":", ",", '"name"', '"parameters"', '"arguments"', "\n", " ", "\\", "9" * 4400, "\ud800", "é"]
 
 
@@ -166,6 +166,8 @@ def test_no_model_output_makes_a_family_parser_raise():
     """The parsers as written, without the guard that would turn a bug into an error for the model."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
+
+    from raytool.agent.turns import STRUCTURED, structured_turn, turn_text
 
     raw = {name: getattr(families, f"_parse_{name}") for name in FORMATS}
     text = st.one_of(st.lists(st.sampled_from(_pieces()), max_size=40).map("".join), st.text(max_size=200),
@@ -183,6 +185,10 @@ def test_no_model_output_makes_a_family_parser_raise():
                     else:
                         assert isinstance(item.name, str) and isinstance(item.arguments, dict), name
                         json.dumps(item.arguments, ensure_ascii=False).encode()
+        for fmt in STRUCTURED:  # reading a turn back into parts: the parts, or None; written again, the same text
+            message = structured_turn(fmt, text, "seed")
+            if message is not None and fmt == "kimi_k2":
+                assert turn_text(fmt, message) == (text if text.startswith("<think>") else "<think></think>" + text)
 
     check()
 
@@ -278,3 +284,41 @@ def test_what_a_familys_own_template_writes_for_a_call_its_parser_reads_back(fmt
     turn = after[len(before):]
     result = get_parser(fmt, SCHEMAS)(turn)
     assert result.calls == EXPECTED[: len(calls)] and result.errors == [], (turn, result.items())
+
+
+# What each family's template writes after its generation prompt for a turn given in parts, up to
+# its end-of-turn token (GLM's turns have none: the next role's token ends them), by the parts it
+# takes: with or without content before the calls, with or without reasoning.
+TURN_CASES = [
+    ("qwen3_coder", "qwen3_coder_vllm.jinja", "<|im_end|>", (True,), (False,)),
+    ("glm45", "glm_4_5_llamacpp.jinja", "", (True, False), (True, False)),
+    ("kimi_k2", "kimi_k2_thinking.jinja", "<|im_end|>", (True, False), (True, False)),
+    ("mistral", "mistral_small_3_1.jinja", "</s>", (False,), (False,)),  # it writes no content before calls, and no reasoning
+    ("deepseek", "deepseek_v3_1.jinja", "<｜end▁of▁sentence｜>", (True, False), (False,)),
+    ("llama3_json", "llama3_1_instruct.jinja", "<|eot_id|>", (False,), (False,)),
+    ("hermes", "qwen2_5_instruct.jinja", "<|im_end|>", (True, False), (False,)),
+    ("hermes", "qwen3.jinja", "<|im_end|>", (True, False), (True,)),  # the last turn without reasoning gets an empty block
+]
+
+
+@pytest.mark.parametrize("fmt, template, end, contents, reasonings", TURN_CASES, ids=[f"{c[0]}-{c[1]}" for c in TURN_CASES])
+def test_a_turn_in_parts_is_written_as_its_familys_template_writes_it(fmt, template, end, contents, reasonings):
+    from raytool.agent.turns import turn_text
+    from raytool.types import Message
+
+    text, tools = _template(template), [SCHEMAS["get_weather"]]
+    user = [{"role": "user", "content": "Weather?"}]
+    before = _render(text, user, tools, add_generation_prompt=True)
+    arguments = [{"city": "Paris"}, {"city": "Oslo", "days": 2, "metric": True, "hours": [1, 2]}]
+    as_text = fmt in ("kimi_k2", "deepseek")  # their templates write a string as given
+    calls = [{"type": "function", "id": f"functions.get_weather:{i}",
+              "function": {"name": "get_weather", "arguments": json.dumps(a) if as_text else a}} for i, a in enumerate(arguments)]
+    for n in ((1,) if fmt == "llama3_json" else (1, 2)):
+        for with_content in contents:
+            for with_reasoning in reasonings:
+                message = Message("assistant", "I will look." if with_content else "", tool_calls=calls[:n],
+                                  reasoning_content="Both cities." if with_reasoning else None)
+                after = _render(text, [*user, message.as_dict()], tools)
+                assert after.startswith(before)
+                assert after[len(before):].startswith(turn_text(fmt, message) + end), (n, with_content, with_reasoning)
+                assert get_parser(fmt, SCHEMAS)(turn_text(fmt, message)).calls == [ToolCall("get_weather", a) for a in arguments[:n]]

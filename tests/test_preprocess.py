@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from raytool.agent.turns import turn_text
 from raytool.data.conversations import load_conversations
 from raytool.data.preprocess import PREPROCESSORS, SYSTEM_PROMPT, preprocess
 from raytool.data.prompts import load_prompt_rows
@@ -69,8 +70,9 @@ def test_gsm8k_sft_turns_annotations_into_code_calls(tmp_path, suffix):
     assert problems == []
     first = convs[0]
     assert [m.role for m in first.messages] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
-    assert first.messages[2].content == ('Ann gives 48/2 =\n<tool_call>\n{"name": "code_interpreter", "arguments": '
-                                         '{"code": "print(48/2)"}}\n</tool_call>')
+    assert turn_text("hermes", first.messages[2]) == ('Ann gives 48/2 =\n<tool_call>\n{"name": "code_interpreter", "arguments": '
+                                                    '{"code": "print(48/2)"}}\n</tool_call>')
+    assert turn_text("retool", first.messages[2]) == "Ann gives 48/2 =\n<code>\n```python\nprint(48/2)\n```\n</code>"
     assert [m.content for m in first.messages if m.role == "tool"] == ["24.0", "48"]  # what print(48/2) shows, not the annotation
     assert first.messages[-1].content == "48 pens.\n\\boxed{48}"
     assert first.tools[0]["function"]["name"] == "code_interpreter"
@@ -92,8 +94,8 @@ def test_retool_sft_hermes_splits_the_trace_into_tool_turns(tmp_path, suffix):
     assert two_calls[1].content == "What is 3 + 4, squared?"
     assert [m.role for m in two_calls] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
     # the first block has no ``` fence: its body is the code
-    assert '{"code": "x = 3 + 4\\nprint(x)"}' in two_calls[2].content
-    assert two_calls[4].content.startswith("Now square it.\n<tool_call>")
+    assert '{"code": "x = 3 + 4\\nprint(x)"}' in turn_text("hermes", two_calls[2])
+    assert turn_text("hermes", two_calls[4]).startswith("Now square it.\n<tool_call>")
     assert [m.content for m in two_calls if m.role == "tool"] == ["7", "49"]
     assert two_calls[-1].content == "\\boxed{49}"
     assert convs[0].messages[-1].content == "So the value is 1024.\n\n\\boxed{1024}"

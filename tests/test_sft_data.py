@@ -113,12 +113,40 @@ def test_a_json_array_file_is_read_by_item(tmp_path):
     assert convs[0].source == f"{path} row 0 (0-based)" and problems == [f"{path} row 1 (0-based): no 'messages' (the row has: nope)"]
 
 
-def test_structured_tool_calls_become_the_text_the_model_writes():
+def test_structured_tool_calls_are_kept_in_parts_and_written_as_the_formats_model_writes_them():
+    from raytool.agent.families import FORMATS
+    from raytool.agent.parsers import get_parser
+    from raytool.agent.turns import turn_text
+
     convs, _ = load_conversations(FIXTURE)
     call_turn = convs[1].messages[2]
-    assert call_turn == Message("assistant", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
-    assert parse_hermes(call_turn.content).calls == [ToolCall("get_weather", {"city": "Paris"})]
-    assert convs[1].messages[3] == Message("tool", '{"temp_c": 18, "sky": "overcast"}')  # name / tool_call_id dropped
+    assert call_turn == Message("assistant", "", tool_calls=[
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}])
+    assert convs[1].messages[3] == Message("tool", '{"temp_c": 18, "sky": "overcast"}', tool_call_id="call_1")  # name dropped
+    assert turn_text("hermes", call_turn) == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert turn_text(None, call_turn) == turn_text("hermes", call_turn)
+    for fmt in ["hermes", *(f for f in FORMATS if f != "gpt_oss")]:  # what SFT trains is what the format's parser reads
+        assert get_parser(fmt)(turn_text(fmt, call_turn)).calls == [ToolCall("get_weather", {"city": "Paris"})], fmt
+
+
+def test_a_turn_the_format_cannot_write_is_a_row_error_and_the_rest_train(tokenizer, caplog):
+    convs, _ = load_conversations(FIXTURE)  # one conversation calls get_weather: retool writes code_interpreter calls only
+    with caplog.at_level(logging.WARNING):
+        examples, stats = sft_examples(convs, tokenizer, max_length=4096, fmt="retool")
+    assert stats["unrenderable"] == 1 and stats["count"] == 3
+    assert f"{FIXTURE} line 3: messages[2]: agent.format retool writes calls to code_interpreter (a 'code' string) only, not to " \
+           "'get_weather': set agent.format" in caplog.text
+    reasoning = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "reasoning_content": "Say ok."}]
+    conv = _conversation_of(reasoning)
+    assert "\n<think>\nSay ok.\n</think>\n\nok" in tokenizer.decode(sft_examples([conv], tokenizer, 4096, fmt="hermes")[0][0].input_ids)
+    with pytest.raises(DataError, match="agent.format llama3_json has no reasoning in a turn"):
+        sft_examples([conv], tokenizer, 4096, fmt="llama3_json")
+
+
+def _conversation_of(messages: list[dict]):
+    from raytool.data.conversations import _conversation
+
+    return _conversation({"messages": messages}, "row")
 
 
 # Qwen2.5's way of writing an assistant turn with tool calls (content, then one "\n<tool_call>\n{json}\n</tool_call>"
@@ -161,13 +189,15 @@ def test_tool_calls_are_token_exact_with_a_template_that_renders_tool_calls(tmp_
 
 
 def test_loss_mask_covers_assistant_tokens_only(tokenizer):
+    from raytool.agent.turns import turn_text
+
     convs, _ = load_conversations(FIXTURE)
     examples, stats = sft_examples(convs, tokenizer, max_length=4096)
     assert stats["count"] == 4 and stats["truncated"] == stats["dropped"] == 0
     eos = tokenizer.eos_token
     retool, hermes, in_turn, plain = [learned_and_ignored(tokenizer, ex) for ex in examples]
     for conv, (learned, _) in zip([convs[0], convs[1], convs[3]], [retool, hermes, plain]):
-        assert learned == "".join(m.content + eos for m in conv.messages if m.role == "assistant")
+        assert learned == "".join(turn_text(None, m) + eos for m in conv.messages if m.role == "assistant")
     assert "<code>" in retool[0] and "\\boxed{24133}" in retool[0] and "sum = 24133" not in retool[0]
     assert "sum = 24133" in retool[1] and "first 100 primes?" in retool[1]
     assert '"arguments": {"city": "Paris"}' in hermes[0] and "overcast" not in hermes[0] and "overcast" in hermes[1]
@@ -263,7 +293,7 @@ def test_the_in_run_warm_up_trains_on_sft_train_files_when_named_and_says_so(tok
 
     files = str(Path(__file__).parent / "fixtures" / "sft_conversations.jsonl")
     cfg = load_config(overrides=["data.train_size=16", "data.val_size=2", "trainer.sft_warmup_steps=2", "sft.batch_size=2",
-                                 f"sft.train_files=[{files}]"])
+                                 f"sft.train_files=[{files}]", "agent.format=hermes"])  # its calls to get_weather
     task = load_task(cfg)
     assert task.sft_traces  # the generated task has traces: the named files still win
     with caplog.at_level(logging.INFO):

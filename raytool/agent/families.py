@@ -19,7 +19,9 @@ string stays as written, one leading and trailing newline trimmed), and without 
 the text does not read as the type, stays a string (`check_arguments` then tells the model).
 
 The formats whose markers are special tokens (`SPECIAL_MARKERS`) are parsed from the turn decoded
-with its special tokens; the message recorded for the turn is its text without them.
+with its special tokens, and the message recorded for the turn keeps them (the trace's text shows
+the turn without them). Kimi-K2's and Mistral's turns are recorded in parts, and each format writes
+a turn given in parts as its models generate it: `raytool.agent.turns`.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from raytool.agent.families import SPECIAL_MARKERS, split_reasoning, stop_token_
 from raytool.agent.parsers import ParseResult, ToolError, check_arguments, get_parser
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer, RenderError
+from raytool.agent.turns import STRUCTURED, call_id, structured_turn
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.errors import one_line
 from raytool.moe import RouteLog
@@ -114,6 +115,7 @@ class ToolAgentLoop:
         self.rollout = rollout
         self.parse = get_parser(agent.format, {name: tool.schema for name, tool in tools.items()})
         self.with_special_tokens = agent.format in SPECIAL_MARKERS  # its markers are special tokens: parse them
+        self.structured = agent.format in STRUCTURED  # its template takes a turn in parts (raytool.agent.turns)
         self.stop_ids = (renderer.eos_id, *stop_token_ids(agent.format, renderer.tokenizer))
         self.in_turn = agent.observation_style == "in_turn"
 
@@ -183,7 +185,10 @@ class ToolAgentLoop:
             out, info = got
             # A format whose call markers are special tokens keeps them in the message (the template
             # then renders the turn as it was generated); the trace's text shows the turn without them.
-            state.messages.append(Message("assistant", self.renderer.reply_text(out.token_ids) if self.with_special_tokens else info["text"]))
+            # A template that takes a turn in parts gets it so (reasoning, content, calls with their ids).
+            reply = self.renderer.reply_text(out.token_ids) if self.with_special_tokens else info["text"]
+            message = structured_turn(self.agent.format, reply, f"{uid}-{turn}") if self.structured else None
+            state.messages.append(message or Message("assistant", reply))
             if out.finish_reason != "stop":
                 state.finish = "length" if out.finish_reason == "length" else out.finish_reason
                 return
@@ -198,7 +203,8 @@ class ToolAgentLoop:
             outputs = await self._observe(parsed, uid, state, info)
             if state.infra:
                 return
-            observations = [Message("tool", text) for text in outputs]
+            ids = self._call_ids(message, len(outputs), f"{uid}-{turn}")
+            observations = [Message("tool", text, tool_call_id=ident) for text, ident in zip(outputs, ids)]
             try:
                 obs_ids = self.renderer.observation_ids(observations, state.messages)
             except RenderError as exc:  # never a guessed observation: end here and say why
@@ -212,6 +218,16 @@ class ToolAgentLoop:
                 return
             state.messages.extend(observations)
             state.observed(obs_ids)
+
+    def _call_ids(self, message: Message | None, n: int, seed: str) -> list[str | None]:
+        """The tool_call_id of each of a turn's `n` answers: the ids of its calls where the turn was read
+        in parts and they match the answers one to one, made-up ones where the template needs ids
+        anyway, None where it takes none."""
+        if not self.structured:
+            return [None] * n
+        if message is not None and message.tool_calls and len(message.tool_calls) == n:
+            return [c["id"] for c in message.tool_calls]
+        return [call_id(seed, i) for i in range(n)]
 
     async def _in_turn(self, state: _State, uid: str) -> None:
         """ReTool-paper style: one assistant turn, code results spliced in as <interpreter> blocks."""
@@ -309,12 +325,16 @@ def reward_view(traj: Trajectory, max_response_tokens: int | None = None, decode
     special tokens (tool output included, as verl decodes it; needs `decode`), and `verl_num_turns`,
     verl's count of a conversation's turns (the prompt, each assistant turn, each round of tool
     responses)."""
-    turns = [m.content for m in traj.messages if m.role == "assistant"]
+    replies = [m for m in traj.messages if m.role == "assistant"]
+    turns = [m.content for m in replies]
     first = next((i for i, m in enumerate(traj.messages) if m.role == "assistant"), len(traj.messages))
     asked = [m.content for m in traj.messages[:first] if m.role == "user"]
     tool_rounds = sum(1 for before, m in zip(traj.messages, traj.messages[1:]) if m.role == "tool" and before.role == "assistant")
     last = turns[-1] if turns else ""
-    reasoning, answer = split_reasoning(last) if "</think>" in last else ("", last)
+    if replies and replies[-1].reasoning_content is not None:  # recorded in parts
+        reasoning, answer = replies[-1].reasoning_content.strip(), last.strip()
+    else:
+        reasoning, answer = split_reasoning(last) if "</think>" in last else ("", last)
     return {
         "prompt": asked[-1] if asked else "",
         "response": answer,

@@ -40,13 +40,14 @@ import uuid
 
 from jinja2 import TemplateError
 
+from raytool.agent.turns import ARGUMENTS_AS_TEXT, STRUCTURED, TurnError, turn_text
 from raytool.types import Message, SFTExample
 
 log = logging.getLogger(__name__)
 
 
-# The start-up probe's findings (text, severe) by template, tools and template kwargs.
-_REPORTS: dict[tuple[str, str, str], list[tuple[str, bool]]] = {}
+# The start-up probe's findings (text, severe) by template, tools, template kwargs and the format where it probes in parts.
+_REPORTS: dict[tuple[str, str, str, str | None], list[tuple[str, bool]]] = {}
 
 
 class RenderError(Exception):
@@ -70,6 +71,34 @@ _PROBE = [
     Message("assistant", "They are \\boxed{20} and \\boxed{42}."),
 ]
 
+
+
+def _probe_call(i: int, expr: str) -> dict:
+    return {"id": f"functions.code_interpreter:{i}", "type": "function",
+            "function": {"name": "code_interpreter", "arguments": {"code": f"print({expr})"}}}
+
+
+def _probe_in_parts(with_reasoning: bool) -> list[Message]:
+    """The probe for templates that take a call turn in parts (turns.STRUCTURED): the same
+    conversation, calls as tool_calls with ids, tool results with their tool_call_id, reasoning as
+    reasoning_content where the format has it."""
+    def think(text: str) -> str | None:
+        return text if with_reasoning else None
+
+    def result(i: int, text: str) -> Message:
+        return Message("tool", text, tool_call_id=_probe_call(i, "")["id"])
+
+    return [
+        _PROBE[0], _PROBE[1],
+        Message("assistant", "", tool_calls=[_probe_call(0, "2 + 3")], reasoning_content=think("One call.")),
+        result(0, "5"), _PROBE[4], _PROBE[5],
+        Message("assistant", "", tool_calls=[_probe_call(1, "4 * 5"), _probe_call(2, "6 * 7")]),
+        result(1, "20"), result(2, "42"),
+        Message("assistant", "", tool_calls=[_probe_call(3, "20 + 42")], reasoning_content=think("Both came back.")),
+        result(3, "62"), _PROBE[11],
+    ]
+
+
 _INTERPRETER = re.compile(r"\n<interpreter>\n.*?\n</interpreter>\n", re.DOTALL)
 
 
@@ -88,14 +117,18 @@ def as_in_turn(messages: list[Message]) -> list[Message]:
     return out
 
 
-def _as_dict(m) -> dict:
-    return m if isinstance(m, dict) else {"role": m.role, "content": m.content}
+def _as_dict(m, fmt: str | None = None) -> dict:
+    d = m if isinstance(m, dict) else m.as_dict()
+    if fmt in ARGUMENTS_AS_TEXT and d.get("tool_calls"):  # its template concatenates them: JSON text
+        d = {**d, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+                                 if isinstance(c.get("function", {}).get("arguments"), dict) else c for c in d["tool_calls"]]}
+    return d
 
 
 def _describe(m: Message) -> str:
     if m.role != "assistant":
         return m.role
-    return "assistant with reasoning" if "</think>" in m.content else "assistant without reasoning"
+    return "assistant with reasoning" if "</think>" in m.content or m.reasoning_content else "assistant without reasoning"
 
 
 def check_template_kwargs(tokenizer, kwargs: dict) -> None:
@@ -131,10 +164,13 @@ def check_template_kwargs(tokenizer, kwargs: dict) -> None:
 
 class ChatRenderer:
     """The chat template of one tokenizer (with the tools it lists and its extra kwargs, e.g.
-    Qwen3's `enable_thinking`) as the agent loop and SFT use it."""
+    Qwen3's `enable_thinking`) as the agent loop and SFT use it. `fmt` (agent.format; None: hermes)
+    is how an assistant message given in parts (tool_calls, reasoning_content) is written as the
+    tokens the model generates (`raytool.agent.turns`)."""
 
-    def __init__(self, tokenizer, tools: list[dict] | None = None, template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, tools: list[dict] | None = None, template_kwargs: dict | None = None, fmt: str | None = None):
         self.tokenizer = tokenizer
+        self.fmt = fmt
         self.tools = list(tools) if tools else None  # OpenAI-format schemas the template lists
         self.template_kwargs = dict(template_kwargs or {})
         self.eos_id = tokenizer.eos_token_id
@@ -149,7 +185,8 @@ class ChatRenderer:
                              f"{' with these tools' if self.tools else ' without tools'}: {exc}") from None
         if "y" + self.eos_text not in base:
             raise ValueError(f"{self.name} does not end assistant turns with the tokenizer's eos token {self.eos_text!r}")
-        key = (template, json.dumps(self.tools, sort_keys=True), json.dumps(self.template_kwargs, sort_keys=True, default=str))
+        key = (template, json.dumps(self.tools, sort_keys=True), json.dumps(self.template_kwargs, sort_keys=True, default=str),
+               self.fmt if self.fmt in STRUCTURED else None)
         if key not in _REPORTS:  # once per process: SFT data may build a renderer per tool set
             _REPORTS[key] = self.probe()
             for finding, severe in _REPORTS[key]:
@@ -159,7 +196,7 @@ class ChatRenderer:
     def _text(self, messages, add_generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                [_as_dict(m) for m in messages], tools=self.tools, tokenize=False,
+                [_as_dict(m, self.fmt) for m in messages], tools=self.tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **self.template_kwargs,
             )
         except TemplateError:
@@ -249,8 +286,12 @@ class ChatRenderer:
         i = first
         while i < len(messages):
             if messages[i].role == "assistant":
-                text += messages[i].content + self.eos_text
-                yield "assistant", i, messages[i].content
+                try:
+                    turn = turn_text(self.fmt, messages[i])
+                except TurnError as exc:
+                    raise TurnError(f"messages[{i}]: {exc}") from None
+                text += turn + self.eos_text
+                yield "assistant", i, turn
                 i += 1
                 continue
             j = i
@@ -297,10 +338,11 @@ class ChatRenderer:
         """What this template does to a tool-calling conversation (`_PROBE`): one (finding, severe)
         per place, naming it and what raytool does about it; severe where trajectories will end
         with render_error. [] for a prefix-stable template."""
+        probe = _probe_in_parts(self.fmt == "kimi_k2") if self.fmt in STRUCTURED else _PROBE
         findings: list[tuple[str, bool]] = []
         text, pieces, split, diverged, at = "", [], None, False, 0
         try:
-            for kind, i, value in self._walk(_PROBE):
+            for kind, i, value in self._walk(probe):
                 at = i
                 if kind == "example":
                     split = i if text else None
@@ -311,32 +353,32 @@ class ChatRenderer:
                                          f"comes (message {split}): SFT makes one example per such user turn, its prompt "
                                          "rendered as rollout renders it", False))
                         split = None
-                    fresh = self.prompt_text(_PROBE[:i])
+                    fresh = self.prompt_text(probe[:i])
                     if fresh != text and not diverged:
                         diverged = True
-                        findings.append((f"{_place(fresh, text, pieces)} in the prompt of message {i}: generated tokens "
+                        findings.append((f"{_place(fresh, text, pieces, probe)} in the prompt of message {i}: generated tokens "
                                          "are kept as generated, observations are read off the template's rendering "
                                          "after each turn", False))
                     value += self.eos_text
                 pieces.append((len(text), kind, i))
                 text += value
-            full = self.conversation_text(_PROBE)
-        except RenderError as exc:
+            full = self.conversation_text(probe)
+        except (RenderError, TurnError) as exc:
             return [*findings, (f"after message {at} of the probe: {exc}; trajectories that reach a tool turn end with "
                                 "finish reason render_error", True)]
         except TemplateError as exc:
             return [*findings, (f"the probe conversation cannot be rendered after message {at}: {exc}", True)]
         if not full.startswith(text):
-            findings.append((f"{_place(full, text, pieces)} in the finished conversation: raytool trains on the tokens "
+            findings.append((f"{_place(full, text, pieces, probe)} in the finished conversation: raytool trains on the tokens "
                              "as generated, not on this rendering", False))
         return findings
 
 
-def _place(rendered: str, walked: str, pieces: list[tuple[int, str, int]]) -> str:
+def _place(rendered: str, walked: str, pieces: list[tuple[int, str, int]], probe: list[Message]) -> str:
     """Where the template's rendering first differs from what the model saw, named by the piece of
     `walked` it falls in (`pieces`: offset, kind and first message index of each)."""
     at = next((k for k, (x, y) in enumerate(zip(rendered, walked)) if x != y), min(len(rendered), len(walked)))
     _, kind, i = max((p for p in pieces if p[0] <= at), default=(0, "example", 0))
-    where = {"assistant": f"message {i} ({_describe(_PROBE[i])})", "observation": f"the tool turn from message {i}",
+    where = {"assistant": f"message {i} ({_describe(probe[i])})", "observation": f"the tool turn from message {i}",
              "continue": f"the user turn at message {i}"}.get(kind, "the prompt")
     return f"{where} renders as {rendered[at:at + 24]!r} where the model saw {walked[at:at + 24]!r}"

@@ -3,21 +3,22 @@ agent loop would (loss on assistant tokens only), cut them to a length, split of
 
 A row is one conversation:
 - `messages`: a list of {role: system|user|assistant|tool, content: str}. An assistant message may
-  carry `tool_calls`, each {name, arguments} or OpenAI's {type: function, function: {name,
+  carry `tool_calls`, each {name, arguments} or OpenAI's {id, type: function, function: {name,
   arguments}}, with `arguments` an object or a string holding one; its `content` may then be null.
-  A tool message's `name` / `tool_call_id` are accepted and not used: raytool's `Message` is
-  role + content, and so is what the agent loop renders.
+  It may carry `reasoning_content` (the reasoning before its answer or calls). A tool message's
+  `tool_call_id` is kept (Kimi's and Mistral's templates write it); its `name` is not used.
 - `tools` (optional): OpenAI function schemas {type: function, function: {name, description,
   parameters}} (a bare {name, ...} schema is wrapped in that form). In parquet, store `tools` and
   tool-call `arguments` as JSON strings: a struct column gives every row the union of all rows' keys.
 - `messages` or `tools` may be a JSON string holding the list. Other columns are kept in `extra`.
 
-Structured tool calls become text in the assistant's content, in the Hermes/Qwen form the agent loop
-parses (`raytool.agent.parsers.parse_hermes`) and Qwen2.5's template writes: the content, then per
-call `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, joined by newlines. The
-trained tokens are what the model must generate at rollout time, and `ChatRenderer.sft_examples`
-tokenizes the assistant content as the engine emits it (it never sees a `tool_calls` field).
-Retool-format data (`<code>` blocks, `<interpreter>` output) is already text and is used as it is.
+A turn given in parts (`tool_calls`, `reasoning_content`) is trained as the text the model of
+`agent.format` generates for it (`raytool.agent.turns`): Hermes/Qwen `<tool_call>` JSON for
+hermes, `<code>` blocks for retool (code_interpreter calls only), each family's own form for the
+others. So what the model learns is what that format's parser reads at rollout; a turn the format
+cannot write (a call to another tool under retool, reasoning where the format has none) is a row
+error naming it. The chat template gets the turn in parts for the prompts and observations around
+it. Retool-format data (`<code>` blocks, `<interpreter>` output) is already text and is used as it is.
 
 Rows are located as `FILE line N` (jsonl / json lines: 1-based line) or `FILE row N (0-based)`
 (parquet, or the items of a .json file holding one array).
@@ -34,9 +35,10 @@ import msgspec
 from jinja2 import TemplateError
 
 from raytool.agent.render import ChatRenderer, RenderError
+from raytool.agent.turns import TurnError
 from raytool.data.rows import BadRow, DataError, convert_rows, json_list, kind, read_rows, warn_each
 from raytool.errors import one_line
-from raytool.types import Message, SFTExample, ToolCall
+from raytool.types import Message, SFTExample
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ class Conversation(msgspec.Struct):
 # --- checking rows -------------------------------------------------------------------------------
 
 
-def _tool_calls(value, where: str) -> list[ToolCall]:
+def _tool_calls(value, where: str) -> list[dict]:
+    """The calls in OpenAI's form, arguments as an object ({id, type: function, function: {name, arguments}}; id where given)."""
     if value is None:
         return []
     if not isinstance(value, list):
@@ -78,15 +81,16 @@ def _tool_calls(value, where: str) -> list[ToolCall]:
             args = {}
         if not isinstance(args, dict):
             raise BadRow(f"{at} ('{fn['name']}'): arguments must be a JSON object, got {kind(args)}")
-        calls.append(ToolCall(name=fn["name"], arguments=args))
+        ident = call.get("id") if isinstance(call, dict) and isinstance(call.get("id"), str) and call["id"] else None
+        calls.append({**({"id": ident} if ident else {}), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return calls
 
 
-def _hermes_text(content: str, calls: list[ToolCall]) -> str:
-    """The assistant text that makes these calls, as the model writes it and `parse_hermes` reads it."""
-    blocks = [f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments}, ensure_ascii=False)}\n</tool_call>"
-              for c in calls]
-    return "\n".join([content, *blocks] if content else blocks)
+def _optional_text(value: dict, key: str, where: str) -> str | None:
+    text = value.get(key)
+    if text is not None and not isinstance(text, str):
+        raise BadRow(f"{where}.{key} must be a string, got {kind(text)}")
+    return text
 
 
 def _message(value, i: int) -> Message:
@@ -104,11 +108,13 @@ def _message(value, i: int) -> Message:
         content = ""
     if not isinstance(content, str):
         raise BadRow(f"{where} ({role}) content must be a string, got {kind(content)}")
-    if calls:
-        if "<tool_call>" in content:
-            raise BadRow(f"{where} has tool_calls and also <tool_call> text in its content; give the calls one way")
-        content = _hermes_text(content, calls)
-    return Message(role, content)
+    if calls and "<tool_call>" in content:
+        raise BadRow(f"{where} has tool_calls and also <tool_call> text in its content; give the calls one way")
+    reasoning = _optional_text(value, "reasoning_content", where)
+    if reasoning is not None and role != "assistant":
+        raise BadRow(f"{where} is a {role} message with reasoning_content; only assistant messages reason")
+    call_id = _optional_text(value, "tool_call_id", where) if role == "tool" else None
+    return Message(role, content, tool_calls=calls or None, reasoning_content=reasoning, tool_call_id=call_id)
 
 
 def _tools(value) -> list[dict] | None:
@@ -153,8 +159,9 @@ def load_conversations(path: str | Path) -> tuple[list[Conversation], list[str]]
 
 
 def sft_examples(conversations: list[Conversation], tokenizer, max_length: int,
-                 template_kwargs: dict | None = None) -> tuple[list[SFTExample], dict]:
+                 template_kwargs: dict | None = None, fmt: str | None = None) -> tuple[list[SFTExample], dict]:
     """Each conversation tokenized by a `ChatRenderer` for its tools (loss on assistant tokens only;
+    turns given in parts written as a model of tool-call format `fmt` writes them (None: hermes);
     one example, or one per user turn where the template re-renders earlier turns), each cut to
     `max_length` tokens, and stats: `count`, `truncated`, `dropped` (no assistant token within
     `max_length`), `unrenderable` (the chat template rejected it), `mean_tokens`, `loss_tokens`."""
@@ -166,11 +173,14 @@ def sft_examples(conversations: list[Conversation], tokenizer, max_length: int,
     for conv in conversations:
         key = json.dumps(conv.tools, sort_keys=True)
         if key not in renderers:
-            renderers[key] = ChatRenderer(tokenizer, conv.tools, template_kwargs)
+            renderers[key] = ChatRenderer(tokenizer, conv.tools, template_kwargs, fmt)
         try:
             tokenized = renderers[key].sft_examples(conv.messages)
         except (TemplateError, RenderError) as exc:  # e.g. a template that requires alternating roles
             problems.append(f"{conv.source}: the chat template cannot render it ({one_line(exc)})")
+            continue
+        except TurnError as exc:  # a turn the tool-call format cannot write (agent.format)
+            problems.append(f"{conv.source}: {' '.join(str(exc).split())}")
             continue
         for ex in tokenized:
             if len(ex.input_ids) > max_length:
