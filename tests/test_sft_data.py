@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from raytool.agent.parsers import parse_hermes
 from raytool.agent.render import ChatRenderer
 from raytool.data.conversations import Conversation, DataError, load_conversations, sft_examples, split_validation
 from raytool.types import Message, ToolCall
