@@ -322,3 +322,26 @@ def test_a_turn_in_parts_is_written_as_its_familys_template_writes_it(fmt, templ
                 assert after.startswith(before)
                 assert after[len(before):].startswith(turn_text(fmt, message) + end), (n, with_content, with_reasoning)
                 assert get_parser(fmt, SCHEMAS)(turn_text(fmt, message)).calls == [ToolCall("get_weather", a) for a in arguments[:n]]
+
+
+def test_a_generated_turn_is_read_back_into_the_parts_its_template_takes():
+    from raytool.agent.turns import call_id, structured_turn, turn_text
+    from raytool.types import Message
+
+    kimi = ("<think>Two cities.</think>Looking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            '<|tool_call_argument_begin|>{"city":"Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    message = structured_turn("kimi_k2", kimi)
+    assert message == Message("assistant", "Looking.", reasoning_content="Two cities.", tool_calls=[
+        {"id": "functions.get_weather:0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}])
+    assert turn_text("kimi_k2", message) == kimi  # the arguments as written, not re-serialised
+    assert structured_turn("kimi_k2", "<think>Done.</think>It is 5.") == Message("assistant", "It is 5.", reasoning_content="Done.")
+    for unread in (kimi + "More.", kimi.replace("functions.get_weather:0", "get_weather"), "<think>cut"):
+        assert structured_turn("kimi_k2", unread) is None, unread
+
+    # Mistral: ids as written where they have 9 characters, made up (the same for the same seed) where not.
+    mistral = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abc123XYZ"}, {"name": "get_weather", "arguments": {}}]'
+    message = structured_turn("mistral", mistral, "traj-0")
+    assert [c["id"] for c in message.tool_calls] == ["abc123XYZ", call_id("traj-0", 1)] and len(call_id("traj-0", 1)) == 9
+    assert message.tool_calls[0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert turn_text("mistral", message) == mistral[: -len("}]")] + f', "id": "{call_id("traj-0", 1)}"}}]'  # as its template writes it
+    assert structured_turn("mistral", "It is 5.") is None and structured_turn("mistral", "[TOOL_CALLS] [{cut") is None
