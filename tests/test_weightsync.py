@@ -1,6 +1,7 @@
 import io
 import os
 import pickle
+import re
 import threading
 import time
 import types
@@ -70,7 +71,7 @@ def test_chain_round_trip_is_exact_and_joins_split_tensors(n_receivers, kind):
     assert stats["fanout"] == "chain" and stats["kind"] == kind
     assert stats["buckets"] == 3 and stats["bytes"] == payload  # 2.98 MB: 3 full MiB buckets
     # Bytes go down the chain; read in place, every receiver gets its own small headers.
-    assert list(sender._sockets) == ([receivers[0].address] if kind == "bytes" else [r.address for r in receivers])
+    assert list(sender._peers.sockets) == ([receivers[0].address] if kind == "bytes" else [r.address for r in receivers])
     for g in got:
         _assert_exact(g, weights)
         # 'big' fills the rest of bucket 0, all of bucket 1, and comes whole with bucket 2
@@ -92,7 +93,7 @@ def test_direct_fanout_is_exact_and_a_second_sync_reuses_the_sender():
             t.join(30)
         for g in got:
             _assert_exact(g, weights)
-    assert set(sender._sockets) == {r.address for r in receivers}
+    assert set(sender._peers.sockets) == {r.address for r in receivers}
     sender.close()
     for r in receivers:
         r.close()
@@ -179,6 +180,42 @@ def test_a_dead_first_receiver_times_out_the_sender_naming_it():
     assert time.monotonic() - start < 5  # the 0.5 s timeout, not a hang
     assert not [t for t in threading.enumerate() if t.name == "weight-sender"]
     sender.close()
+
+
+@pytest.mark.parametrize("ipc", [True, False])
+def test_a_receiver_that_died_is_named_in_seconds_not_at_the_timeout(ipc):
+    """A rollout server killed after the driver asked for its receiver's address: the sender's
+    connection to it stays down, and the sender names it once it has been down for down_after_s,
+    not after its minutes-long timeout. Read in place, the sender also waits on each receiver's
+    ack: one that dies meanwhile is named the same way."""
+    weights = _weights()
+    a, b = WeightReceiver(), WeightReceiver()
+    sender = WeightSender([a.address, b.address], bucket_bytes=1 << 20, send_timeout_s=60, ipc=ipc, fanout="direct", down_after_s=0.5)
+    got, threads = _start([a, b], 1)
+    sender.send(weights.items(), 1)
+    for t in threads:
+        t.join(10)
+    _assert_exact(got[1], weights)
+    b.close()  # killed between two syncs
+    got, threads = _start([a], 2, timeout_s=1)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"could not deliver bucket 0 to {re.escape(b.address)}: its connection has been down for") as err:
+        sender.send(weights.items(), 2)
+    assert time.monotonic() - start < 10 and err.value.kind == "undelivered" and err.value.addresses == (b.address,)
+    threads[0].join(10)
+    sender.close()
+    if ipc:
+        c = WeightReceiver()
+        sender = WeightSender([a.address, c.address], bucket_bytes=1 << 20, send_timeout_s=60, ipc=True, down_after_s=0.5)
+        got, threads = _start([a], 3, timeout_s=1)  # c reads nothing: the sender waits for its ack until it dies
+        threading.Timer(0.2, c.close).start()
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"to {re.escape(c.address)}: its connection has been down for"):
+            sender.send(weights.items(), 3)
+        assert time.monotonic() - start < 10
+        threads[0].join(10)
+        sender.close()
+    a.close()
 
 
 def test_a_receiver_waiting_in_vain_names_the_bucket_and_its_upstream():

@@ -29,6 +29,7 @@ import torch
 import zmq
 
 from raytool.weightsync import same_node
+from raytool.weightsync.links import DOWN_AFTER_S, WatchedPeers
 from raytool.weightsync.protocol import DTYPES, Ack, BucketHeader, Piece, ShmBuffer, WeightSyncTimeout, align, checksum, decode_ack, encode
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class WeightSender:
         fanout: Literal["chain", "direct"] = "chain",
         ipc: bool | None = None,
         node_ip: str | None = None,
+        down_after_s: float = DOWN_AFTER_S,
     ):
         if not addresses:
             raise ValueError("WeightSender needs at least one receiver address")
@@ -88,7 +90,8 @@ class WeightSender:
         self.node_ip = node_ip
         self.origin = f"{socket.gethostname()} pid {os.getpid()}"
         self._ctx = zmq.Context.instance()
-        self._sockets: dict[str, zmq.Socket] = {}
+        # A receiver whose connection stays down for down_after_s is gone: named then, not at the timeout.
+        self._peers = WatchedPeers(self._ctx, send_timeout_s, down_after_s)
         self._staging: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._shm_paths: dict[int, str] = {}  # data_ptr of a shared-memory staging buffer -> its file
         self._acks: zmq.Socket | None = None
@@ -246,7 +249,12 @@ class WeightSender:
         )
         for route in routes:
             header.route = route
-            sock = self._socket(route[0])
+            sock = self._peers.socket(route[0])
+            deadline = time.monotonic() + self.send_timeout_s
+            while not sock.poll(int(_POLL_S * 1000), zmq.POLLOUT):  # no live connection to queue on yet
+                self._check_alive(version, bucket.index, [route[0]])
+                if time.monotonic() > deadline:
+                    raise self._undelivered(version, bucket.index, route[0])
             try:
                 tracker = sock.send_multipart([encode(header), *payload], copy=False, track=True)
             except zmq.Again:
@@ -256,10 +264,15 @@ class WeightSender:
     def _release(self, version: int, bucket: _Bucket, kind: str, free: queue.Queue, acked: dict[int, set[str]]) -> None:
         """Wait until the bucket's buffer may be refilled, then hand it back to the packer."""
         for address, tracker in bucket.waits:
-            try:
-                tracker.wait(self.send_timeout_s)
-            except zmq.NotDone:
-                raise self._undelivered(version, bucket.index, address) from None
+            deadline = time.monotonic() + self.send_timeout_s
+            while True:
+                try:
+                    tracker.wait(_POLL_S)
+                    break
+                except zmq.NotDone:
+                    self._check_alive(version, bucket.index, [address])
+                    if time.monotonic() > deadline:
+                        raise self._undelivered(version, bucket.index, address) from None
         if kind != "bytes":
             self._wait_acks(version, bucket.index, acked)
         bucket.frames.clear()  # the tensors may go now
@@ -271,7 +284,10 @@ class WeightSender:
         deadline = time.monotonic() + self.send_timeout_s
         while (waiting := set(self.addresses) - acked.get(index, set())):
             left = deadline - time.monotonic()
-            if left <= 0 or not self._acks.poll(int(left * 1000)):
+            if left > 0 and not self._acks.poll(int(min(left, _POLL_S) * 1000)):
+                self._check_alive(version, index, waiting)
+                continue
+            if left <= 0:
                 raise WeightSyncTimeout(
                     f"weight sync v{version}: no ack for bucket {index} from {', '.join(sorted(waiting))} "
                     f"within {self.send_timeout_s:g}s (that receiver failed to load it or is stuck)",
@@ -289,15 +305,15 @@ class WeightSender:
             "listening, or not reading; check its server", version=version, bucket=index, addresses=(address,), kind="undelivered",
         )
 
-    def _socket(self, address: str) -> zmq.Socket:
-        if address not in self._sockets:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDTIMEO, int(self.send_timeout_s * 1000))
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection, so a dead peer times out
-            sock.connect(address)
-            self._sockets[address] = sock
-        return self._sockets[address]
+    def _check_alive(self, version: int, index: int, addresses) -> None:
+        """Raise for the first of `addresses` whose connection has been down for a while: that
+        receiver is gone (see raytool.weightsync.links), waiting longer would not help."""
+        for address in self._peers.dead(sorted(addresses)):
+            raise WeightSyncTimeout(
+                f"weight sync v{version}: could not deliver bucket {index} to {address}: its connection has been down for "
+                f"{self._peers.down_for(address):.0f}s (from the sender {self.origin}): that receiver is gone; check its server",
+                version=version, bucket=index, addresses=(address,), kind="undelivered",
+            )
 
     def _ack_socket(self) -> str:
         """The address receivers ack in-place buckets to (bound once; they are on this node)."""
@@ -309,9 +325,7 @@ class WeightSender:
         return self._ack_address
 
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close(linger=0)
-        self._sockets.clear()
+        self._peers.close()
         if self._acks is not None:
             self._acks.close(linger=0)
             self._acks = None
