@@ -30,7 +30,7 @@ import pytest
 
 from raytool.agent.loop import ToolAgentLoop
 from raytool.agent.render import ChatRenderer, RenderError
-from raytool.agent.turns import turn_text
+from raytool.agent.turns import TEMPLATE_TURN_ENDS, closes_itself, turn_text
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.tools import CodeInterpreterTool
 from raytool.types import ExecResult, Message, TokenOutput
@@ -104,6 +104,8 @@ TEMPLATES = {
                                      "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>",
                                      "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                                      "<|tool_call_argument_begin|>", "<|tool_call_end|>"), added=("<think>", "</think>")),
+    "gpt_oss_20b": Template("gpt_oss_20b.jinja", "3aff18eca7ee88d43372b19f7e3784fb15d1acd014f31fa2e71614d9453576fa", "<|return|>",
+                            special=("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")),
     "mistral_small_3_1": Template("mistral_small_3_1.jinja", "773c8c8c2ffb59c8d1069fe423733d2007a88c52d0a838d89e6aae6693b97427",
                                   "</s>", bos="<s>", special=(
                                       "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
@@ -146,9 +148,14 @@ def _kimi(text: str, finished: bool) -> str:
     return re.sub(r"<think>.*?</think>", "<think></think>", text, flags=re.DOTALL) if finished else text
 
 
+def _gpt_oss(text: str, finished: bool) -> str:
+    """gpt-oss's template writes a call the model ended with <|call|> ending in <|end|>."""
+    return text.replace("<|call|>", "<|end|>")
+
+
 # How each template renders what the model already saw (as generated, as observed), given the text
 # the model saw; a template missing here must render it unchanged.
-REWRITES = {"qwen3": _qwen3, "hermes3_tool_use": _hermes3, "kimi_k2_thinking": _kimi}
+REWRITES = {"qwen3": _qwen3, "hermes3_tool_use": _hermes3, "kimi_k2_thinking": _kimi, "gpt_oss_20b": _gpt_oss}
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +240,8 @@ FAMILY_CALLS = {
         f"<|tool_call_begin|>functions.code_interpreter:{i}<|tool_call_argument_begin|>{_args(e)}<|tool_call_end|>"
         for i, e in enumerate(exprs)) + "<|tool_calls_section_end|>"),
     "mistral_small_3_1": ("mistral", _mistral_calls),
+    # harmony, as gpt-oss's template writes a call (the recipient in the role's header); one per turn
+    "gpt_oss_20b": ("gpt_oss", lambda expr: f" to=functions.code_interpreter<|channel|>commentary json<|message|>{_args(expr)}<|call|>"),
     "deepseek_v3_1": ("deepseek", lambda *exprs: "<｜tool▁calls▁begin｜>" + "".join(
         f"<｜tool▁call▁begin｜>code_interpreter<｜tool▁sep｜>{_args(e)}<｜tool▁call▁end｜>" for e in exprs) + "<｜tool▁calls▁end｜>"),
     "qwen3_coder_vllm": ("qwen3_coder", lambda *exprs: "\n".join(
@@ -245,9 +254,16 @@ FAMILY_CALLS = {
 def _family_scenarios(fmt: str, calls) -> dict[str, Scenario]:
     """The tool-message scenarios above, with the family's own calls (Kimi-K2-Thinking opens every
     turn with its reasoning block, empty or not; Mistral's template writes no text before calls)."""
+    def final(text: str) -> str:  # harmony's answers are on its final channel
+        return f"<|channel|>final<|message|>{text}" if fmt == "gpt_oss" else text
+
     if fmt == "kimi_k2":
         def think(text: str) -> str:
             return f"<think>{text}</think>"
+        prior = Message("assistant", "It is 2.", reasoning_content="Easy.")
+    elif fmt == "gpt_oss":
+        def think(text: str) -> str:
+            return f"<|channel|>analysis<|message|>{text}<|end|><|start|>assistant" if text else ""
         prior = Message("assistant", "It is 2.", reasoning_content="Easy.")
     else:
         def think(text: str) -> str:
@@ -255,13 +271,13 @@ def _family_scenarios(fmt: str, calls) -> dict[str, Scenario]:
         prior = Message("assistant", "<think>\nEasy.\n</think>\n\nIt is 2.")
     lead = "" if fmt == "mistral" else "Two calls.\n"
     return {
-        "one_call": Scenario((SYSTEM, USER), (think("") + calls("2 + 3"), think("") + "It is \\boxed{5}."), format=fmt),
-        "parallel_calls": Scenario((SYSTEM, USER), (think("") + lead + calls("2 + 3", "3 + 2"), think("") + "Both say \\boxed{5}."),
-                                   format=fmt),
-        "thinking": Scenario((SYSTEM, USER), (think("I should run it.") + calls("2 + 3"), think("It printed 5.") + "It is \\boxed{5}."),
+        "one_call": Scenario((SYSTEM, USER), (think("") + calls("2 + 3"), think("") + final("It is \\boxed{5}.")), format=fmt),
+        "parallel_calls": Scenario((SYSTEM, USER), (think("") + lead + (calls("2 + 3", "3 + 2") if fmt != "gpt_oss" else ""),
+                                                    think("") + final("Both say \\boxed{5}.")), format=fmt),
+        "thinking": Scenario((SYSTEM, USER), (think("I should run it.") + calls("2 + 3"), think("It printed 5.") + final("It is \\boxed{5}.")),
                              format=fmt),
         "several_users": Scenario((SYSTEM, Message("user", "What is 1 + 1?"), prior, USER),
-                                  (think("") + calls("2 + 3"), think("The tool said 5.") + "It is \\boxed{5}."), format=fmt),
+                                  (think("") + calls("2 + 3"), think("The tool said 5.") + final("It is \\boxed{5}.")), format=fmt),
     }
 
 
@@ -277,18 +293,17 @@ def scenario_of(template: str, name: str) -> Scenario:
 # takes one call per turn and has no reasoning, nor has Mistral-Small-3.1's; DeepSeek-V3.1's opens
 # <think> in its generation prompt only with thinking=True and only after a user message (none after
 # tool output), and renders a reasoning turn from the text after it: the model calls tools in its
-# non-thinking mode (not run here). Kimi-K2-Thinking and Mistral take a turn in parts: the loop
-# records it so (raytool.agent.turns). Not run at all (test_families.py checks their parsers and
-# writers on them): gpt-oss (harmony: its template writes a call turn in another order of header
-# fields than the model generates, and only a turn's first call) and GLM-4.5 (its assistant turns
-# end with the next role's token, not eos).
+# non-thinking mode (not run here). Kimi-K2-Thinking, Mistral and gpt-oss take a turn in parts: the
+# loop records it so (raytool.agent.turns); gpt-oss's template writes one call per turn. Not run at
+# all (test_families.py checks its parser and writer on it): GLM-4.5 (its assistant turns end with
+# the next role's token, not eos).
 CASES = [(t, s) for t in TEMPLATES if t not in FAMILY_SCENARIOS for s in SCENARIOS
          if (s != "no_thinking_mode" or t == "qwen3") and not (t == "hermes3_tool_use" and s.startswith("retool"))]
 CASES += [(t, s) for t in FAMILY_SCENARIOS for s in FAMILY_SCENARIOS[t]
           if not (t == "llama3_1_json" and s in ("parallel_calls", "thinking"))
-          and not (t in ("deepseek_v3_1", "mistral_small_3_1") and s == "thinking")]
+          and not (t in ("deepseek_v3_1", "mistral_small_3_1") and s == "thinking") and not (t == "gpt_oss_20b" and s == "parallel_calls")]
 # an answer's reasoning is dropped once a later user turn comes
-STRIPS_EARLIER_REASONING = {"qwen3", "deepseek_v3_1", "kimi_k2_thinking"}
+STRIPS_EARLIER_REASONING = {"qwen3", "deepseek_v3_1", "kimi_k2_thinking", "gpt_oss_20b"}
 
 
 class Script:
@@ -303,7 +318,7 @@ class Script:
     async def generate(self, prompt_ids, sampling, request_id, session):
         text = self.turns[len(self.prompts)]
         self.prompts.append(list(prompt_ids))
-        in_turn_stop = any(text.endswith(s) for s in sampling.stop)
+        in_turn_stop = any(text.endswith(s) for s in sampling.stop) or closes_itself(self.renderer.fmt, text)  # <|call|>
         ids = self.renderer.encode(text) if in_turn_stop else self.renderer.assistant_ids(text)
         self.generated.append(ids)
         return TokenOutput(ids, [-0.5] * len(ids), "stop", policy_version=1)
@@ -355,7 +370,8 @@ def test_rollout_is_token_exact_on_the_real_template(tokenizers, template, scena
         assert rewrite(seen, False) == fresh
         # The observation is what the template writes after the turn it answers, whatever it does to the turn.
         observation = decode(tok, ids[starts[k - 1] + len(script.generated[k - 1]):starts[k]])
-        assert observation and fresh.endswith(tok.eos_token + observation)
+        ends = (tok.eos_token, *TEMPLATE_TURN_ENDS.get(sc.format, ()))
+        assert observation and fresh.endswith(observation) and fresh[: -len(observation)].endswith(ends)
         if rewrite(seen, False) == seen and not TEMPLATES[template].splits_after_generation_prompt:
             assert script.prompts[k] == renderer.encode(fresh)  # token for token
 

@@ -298,12 +298,16 @@ TURN_CASES = [
     ("llama3_json", "llama3_1_instruct.jinja", "<|eot_id|>", (False,), (False,)),
     ("hermes", "qwen2_5_instruct.jinja", "<|im_end|>", (True, False), (False,)),
     ("hermes", "qwen3.jinja", "<|im_end|>", (True, False), (True,)),  # the last turn without reasoning gets an empty block
+    # harmony: a turn's content or its reasoning goes on the analysis channel, one call per turn; the
+    # template ends a call with <|end|> where the model ends it with <|call|>
+    ("gpt_oss", "gpt_oss_20b.jinja", "", (True, False), (False,)),
+    ("gpt_oss", "gpt_oss_20b.jinja", "", (False,), (True,)),
 ]
 
 
 @pytest.mark.parametrize("fmt, template, end, contents, reasonings", TURN_CASES, ids=[f"{c[0]}-{c[1]}" for c in TURN_CASES])
 def test_a_turn_in_parts_is_written_as_its_familys_template_writes_it(fmt, template, end, contents, reasonings):
-    from raytool.agent.turns import turn_text
+    from raytool.agent.turns import template_dict, turn_text
     from raytool.types import Message
 
     text, tools = _template(template), [SCHEMAS["get_weather"]]
@@ -313,14 +317,15 @@ def test_a_turn_in_parts_is_written_as_its_familys_template_writes_it(fmt, templ
     as_text = fmt in ("kimi_k2", "deepseek")  # their templates write a string as given
     calls = [{"type": "function", "id": f"functions.get_weather:{i}",
               "function": {"name": "get_weather", "arguments": json.dumps(a) if as_text else a}} for i, a in enumerate(arguments)]
-    for n in ((1,) if fmt == "llama3_json" else (1, 2)):
+    for n in ((1,) if fmt in ("llama3_json", "gpt_oss") else (1, 2)):
         for with_content in contents:
             for with_reasoning in reasonings:
                 message = Message("assistant", "I will look." if with_content else "", tool_calls=calls[:n],
                                   reasoning_content="Both cities." if with_reasoning else None)
-                after = _render(text, [*user, message.as_dict()], tools)
+                after = _render(text, [*user, template_dict(message, fmt)], tools)
                 assert after.startswith(before)
-                assert after[len(before):].startswith(turn_text(fmt, message) + end), (n, with_content, with_reasoning)
+                written = turn_text(fmt, message).replace("<|call|>", "<|end|>") if fmt == "gpt_oss" else turn_text(fmt, message)
+                assert after[len(before):].startswith(written + end), (n, with_content, with_reasoning)
                 assert get_parser(fmt, SCHEMAS)(turn_text(fmt, message)).calls == [ToolCall("get_weather", a) for a in arguments[:n]]
 
 
@@ -345,3 +350,13 @@ def test_a_generated_turn_is_read_back_into_the_parts_its_template_takes():
     assert message.tool_calls[0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
     assert turn_text("mistral", message) == mistral[: -len("}]")] + f', "id": "{call_id("traj-0", 1)}"}}]'  # as its template writes it
     assert structured_turn("mistral", "It is 5.") is None and structured_turn("mistral", "[TOOL_CALLS] [{cut") is None
+
+    # harmony: the analysis channel is the reasoning; a call in either header form, or the final answer
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    for header in ("<|channel|>commentary to=functions.get_weather <|constrain|>json", " to=functions.get_weather<|channel|>commentary json"):
+        text = f'<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant{header}<|message|>{{"city": "Paris"}}<|call|>'
+        assert structured_turn("gpt_oss", text) == Message("assistant", "", reasoning_content="Look it up.", tool_calls=[call])
+    final = "<|channel|>analysis<|message|>Done.<|end|><|start|>assistant<|channel|>final<|message|>It is 5."
+    assert structured_turn("gpt_oss", final) == Message("assistant", "It is 5.", reasoning_content="Done.")
+    assert turn_text("gpt_oss", structured_turn("gpt_oss", final)) == final
+    assert structured_turn("gpt_oss", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{cut<|call|>") is None

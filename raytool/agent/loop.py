@@ -226,7 +226,7 @@ class ToolAgentLoop:
         if not self.structured:
             return [None] * n
         if message is not None and message.tool_calls and len(message.tool_calls) == n:
-            return [c["id"] for c in message.tool_calls]
+            return [c.get("id") or call_id(seed, i) for i, c in enumerate(message.tool_calls)]
         return [call_id(seed, i) for i in range(n)]
 
     async def _in_turn(self, state: _State, uid: str) -> None:

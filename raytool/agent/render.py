@@ -15,7 +15,10 @@ which the last assistant turn holds a unique marker: the text between the marker
 and the end is exactly what the template writes after that turn, whatever it does to the turn
 itself; and the real conversation's rendering must end with that same text (so nothing the template
 writes after a turn depends on what the turn said). The generated ids stay verbatim; a template's
-re-rendering of what the model already saw is never trained on. Where either check fails,
+re-rendering of what the model already saw is never trained on. After a turn given in parts (its
+calls in `tool_calls`: Kimi, Mistral, gpt-oss, whose tool messages may need them), the observation
+is what follows the turn's end-of-turn token in the rendering with the tool messages, where the
+rendering without them is a prefix of it. Where either check fails,
 `observation_text` raises `RenderError` and the agent loop ends the trajectory with finish reason
 `render_error`: a wrong observation is never produced silently.
 
@@ -40,7 +43,7 @@ import uuid
 
 from jinja2 import TemplateError
 
-from raytool.agent.turns import ARGUMENTS_AS_TEXT, STRUCTURED, TurnError, turn_text
+from raytool.agent.turns import STRUCTURED, TEMPLATE_TURN_ENDS, TurnError, closes_itself, template_dict, turn_text
 from raytool.types import Message, SFTExample
 
 log = logging.getLogger(__name__)
@@ -78,10 +81,11 @@ def _probe_call(i: int, expr: str) -> dict:
             "function": {"name": "code_interpreter", "arguments": {"code": f"print({expr})"}}}
 
 
-def _probe_in_parts(with_reasoning: bool) -> list[Message]:
+def _probe_in_parts(with_reasoning: bool, one_call_per_turn: bool) -> list[Message]:
     """The probe for templates that take a call turn in parts (turns.STRUCTURED): the same
     conversation, calls as tool_calls with ids, tool results with their tool_call_id, reasoning as
-    reasoning_content where the format has it."""
+    reasoning_content where the format has it (and the two calls of message 6 in one turn, or,
+    where the format writes one per turn, only the first)."""
     def think(text: str) -> str | None:
         return text if with_reasoning else None
 
@@ -92,8 +96,8 @@ def _probe_in_parts(with_reasoning: bool) -> list[Message]:
         _PROBE[0], _PROBE[1],
         Message("assistant", "", tool_calls=[_probe_call(0, "2 + 3")], reasoning_content=think("One call.")),
         result(0, "5"), _PROBE[4], _PROBE[5],
-        Message("assistant", "", tool_calls=[_probe_call(1, "4 * 5"), _probe_call(2, "6 * 7")]),
-        result(1, "20"), result(2, "42"),
+        Message("assistant", "", tool_calls=[_probe_call(1, "4 * 5"), _probe_call(2, "6 * 7")][: 1 if one_call_per_turn else 2]),
+        result(1, "20"), *([] if one_call_per_turn else [result(2, "42")]),
         Message("assistant", "", tool_calls=[_probe_call(3, "20 + 42")], reasoning_content=think("Both came back.")),
         result(3, "62"), _PROBE[11],
     ]
@@ -115,14 +119,6 @@ def as_in_turn(messages: list[Message]) -> list[Message]:
         else:
             out.append(m)
     return out
-
-
-def _as_dict(m, fmt: str | None = None) -> dict:
-    d = m if isinstance(m, dict) else m.as_dict()
-    if fmt in ARGUMENTS_AS_TEXT and d.get("tool_calls"):  # its template concatenates them: JSON text
-        d = {**d, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-                                 if isinstance(c.get("function", {}).get("arguments"), dict) else c for c in d["tool_calls"]]}
-    return d
 
 
 def _describe(m: Message) -> str:
@@ -196,7 +192,7 @@ class ChatRenderer:
     def _text(self, messages, add_generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                [_as_dict(m, self.fmt) for m in messages], tools=self.tools, tokenize=False,
+                [template_dict(m, self.fmt) for m in messages], tools=self.tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **self.template_kwargs,
             )
         except TemplateError:
@@ -232,6 +228,8 @@ class ChatRenderer:
         (see the module docstring). Raises `RenderError` where the template gives no exact answer."""
         if not history or history[-1].role != "assistant":
             raise ValueError("observation_text: the history must end with the assistant turn the tools answer")
+        if history[-1].tool_calls:
+            return self._observation_after_parts(tool_messages, history)
         marker = f"raytool-marker-{uuid.uuid4().hex}"
         try:
             marked = self._text([*history[:-1], Message("assistant", marker), *tool_messages], add_generation_prompt=True)
@@ -249,6 +247,24 @@ class ChatRenderer:
                               "before them, so the observation cannot be derived exactly")
         return observation
 
+    def _observation_after_parts(self, tool_messages: list[Message], history: list[Message]) -> str:
+        """The observation after a turn given in parts (its calls in tool_calls, which the template's
+        tool messages may need: Mistral's ids): what the template writes after the turn's
+        end-of-turn token once the tool messages and the next generation prompt come. The turn
+        itself is the template's to render (the generated ids stay as they were); the conversation
+        before must be a prefix of the one after, else no observation is derived."""
+        try:
+            before = self._text(history, add_generation_prompt=False)
+            real = self._text([*history, *tool_messages], add_generation_prompt=True)
+        except TemplateError as exc:
+            raise RenderError(f"{self.name} cannot render the tool messages after this turn: {exc}") from None
+        ends = [self.eos_text, *TEMPLATE_TURN_ENDS.get(self.fmt, ())]
+        end, token = max((before.rfind(t), t) for t in ends)
+        if not real.startswith(before) or end < 0:
+            raise RenderError(f"{self.name} renders the conversation before the tool messages differently once they come, "
+                              "so the observation cannot be derived exactly")
+        return real[end + len(token):]  # what follows the turn's end-of-turn token
+
     def observation_ids(self, tool_messages: list[Message], history: list[Message]) -> list[int]:
         """Tokens between an assistant turn's eos and the next assistant turn's first token."""
         return self.encode(self.observation_text(tool_messages, history))
@@ -259,16 +275,17 @@ class ChatRenderer:
         """An assistant turn as the engine would emit it: the content, then the eos token."""
         return self.encode(content) + [self.eos_id]
 
-    def assistant_segments(self, content: str) -> list[tuple[list[int], int]]:
+    def assistant_segments(self, content: str, closed: bool = False) -> list[tuple[list[int], int]]:
         """An assistant turn as the loop records it: (ids, mask) pieces, where in-turn tool output
-        (`<interpreter>...</interpreter>` blocks) is tokenized on its own and masked 0."""
+        (`<interpreter>...</interpreter>` blocks) is tokenized on its own and masked 0; the eos token
+        after it unless the turn ends with its own end-of-turn token (`closed`)."""
         pieces, pos = [], 0
         for m in _INTERPRETER.finditer(content):
             if m.start() > pos:
                 pieces.append((self.encode(content[pos:m.start()]), 1))
             pieces.append((self.encode(m.group(0)), 0))
             pos = m.end()
-        pieces.append((self.encode(content[pos:]) + [self.eos_id], 1))
+        pieces.append((self.encode(content[pos:]) + ([] if closed else [self.eos_id]), 1))
         return pieces
 
     # --- whole conversations ---------------------------------------------------------------------
@@ -290,7 +307,7 @@ class ChatRenderer:
                     turn = turn_text(self.fmt, messages[i])
                 except TurnError as exc:
                     raise TurnError(f"messages[{i}]: {exc}") from None
-                text += turn + self.eos_text
+                text += turn + ("" if closes_itself(self.fmt, turn) else self.eos_text)
                 yield "assistant", i, turn
                 i += 1
                 continue
@@ -324,7 +341,7 @@ class ChatRenderer:
                 if any(mask):
                     examples.append(SFTExample(input_ids=ids, loss_mask=mask))
                 ids, mask = [], []
-            pieces = self.assistant_segments(text) if kind == "assistant" else [(self.encode(text), 0)]
+            pieces = self.assistant_segments(text, closed=closes_itself(self.fmt, text)) if kind == "assistant" else [(self.encode(text), 0)]
             for piece, m in pieces:
                 ids.extend(piece)
                 mask.extend([m] * len(piece))
@@ -338,7 +355,7 @@ class ChatRenderer:
         """What this template does to a tool-calling conversation (`_PROBE`): one (finding, severe)
         per place, naming it and what raytool does about it; severe where trajectories will end
         with render_error. [] for a prefix-stable template."""
-        probe = _probe_in_parts(self.fmt == "kimi_k2") if self.fmt in STRUCTURED else _PROBE
+        probe = _probe_in_parts(self.fmt in ("kimi_k2", "gpt_oss"), self.fmt == "gpt_oss") if self.fmt in STRUCTURED else _PROBE
         findings: list[tuple[str, bool]] = []
         text, pieces, split, diverged, at = "", [], None, False, 0
         try:
@@ -359,7 +376,7 @@ class ChatRenderer:
                         findings.append((f"{_place(fresh, text, pieces, probe)} in the prompt of message {i}: generated tokens "
                                          "are kept as generated, observations are read off the template's rendering "
                                          "after each turn", False))
-                    value += self.eos_text
+                    value += "" if closes_itself(self.fmt, value) else self.eos_text
                 pieces.append((len(text), kind, i))
                 text += value
             full = self.conversation_text(probe)

@@ -21,10 +21,16 @@ import hashlib
 import json
 import re
 
+from raytool.agent.families import harmony_messages
 from raytool.types import Message
 
-STRUCTURED = frozenset({"kimi_k2", "mistral"})
+STRUCTURED = frozenset({"kimi_k2", "mistral", "gpt_oss"})
 ARGUMENTS_AS_TEXT = frozenset({"deepseek"})  # templates that concatenate a call's arguments: give them JSON text
+REASONING_KEY = {"gpt_oss": "thinking"}  # the message key a format's template reads a turn's reasoning from
+# Where a format's template writes a turn's end as another token than the model generates (harmony:
+# a call the model ends with <|call|> is written ending in <|end|>), the tokens that may end a turn.
+TEMPLATE_TURN_ENDS = {"gpt_oss": ("<|end|>", "<|call|>")}
+_HARMONY_CALL_END = "<|call|>"
 
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
          "<|tool_calls_section_end|>")
@@ -33,6 +39,18 @@ _DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool�
 
 class TurnError(ValueError):
     """A message the format cannot write as a turn (the message says which part and why)."""
+
+
+def template_dict(message: Message | dict, fmt: str | None = None) -> dict:
+    """A message as format `fmt`'s chat template takes it: the reasoning under the key it reads
+    (harmony's `thinking`), a call's arguments as JSON text where it concatenates them (DeepSeek)."""
+    d = message if isinstance(message, dict) else message.as_dict()
+    if fmt in REASONING_KEY and "reasoning_content" in d:
+        d = {REASONING_KEY[fmt] if k == "reasoning_content" else k: v for k, v in d.items()}
+    if fmt in ARGUMENTS_AS_TEXT and d.get("tool_calls"):
+        d = {**d, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+                                 if isinstance(c.get("function", {}).get("arguments"), dict) else c for c in d["tool_calls"]]}
+    return d
 
 
 def call_id(seed: str, index: int) -> str:
@@ -123,6 +141,23 @@ def _mistral(content: str, calls: list[dict]) -> str:
     return content + "[TOOL_CALLS] [" + ", ".join(items) + "]"
 
 
+def _gpt_oss(message: Message) -> str:
+    """Harmony as gpt-oss's template writes a turn after its generation prompt (<|start|>assistant):
+    the reasoning (or, in a turn that calls, the content) on the analysis channel, then the call
+    (`to=functions.NAME` in the header, JSON arguments; one per turn) or the final answer."""
+    calls, reasoning, content = message.tool_calls or [], message.reasoning_content, message.content
+    if len(calls) > 1:
+        raise TurnError("gpt-oss's template writes one call per turn; give each call a turn of its own")
+    if calls and content and reasoning:
+        raise TurnError("gpt-oss's template takes a turn that calls a tool with its reasoning or its content as analysis, not both")
+    analysis = reasoning if reasoning is not None else (content if calls else None)
+    text = f"<|channel|>analysis<|message|>{analysis}<|end|><|start|>assistant" if analysis else ""
+    if calls:
+        name, args = _function(calls[0])
+        return text + f" to=functions.{name}<|channel|>commentary json<|message|>{json.dumps(_object(args), ensure_ascii=False)}" + _HARMONY_CALL_END
+    return text + f"<|channel|>final<|message|>{content}"
+
+
 def _retool(content: str, calls: list[dict]) -> str:
     blocks = []
     for name, args in map(_function, calls):
@@ -145,6 +180,8 @@ _WRITERS = {
 def turn_text(fmt: str | None, message: Message) -> str:
     """The text a model of format `fmt` (None: hermes) generates for `message` (see the module
     docstring). Raises TurnError where the format has no way to write one of its parts."""
+    if fmt == "gpt_oss":  # harmony: every turn is written on its channels
+        return _gpt_oss(message)
     if message.tool_calls is None and message.reasoning_content is None:
         return message.content
     fmt = fmt or "hermes"
@@ -159,6 +196,12 @@ def turn_text(fmt: str | None, message: Message) -> str:
     if write_reasoning is None:
         raise TurnError(f"agent.format {fmt} has no reasoning in a turn; the message's reasoning_content cannot be written")
     return write_reasoning(message.reasoning_content) + text
+
+
+def closes_itself(fmt: str | None, text: str) -> bool:
+    """Whether a turn's text (turn_text's) ends with its own end-of-turn token, not the tokenizer's
+    end of sequence: a harmony call ends with <|call|>."""
+    return fmt == "gpt_oss" and text.endswith(_HARMONY_CALL_END)
 
 
 # --- reading a generated turn back into parts ------------------------------------------------------
@@ -210,6 +253,27 @@ def _split_mistral(text: str, seed: str) -> Message | None:
     return Message("assistant", content, tool_calls=calls)
 
 
+def _split_gpt_oss(text: str) -> Message | None:
+    parts = harmony_messages(text)
+    reasoning = None
+    if parts and "<|channel|>analysis" in parts[0][0]:
+        reasoning = parts.pop(0)[1]
+    if len(parts) != 1:
+        return None
+    header, body, _ = parts[0]
+    called = re.search(r"to=functions\.([^\s<]+)", header)
+    if called is None:
+        return Message("assistant", body, reasoning_content=reasoning) if "<|channel|>final" in header else None
+    try:
+        arguments = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    return Message("assistant", "", reasoning_content=reasoning,
+                   tool_calls=[{"type": "function", "function": {"name": called.group(1), "arguments": arguments}}])
+
+
 def structured_turn(fmt: str, text: str, seed: str = "") -> Message | None:
     """The message in parts for generated turn `text` (decoded with its special tokens, without its
     end-of-turn token) of a STRUCTURED format; None where it does not split so. Mistral calls
@@ -218,4 +282,6 @@ def structured_turn(fmt: str, text: str, seed: str = "") -> Message | None:
         return _split_kimi(text)
     if fmt == "mistral":
         return _split_mistral(text, seed)
+    if fmt == "gpt_oss":
+        return _split_gpt_oss(text)
     return None
