@@ -304,3 +304,20 @@ def test_the_in_run_warm_up_trains_on_sft_train_files_when_named_and_says_so(tok
         generated = warmup_examples(load_config(overrides=["data.train_size=16", "data.val_size=2", "trainer.sft_warmup_steps=1", "sft.batch_size=2"]),
                                     task, tokenizer, random.Random(0))
     assert generated and "generated with the tool_arith task" in caplog.text
+
+
+def test_in_turn_traces_write_turns_given_in_parts_as_retool_code_and_name_what_they_cannot(tokenizer, caplog):
+    from raytool.agent.render import as_in_turn
+
+    code = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}}
+    conv = _conversation_of([{"role": "user", "content": "6 * 7?"}, {"role": "assistant", "content": "Run it.", "tool_calls": [code]},
+                             {"role": "tool", "content": "42"}, {"role": "assistant", "content": "\\boxed{42}"}])
+    (merged,) = as_in_turn(conv.messages)[1:]
+    assert merged == Message("assistant", "Run it.\n<code>\n```python\nprint(6 * 7)\n```\n</code>\n<interpreter>\n42\n</interpreter>\n\\boxed{42}")
+    weather = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    other = _conversation_of([{"role": "user", "content": "Paris?"}, {"role": "assistant", "content": "", "tool_calls": [weather]},
+                              {"role": "tool", "content": "18"}, {"role": "assistant", "content": "18 C"}])
+    other = Conversation(messages=as_in_turn(other.messages), source="weather.jsonl line 1")
+    with caplog.at_level(logging.WARNING):
+        examples, stats = sft_examples([Conversation(messages=[*conv.messages[:1], merged]), other], tokenizer, 4096, fmt="retool")
+    assert stats["count"] == 1 and stats["unrenderable"] == 1 and "weather.jsonl line 1: messages[1]: agent.format retool writes" in caplog.text

@@ -41,6 +41,7 @@ import logging
 import re
 import uuid
 
+import msgspec
 from jinja2 import TemplateError
 
 from raytool.agent.turns import STRUCTURED, TEMPLATE_TURN_ENDS, TurnError, closes_itself, template_dict, turn_text
@@ -109,13 +110,19 @@ _INTERPRETER = re.compile(r"\n<interpreter>\n.*?\n</interpreter>\n", re.DOTALL)
 def as_in_turn(messages: list[Message]) -> list[Message]:
     """A tool_message-style trace rewritten as the ReTool paper writes it: each run of assistant
     and tool messages becomes one assistant message, tool output inside <interpreter> tags (the
-    exact text the in_turn loop splices in)."""
+    exact text the in_turn loop splices in). A turn given in parts is written as the retool format
+    writes it first; one it cannot write keeps its parts, so that SFT names the row."""
     out: list[Message] = []
     for m in messages:
+        if m.role == "assistant" and (m.tool_calls or m.reasoning_content is not None):
+            try:
+                m = Message("assistant", turn_text("retool", m))
+            except TurnError:
+                pass
         if m.role == "tool" and out and out[-1].role == "assistant":
-            out[-1] = Message("assistant", out[-1].content + f"\n<interpreter>\n{m.content}\n</interpreter>\n")
+            out[-1] = msgspec.structs.replace(out[-1], content=out[-1].content + f"\n<interpreter>\n{m.content}\n</interpreter>\n")
         elif m.role == "assistant" and out and out[-1].role == "assistant" and out[-1].content.endswith("</interpreter>\n"):
-            out[-1] = Message("assistant", out[-1].content + m.content)
+            out[-1] = msgspec.structs.replace(out[-1], content=out[-1].content + m.content)
         else:
             out.append(m)
     return out
