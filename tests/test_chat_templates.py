@@ -30,7 +30,7 @@ import pytest
 
 from raytool.agent.loop import ToolAgentLoop
 from raytool.agent.render import ChatRenderer, RenderError
-from raytool.agent.turns import TEMPLATE_TURN_ENDS, closes_itself, turn_text
+from raytool.agent.turns import NEXT_ROLE_ENDS, TEMPLATE_TURN_ENDS, closes_itself, turn_text
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.tools import CodeInterpreterTool
 from raytool.types import ExecResult, Message, TokenOutput
@@ -106,6 +106,12 @@ TEMPLATES = {
                                      "<|tool_call_argument_begin|>", "<|tool_call_end|>"), added=("<think>", "</think>")),
     "gpt_oss_20b": Template("gpt_oss_20b.jinja", "3aff18eca7ee88d43372b19f7e3784fb15d1acd014f31fa2e71614d9453576fa", "<|return|>",
                             special=("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")),
+    # llama.cpp's adaptation of GLM-4.5's template (test_families.py says where from): its turns
+    # end with the next role's token (<|observation|>, <|user|>), which the model generates.
+    "glm_4_5": Template("glm_4_5_llamacpp.jinja", "0f25e04269293cd5dda8b73283c758817d28afea579ac30a5f95cd56f31a7447", "<|endoftext|>",
+                        special=("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>"),
+                        added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                               "</arg_value>", "<tool_response>", "</tool_response>")),
     "mistral_small_3_1": Template("mistral_small_3_1.jinja", "773c8c8c2ffb59c8d1069fe423733d2007a88c52d0a838d89e6aae6693b97427",
                                   "</s>", bos="<s>", special=(
                                       "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
@@ -148,6 +154,11 @@ def _kimi(text: str, finished: bool) -> str:
     return re.sub(r"<think>.*?</think>", "<think></think>", text, flags=re.DOTALL) if finished else text
 
 
+def _glm(text: str, finished: bool) -> str:
+    """GLM's template writes nothing after the conversation's last turn, where the model ended it with <|user|>."""
+    return text.removesuffix("<|user|>") if finished else text
+
+
 def _gpt_oss(text: str, finished: bool) -> str:
     """gpt-oss's template writes a call the model ended with <|call|> ending in <|end|>."""
     return text.replace("<|call|>", "<|end|>")
@@ -155,7 +166,7 @@ def _gpt_oss(text: str, finished: bool) -> str:
 
 # How each template renders what the model already saw (as generated, as observed), given the text
 # the model saw; a template missing here must render it unchanged.
-REWRITES = {"qwen3": _qwen3, "hermes3_tool_use": _hermes3, "kimi_k2_thinking": _kimi, "gpt_oss_20b": _gpt_oss}
+REWRITES = {"qwen3": _qwen3, "hermes3_tool_use": _hermes3, "kimi_k2_thinking": _kimi, "gpt_oss_20b": _gpt_oss, "glm_4_5": _glm}
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +251,8 @@ FAMILY_CALLS = {
         f"<|tool_call_begin|>functions.code_interpreter:{i}<|tool_call_argument_begin|>{_args(e)}<|tool_call_end|>"
         for i, e in enumerate(exprs)) + "<|tool_calls_section_end|>"),
     "mistral_small_3_1": ("mistral", _mistral_calls),
+    "glm_4_5": ("glm45", lambda *exprs: "".join(
+        f"\n<tool_call>code_interpreter<arg_key>code</arg_key>\n<arg_value>print({e})</arg_value></tool_call>" for e in exprs) + "<|observation|>"),
     # harmony, as gpt-oss's template writes a call (the recipient in the role's header); one per turn
     "gpt_oss_20b": ("gpt_oss", lambda expr: f" to=functions.code_interpreter<|channel|>commentary json<|message|>{_args(expr)}<|call|>"),
     "deepseek_v3_1": ("deepseek", lambda *exprs: "<｜tool▁calls▁begin｜>" + "".join(
@@ -254,12 +267,16 @@ FAMILY_CALLS = {
 def _family_scenarios(fmt: str, calls) -> dict[str, Scenario]:
     """The tool-message scenarios above, with the family's own calls (Kimi-K2-Thinking opens every
     turn with its reasoning block, empty or not; Mistral's template writes no text before calls)."""
-    def final(text: str) -> str:  # harmony's answers are on its final channel
-        return f"<|channel|>final<|message|>{text}" if fmt == "gpt_oss" else text
+    def final(text: str) -> str:  # harmony's answers are on its final channel; GLM's end with <|user|>
+        return {"gpt_oss": f"<|channel|>final<|message|>{text}", "glm45": f"\n{text}<|user|>"}.get(fmt, text)
 
     if fmt == "kimi_k2":
         def think(text: str) -> str:
             return f"<think>{text}</think>"
+        prior = Message("assistant", "It is 2.", reasoning_content="Easy.")
+    elif fmt == "glm45":
+        def think(text: str) -> str:
+            return f"\n<think>{text}</think>"
         prior = Message("assistant", "It is 2.", reasoning_content="Easy.")
     elif fmt == "gpt_oss":
         def think(text: str) -> str:
@@ -269,7 +286,7 @@ def _family_scenarios(fmt: str, calls) -> dict[str, Scenario]:
         def think(text: str) -> str:
             return f"<think>\n{text}\n</think>\n\n" if text else ""
         prior = Message("assistant", "<think>\nEasy.\n</think>\n\nIt is 2.")
-    lead = "" if fmt == "mistral" else "Two calls.\n"
+    lead = {"mistral": "", "glm45": "\nTwo calls."}.get(fmt, "Two calls.\n")
     return {
         "one_call": Scenario((SYSTEM, USER), (think("") + calls("2 + 3"), think("") + final("It is \\boxed{5}.")), format=fmt),
         "parallel_calls": Scenario((SYSTEM, USER), (think("") + lead + (calls("2 + 3", "3 + 2") if fmt != "gpt_oss" else ""),
@@ -294,16 +311,15 @@ def scenario_of(template: str, name: str) -> Scenario:
 # <think> in its generation prompt only with thinking=True and only after a user message (none after
 # tool output), and renders a reasoning turn from the text after it: the model calls tools in its
 # non-thinking mode (not run here). Kimi-K2-Thinking, Mistral and gpt-oss take a turn in parts: the
-# loop records it so (raytool.agent.turns); gpt-oss's template writes one call per turn. Not run at
-# all (test_families.py checks its parser and writer on it): GLM-4.5 (its assistant turns end with
-# the next role's token, not eos).
+# loop records it so (raytool.agent.turns); gpt-oss's template writes one call per turn. GLM-4.5's
+# turns end with the next role's token (<|observation|>, <|user|>), which the model generates.
 CASES = [(t, s) for t in TEMPLATES if t not in FAMILY_SCENARIOS for s in SCENARIOS
          if (s != "no_thinking_mode" or t == "qwen3") and not (t == "hermes3_tool_use" and s.startswith("retool"))]
 CASES += [(t, s) for t in FAMILY_SCENARIOS for s in FAMILY_SCENARIOS[t]
           if not (t == "llama3_1_json" and s in ("parallel_calls", "thinking"))
           and not (t in ("deepseek_v3_1", "mistral_small_3_1") and s == "thinking") and not (t == "gpt_oss_20b" and s == "parallel_calls")]
 # an answer's reasoning is dropped once a later user turn comes
-STRIPS_EARLIER_REASONING = {"qwen3", "deepseek_v3_1", "kimi_k2_thinking", "gpt_oss_20b"}
+STRIPS_EARLIER_REASONING = {"qwen3", "deepseek_v3_1", "kimi_k2_thinking", "gpt_oss_20b", "glm_4_5"}
 
 
 class Script:
@@ -370,7 +386,7 @@ def test_rollout_is_token_exact_on_the_real_template(tokenizers, template, scena
         assert rewrite(seen, False) == fresh
         # The observation is what the template writes after the turn it answers, whatever it does to the turn.
         observation = decode(tok, ids[starts[k - 1] + len(script.generated[k - 1]):starts[k]])
-        ends = (tok.eos_token, *TEMPLATE_TURN_ENDS.get(sc.format, ()))
+        ends = (tok.eos_token, *TEMPLATE_TURN_ENDS.get(sc.format, ()), *NEXT_ROLE_ENDS.get(sc.format, ()))
         assert observation and fresh.endswith(observation) and fresh[: -len(observation)].endswith(ends)
         if rewrite(seen, False) == seen and not TEMPLATES[template].splits_after_generation_prompt:
             assert script.prompts[k] == renderer.encode(fresh)  # token for token
@@ -418,7 +434,8 @@ def test_sft_on_the_conversation_gives_the_rollout_tokens(tokenizers, template, 
         # that answer is learned in an example of its own, with its reasoning, as rollout produced it.
         assert len(examples) == 2 and prompt_learned == ""
         # The first example is the rollout of the first question, token for token.
-        _, _, first_traj = run(tok, Scenario(sc.prompt[:2], (turn_text(sc.format, sc.prompt[2]),), format=sc.format))
+        answer = turn_text(sc.format, sc.prompt[2]) + (NEXT_ROLE_ENDS[sc.format][1] if sc.format in NEXT_ROLE_ENDS else "")  # GLM: <|user|>
+        _, _, first_traj = run(tok, Scenario(sc.prompt[:2], (answer,), format=sc.format))
         assert examples[0].input_ids == first_traj.prompt_ids + first_traj.response_ids
         assert examples[0].loss_mask == [0] * len(first_traj.prompt_ids) + first_traj.response_mask
     elif scenario == "several_users":

@@ -442,7 +442,7 @@ FORMATS = {f.name: f for f in (
     Format("gpt_oss", _guarded("gpt_oss", _parse_gpt_oss), ("<|channel|>", "to=functions."), True, ("<|start|>", "<|channel|>"),
            ("<|call|>",)),
     Format("qwen3_coder", _guarded("qwen3_coder", _parse_qwen3_coder), ("<function=", "<parameter="), False, ("<tool_call>",)),
-    Format("glm45", _guarded("glm45", _parse_glm45), ("<arg_key>",), False, ("<tool_call>",)),
+    Format("glm45", _guarded("glm45", _parse_glm45), ("<arg_key>",), False, ("<tool_call>",), ("<|observation|>", "<|user|>")),
     Format("mistral", _guarded("mistral", _parse_mistral), ("[TOOL_CALLS]",), True, ("[TOOL_CALLS]",)),
     Format("llama3_json", _guarded("llama3_json", _parse_llama3_json), ("<|python_tag|>", '"parameters"'), True, ("<|python_tag|>", "{"),
            ("<|eom_id|>",)),

@@ -44,7 +44,7 @@ import uuid
 import msgspec
 from jinja2 import TemplateError
 
-from raytool.agent.turns import STRUCTURED, TEMPLATE_TURN_ENDS, TurnError, closes_itself, template_dict, turn_text
+from raytool.agent.turns import NEXT_ROLE_ENDS, STRUCTURED, TEMPLATE_TURN_ENDS, TurnError, closes_itself, template_dict, turn_text
 from raytool.types import Message, SFTExample
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class ChatRenderer:
         except TemplateError as exc:
             raise ValueError(f"{self.name} cannot render a user and an assistant message"
                              f"{' with these tools' if self.tools else ' without tools'}: {exc}") from None
-        if "y" + self.eos_text not in base:
+        if "y" + self.eos_text not in base and not (fmt in NEXT_ROLE_ENDS and base.rstrip().endswith("y")):
             raise ValueError(f"{self.name} does not end assistant turns with the tokenizer's eos token {self.eos_text!r}")
         key = (template, json.dumps(self.tools, sort_keys=True), json.dumps(self.template_kwargs, sort_keys=True, default=str),
                self.fmt if self.fmt in STRUCTURED else None)
@@ -244,12 +244,14 @@ class ChatRenderer:
         except TemplateError as exc:
             raise RenderError(f"{self.name} cannot render the tool messages after this turn: {exc}") from None
         at = marked.find(marker)
-        if at < 0 or marked.count(marker) != 1 or not marked.startswith(self.eos_text, at + len(marker)):
+        # the turn's end: the eos token, or (GLM) the next role's token, which the model generated too
+        end = next((t for t in (self.eos_text, *NEXT_ROLE_ENDS.get(self.fmt, ())) if marked.startswith(t, at + len(marker))), None)
+        if at < 0 or marked.count(marker) != 1 or end is None:
             raise RenderError(f"{self.name} does not end an assistant turn with the eos token right after its content, "
                               "so the observation cannot be derived exactly")
-        observation = marked[at + len(marker) + len(self.eos_text):]
+        observation = marked[at + len(marker) + len(end):]
         # What follows the turn must not depend on what the turn says (the marker stood in for it).
-        if not real.endswith(self.eos_text + observation):
+        if not real.endswith(end + observation):
             raise RenderError(f"{self.name} renders the tool messages differently depending on the assistant turn "
                               "before them, so the observation cannot be derived exactly")
         return observation
@@ -297,10 +299,22 @@ class ChatRenderer:
 
     # --- whole conversations ---------------------------------------------------------------------
 
+    def _closing(self, messages: list[Message], i: int, turn: str) -> str:
+        """The token that ends assistant turn `i` as the model generates it: the eos token; none
+        where the turn ends with its own (harmony's <|call|>); GLM's turns end with the next role's
+        token, <|observation|> before tool output, else <|user|>."""
+        if closes_itself(self.fmt, turn):
+            return ""
+        if self.fmt in NEXT_ROLE_ENDS:
+            observation, user = NEXT_ROLE_ENDS[self.fmt]
+            return observation if i + 1 < len(messages) and messages[i + 1].role == "tool" else user
+        return self.eos_text
+
     def _walk(self, messages: list[Message]):
         """The conversation as the agent loop would have produced it, piece by piece, as
         (kind, index of the first message it covers, text): "example" where a new example starts
-        (its prompt rendered fresh), "assistant" per assistant turn (its content), "observation" per
+        (its prompt rendered fresh), "assistant" per assistant turn (its text and the token that
+        ends it), "observation" per
         run of tool messages, and "continue" where a later user message extends the current example."""
         first = next((i for i, m in enumerate(messages) if m.role == "assistant"), None)
         if first is None:
@@ -314,7 +328,8 @@ class ChatRenderer:
                     turn = turn_text(self.fmt, messages[i])
                 except TurnError as exc:
                     raise TurnError(f"messages[{i}]: {exc}") from None
-                text += turn + ("" if closes_itself(self.fmt, turn) else self.eos_text)
+                turn += self._closing(messages, i, turn)
+                text += turn
                 yield "assistant", i, turn
                 i += 1
                 continue
@@ -348,7 +363,12 @@ class ChatRenderer:
                 if any(mask):
                     examples.append(SFTExample(input_ids=ids, loss_mask=mask))
                 ids, mask = [], []
-            pieces = self.assistant_segments(text, closed=closes_itself(self.fmt, text)) if kind == "assistant" else [(self.encode(text), 0)]
+            if kind != "assistant":
+                pieces = [(self.encode(text), 0)]
+            elif text.endswith(self.eos_text):
+                pieces = self.assistant_segments(text[: -len(self.eos_text)])
+            else:  # it ends with its own end-of-turn token
+                pieces = self.assistant_segments(text, closed=True)
             for piece, m in pieces:
                 ids.extend(piece)
                 mask.extend([m] * len(piece))
@@ -383,7 +403,6 @@ class ChatRenderer:
                         findings.append((f"{_place(fresh, text, pieces, probe)} in the prompt of message {i}: generated tokens "
                                          "are kept as generated, observations are read off the template's rendering "
                                          "after each turn", False))
-                    value += "" if closes_itself(self.fmt, value) else self.eos_text
                 pieces.append((len(text), kind, i))
                 text += value
             full = self.conversation_text(probe)

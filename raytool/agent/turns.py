@@ -30,6 +30,10 @@ REASONING_KEY = {"gpt_oss": "thinking"}  # the message key a format's template r
 # Where a format's template writes a turn's end as another token than the model generates (harmony:
 # a call the model ends with <|call|> is written ending in <|end|>), the tokens that may end a turn.
 TEMPLATE_TURN_ENDS = {"gpt_oss": ("<|end|>", "<|call|>")}
+# Formats whose turns have no end-of-turn token of their own: the model stops on the next role's
+# token, which the template writes with the next message (GLM: <|observation|> before tool output,
+# <|user|> otherwise).
+NEXT_ROLE_ENDS = {"glm45": ("<|observation|>", "<|user|>")}
 _HARMONY_CALL_END = "<|call|>"
 
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
@@ -201,7 +205,7 @@ def turn_text(fmt: str | None, message: Message) -> str:
 def closes_itself(fmt: str | None, text: str) -> bool:
     """Whether a turn's text (turn_text's) ends with its own end-of-turn token, not the tokenizer's
     end of sequence: a harmony call ends with <|call|>."""
-    return fmt == "gpt_oss" and text.endswith(_HARMONY_CALL_END)
+    return (fmt == "gpt_oss" and text.endswith(_HARMONY_CALL_END)) or (fmt in NEXT_ROLE_ENDS and text.endswith(NEXT_ROLE_ENDS[fmt]))
 
 
 # --- reading a generated turn back into parts ------------------------------------------------------
