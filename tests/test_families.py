@@ -360,3 +360,53 @@ def test_a_generated_turn_is_read_back_into_the_parts_its_template_takes():
     assert structured_turn("gpt_oss", final) == Message("assistant", "It is 5.", reasoning_content="Done.")
     assert turn_text("gpt_oss", structured_turn("gpt_oss", final)) == final
     assert structured_turn("gpt_oss", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{cut<|call|>") is None
+
+
+def _schema(name: str, properties: dict) -> dict:
+    return {name: {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": properties}}}}
+
+
+_CODE = _schema("code_interpreter", {"code": {"type": "string"}})
+_TAGGED = '\n<tool_call>\n<function=code_interpreter>\n<parameter=code>{}</parameter>\n</function>\n</tool_call>\n'
+# verl's CPU tool-parser cases (tests/experimental/agent_loop/test_tool_parser.py: hermes and
+# qwen3_coder; the gpt-oss one is above), input -> what raytool reads. Where verl answers a turn
+# with one error for the whole turn ("fails closed"), raytool answers each call on its own: the
+# well-formed ones run, each malformed one gets its error.
+VERL_CASES = [
+    ("hermes", '</think><tool_call>{"name": "code_interpreter", "arguments": {bad}}</tool_call>', _CODE, ["invalid_json"]),
+    ("hermes", '<think><tool_call>{"name": "code_interpreter", "arguments": {}}</tool_call></think>done', _CODE, ["malformed_call"]),
+    ("hermes", '\n</think>\n<tool_call>{"name":"code_interpreter","arguments":{"code":"print(1)"}}</tool_call>\n<tool_call>{bad}</tool_call>\n',
+     _CODE, [ToolCall("code_interpreter", {"code": "print(1)"}), "invalid_json"]),  # verl: one error, nothing run
+    ("hermes", '\n<think><tool_call>{"name":"code_interpreter","arguments":{"code":"bad"}}</tool_call></think>\n'
+               '<tool_call>{"name":"code_interpreter","arguments":{"code":"print(1)"}}</tool_call>\n',
+     _CODE, ["malformed_call", ToolCall("code_interpreter", {"code": "print(1)"})]),  # verl: one error, nothing run
+    ("hermes", '\n</think><tool_call>{"name":"delete_rows","arguments":{"sheet_name":"Sheet1","rows":["2:3","7:9"]}}</tool_call>\n',
+     _schema("delete_rows", {"sheet_name": {"type": "string"}, "rows": {"type": "array"}}),
+     [ToolCall("delete_rows", {"sheet_name": "Sheet1", "rows": ["2:3", "7:9"]})]),
+    ("qwen3_coder", '\n<tool_call>\n<function=example>\n<parameter=items>[true, false, null]</parameter>\n</function>\n</tool_call>\n',
+     _schema("example", {"items": {"type": "array"}}), [ToolCall("example", {"items": [True, False, None]})]),
+    ("qwen3_coder", '\n<tool_call>\n<function=example>\n<parameter=items>__import__("os").getcwd()</parameter>\n</function>\n</tool_call>\n',
+     _schema("example", {"items": {"type": "array"}}), [ToolCall("example", {"items": '__import__("os").getcwd()'})]),  # kept, never evaluated
+    ("qwen3_coder", _TAGGED.format('\nprint("hello")\n'), _CODE, [ToolCall("code_interpreter", {"code": 'print("hello")'})]),
+    ("qwen3_coder", '\n<tool_call>\n<function=find_cells>\n<parameter=sheet_name>Sheet1</parameter>\n<parameter=query>Revenue</parameter>\n'
+                    '<parameter=case_sensitive>false</parameter>\n<parameter=max_results>10</parameter>\n<parameter=return>all</parameter>\n'
+                    '</function>\n</tool_call>\n',
+     _schema("find_cells", {"sheet_name": {"type": "string"}, "query": {"type": "string"}, "case_sensitive": {"type": "boolean"},
+                            "max_results": {"type": "integer"}, "return": {"type": "string"}}),
+     [ToolCall("find_cells", {"sheet_name": "Sheet1", "query": "Revenue", "case_sensitive": False, "max_results": 10, "return": "all"})]),
+    ("qwen3_coder", '\n<tool_call>\n<function=recalculate_and_read>\n<parameter=cell_ranges>["A1", "Sheet1!B2:C3"]</parameter>\n</function>\n</tool_call>\n',
+     _schema("recalculate_and_read", {"cell_ranges": {"type": "array"}}), [ToolCall("recalculate_and_read", {"cell_ranges": ["A1", "Sheet1!B2:C3"]})]),
+    ("qwen3_coder", '\n<tool_call>\n<function=code_interpreter>\n<parameter=code>\nprint("hello")\n</parameter>\n</function>\n', _CODE, ["unterminated_tag"]),
+    ("qwen3_coder", '\n<tool_call>\n<parameter=code>\nprint("hello")\n</parameter>\n</tool_call>\n', _CODE, ["malformed_call"]),
+    ("qwen3_coder", '\n<tool_call>\n<function=code_interpreter\n<parameter=code>\nprint("hello")\n</parameter>\n</function>\n</tool_call>\n',
+     _CODE, ["malformed_call"]),
+    # verl: one error for the turn; raytool reads the second block too, whose </tool_call> closes it unambiguously
+    ("qwen3_coder", _TAGGED.format('print("ok")') + '<tool_call>\n<function=code_interpreter>\n<parameter=code>print("bad")</parameter>\n</tool_call>\n',
+     _CODE, [ToolCall("code_interpreter", {"code": 'print("ok")'}), ToolCall("code_interpreter", {"code": 'print("bad")'})]),
+]
+
+
+@pytest.mark.parametrize("fmt, text, schemas, expected", VERL_CASES)
+def test_verls_parser_cases_give_the_same_calls_or_an_error_per_call(fmt, text, schemas, expected):
+    items = get_parser(fmt, schemas)(text).items()
+    assert [item.kind if isinstance(item, ToolError) else item for item in items] == expected, items

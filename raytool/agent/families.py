@@ -305,8 +305,12 @@ def _parse_qwen3_coder(text: str, schemas: Schemas | None) -> ParseResult:
             nxt = body.find("<function=", end_name)
             end = body.find("</function>", end_name)
             stop = min(x for x in (end, nxt, len(body)) if x >= 0)
-            pairs = _xml_pairs(body[end_name + 1:stop], "<parameter=", ">", None, "</parameter>")
-            result.add(_xml_call(body[start:end_name].strip(), pairs, schemas, "Qwen3-Coder", _QWEN_HINT))
+            name = body[start:end_name].strip()
+            if "<" in name or "\n" in name:  # <function=NAME without its '>': the next tag's '>' closed it
+                result.add(_error("malformed_call", f"<function={_cut(name.split(chr(10))[0])} is not closed by '>'. {_QWEN_HINT}"))
+            else:
+                pairs = _xml_pairs(body[end_name + 1:stop], "<parameter=", ">", None, "</parameter>")
+                result.add(_xml_call(name, pairs, schemas, "Qwen3-Coder", _QWEN_HINT))
             i = nxt
     return result
 

@@ -354,7 +354,15 @@ def _hermes_call(body: str) -> tuple[ToolCall | ToolError, bool]:
 
 def tool_call_bodies(text: str, result: ParseResult, hint: str) -> Iterator[str]:
     """The body of each <tool_call>...</tool_call> that holds something; one never closed, or
-    empty, is added to `result` as its error (`hint`: how a call is written)."""
+    empty, is added to `result` as its error (`hint`: how a call is written). A call inside the
+    turn's reasoning (before its </think>) is not run: it is answered with an error (the chat
+    templates drop that reasoning from later prompts, so the call would vanish from the history)."""
+    reasoning, sep, rest = text.partition("</think>")
+    if sep:
+        for _ in range(reasoning.count("<tool_call>")):
+            result.add(_error("malformed_call", "a <tool_call> inside the reasoning (before </think>) is not run. "
+                                                "Finish the reasoning with </think>, then write the call."))
+        text = rest
     for body in _tagged_bodies(text, "<tool_call>", "</tool_call>"):
         if body is None:
             result.add(_error("unterminated_tag", "<tool_call> was opened but never closed. End each call with </tool_call>."))
