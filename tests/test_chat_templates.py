@@ -518,3 +518,22 @@ def test_tool_rendering_that_depends_on_the_turn_before_it_is_refused(tokenizers
     renderer = ChatRenderer(tok)
     with pytest.raises(RenderError, match="depending on the assistant turn before them"):
         renderer.observation_text([Message("tool", "5")], [SYSTEM, USER, Message("assistant", "abc")])
+
+
+@pytest.mark.parametrize("template", ["glm_4_5", "qwen3_coder_vllm", "deepseek_v3_1", "kimi_k2_thinking", "mistral_small_3_1", "gpt_oss_20b"])
+def test_a_trace_given_in_parts_trains_the_tokens_a_rollout_of_the_same_turns_gives(tokenizers, template):
+    """SFT data in OpenAI's form (calls as tool_calls with ids, reasoning as reasoning_content, tool
+    results with their tool_call_id) for each family: written as its models generate the turns, it
+    gives the tokens the loop records when the model generates them."""
+    tok, sc = tokenizers[template], scenario_of(template, "thinking" if template in ("glm_4_5", "kimi_k2_thinking", "gpt_oss_20b") else "one_call")
+    renderer, _, traj = run(tok, sc)
+    call = {"id": "functions.code_interpreter:0" if sc.format != "mistral" else "call00000", "type": "function",
+            "function": {"name": "code_interpreter", "arguments": {"code": "print(2 + 3)"}}}
+    reasoning = {"glm45": ("I should run it.", "It printed 5."), "kimi_k2": ("I should run it.", "It printed 5."),
+                 "gpt_oss": ("I should run it.", "It printed 5.")}.get(sc.format, (None, None))
+    parts = [*sc.prompt, Message("assistant", "", tool_calls=[call], reasoning_content=reasoning[0]),
+             *[Message("tool", m.content, tool_call_id=call["id"]) for m in traj.messages if m.role == "tool"],
+             Message("assistant", "It is \\boxed{5}.", reasoning_content=reasoning[1])]
+    (example,) = renderer.sft_examples(parts)
+    assert example.input_ids == traj.prompt_ids + traj.response_ids
+    assert example.loss_mask == [0] * len(traj.prompt_ids) + traj.response_mask

@@ -76,7 +76,6 @@ _PROBE = [
 ]
 
 
-
 def _probe_call(i: int, expr: str) -> dict:
     return {"id": f"functions.code_interpreter:{i}", "type": "function",
             "function": {"name": "code_interpreter", "arguments": {"code": f"print({expr})"}}}
@@ -267,11 +266,17 @@ class ChatRenderer:
             real = self._text([*history, *tool_messages], add_generation_prompt=True)
         except TemplateError as exc:
             raise RenderError(f"{self.name} cannot render the tool messages after this turn: {exc}") from None
-        ends = [self.eos_text, *TEMPLATE_TURN_ENDS.get(self.fmt, ())]
-        end, token = max((before.rfind(t), t) for t in ends)
-        if not real.startswith(before) or end < 0:
+        if not real.startswith(before):
             raise RenderError(f"{self.name} renders the conversation before the tool messages differently once they come, "
                               "so the observation cannot be derived exactly")
+        if self.fmt in NEXT_ROLE_ENDS:  # GLM: the turn ends with the tool turn's own first token, which the model generated
+            token = NEXT_ROLE_ENDS[self.fmt][0]
+            if not real.startswith(token, len(before)):
+                raise RenderError(f"{self.name} does not open the tool messages with {token!r}, so the observation cannot be derived exactly")
+            return real[len(before) + len(token):]
+        end, token = max((before.rfind(t), t) for t in (self.eos_text, *TEMPLATE_TURN_ENDS.get(self.fmt, ())))
+        if end < 0:
+            raise RenderError(f"{self.name} writes no end-of-turn token after this turn, so the observation cannot be derived exactly")
         return real[end + len(token):]  # what follows the turn's end-of-turn token
 
     def observation_ids(self, tool_messages: list[Message], history: list[Message]) -> list[int]:
@@ -314,8 +319,8 @@ class ChatRenderer:
         """The conversation as the agent loop would have produced it, piece by piece, as
         (kind, index of the first message it covers, text): "example" where a new example starts
         (its prompt rendered fresh), "assistant" per assistant turn (its text and the token that
-        ends it), "observation" per
-        run of tool messages, and "continue" where a later user message extends the current example."""
+        ends it), "observation" per run of tool messages, and "continue" where a later user message
+        extends the current example."""
         first = next((i for i, m in enumerate(messages) if m.role == "assistant"), None)
         if first is None:
             return
