@@ -21,7 +21,7 @@ import hashlib
 import json
 import re
 
-from raytool.agent.families import harmony_messages
+from raytool.agent.families import _DS_BEGIN, _DS_END, _DS_SEP, FORMATS, harmony_messages
 from raytool.types import Message
 
 STRUCTURED = frozenset({"kimi_k2", "mistral", "gpt_oss"})
@@ -33,12 +33,12 @@ TEMPLATE_TURN_ENDS = {"gpt_oss": ("<|end|>", "<|call|>")}
 # Formats whose turns have no end-of-turn token of their own: the model stops on the next role's
 # token, which the template writes with the next message (GLM: <|observation|> before tool output,
 # <|user|> otherwise).
-NEXT_ROLE_ENDS = {"glm45": ("<|observation|>", "<|user|>")}
+NEXT_ROLE_ENDS = {"glm45": FORMATS["glm45"].stop}  # the tokens the engine stops its turns on
 _HARMONY_CALL_END = "<|call|>"
 
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
          "<|tool_calls_section_end|>")
-_DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+_DS = ("<｜tool▁calls▁begin｜>", _DS_BEGIN, _DS_SEP, _DS_END, "<｜tool▁calls▁end｜>")
 
 
 class TurnError(ValueError):
@@ -52,8 +52,8 @@ def template_dict(message: Message | dict, fmt: str | None = None) -> dict:
     if fmt in REASONING_KEY and "reasoning_content" in d:
         d = {REASONING_KEY[fmt] if k == "reasoning_content" else k: v for k, v in d.items()}
     if fmt in ARGUMENTS_AS_TEXT and d.get("tool_calls"):
-        d = {**d, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-                                 if isinstance(c.get("function", {}).get("arguments"), dict) else c for c in d["tool_calls"]]}
+        d = {**d, "tool_calls": [{**c, "function": {**c["function"], "arguments": _json(c["function"]["arguments"])}} 
+                                 if "arguments" in c.get("function", {}) else c for c in d["tool_calls"]]}
     return d
 
 
@@ -126,8 +126,8 @@ _KIMI_ID = re.compile(r"functions\.(.+):\d+", re.DOTALL)
 def _kimi_id(call: dict, name: str, index: int) -> str:
     """A Kimi call's id: functions.NAME:IDX, which its models write and its parsers read the name from
     (an id of another form, e.g. OpenAI's call_..., is replaced by that)."""
-    ident = call.get("id") or ""
-    return ident if re.fullmatch(rf"functions\.{re.escape(name)}:\d+", ident) else f"functions.{name}:{index}"
+    named = _KIMI_ID.fullmatch(call.get("id") or "")
+    return call["id"] if named is not None and named.group(1) == name else f"functions.{name}:{index}"
 
 
 def _kimi(content: str, calls: list[dict]) -> str:
