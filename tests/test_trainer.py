@@ -397,8 +397,9 @@ def _torchrun(script: str, *args: str, ranks: int = 2) -> None:
     from pathlib import Path
 
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(ranks), str(Path(__file__).parent / "helpers" / script), *args],
-                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, capture_output=True)
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(ranks), str(Path(__file__).parent / "helpers" / script), *args],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, f"torchrun {script} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
 
 @pytest.mark.integration
