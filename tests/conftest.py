@@ -197,7 +197,7 @@ def browser_page():
 # function-scoped fixtures stop in their teardown is not a leak: the check runs after them. A
 # child's own children are its business (Ray's actors under the session's `ray start`, a sandbox's
 # sessions under its fork-server). Kept for the process's life by design, so not leaks: tqdm's
-# monitor thread, pyzmq's garbage-collector thread, raytool's metrics sampler (actors.metrics, one
+# monitor thread, pyzmq's garbage-collector thread, torch inductor's compile pool, raytool's metrics sampler (actors.metrics, one
 # per process), multiprocessing's resource tracker and forkserver, and the math-verify children of
 # raytool.rewards.verify (one working, one spare).
 # Integration tests are not held to it yet: with RAYTOOL_LEAK_REPORT=FILE their leaks are recorded
@@ -225,11 +225,22 @@ def _live_children() -> dict[int, str]:
     return out
 
 
+def _inductor_pool_threads() -> set[int]:
+    """The threads of torch inductor's compile pool (AsyncCompile.pool, cached for the process's
+    life): started by the first compile that misses the on-disk cache, so by whichever test that is."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    if module is None or module.AsyncCompile.pool.cache_info().currsize == 0:
+        return set()
+    return {t.ident for t in module.AsyncCompile.pool()._threads}
+
+
 def _live_threads() -> dict[int, str]:
     import threading
 
+    lifelong = _inductor_pool_threads()
     return {t.ident: t.name for t in threading.enumerate()
-            if t.is_alive() and t.ident is not None and type(t).__name__ not in _LIFELONG_THREADS and t.name not in _LIFELONG_THREAD_NAMES}
+            if t.is_alive() and t.ident is not None and t.ident not in lifelong and type(t).__name__ not in _LIFELONG_THREADS
+            and t.name not in _LIFELONG_THREAD_NAMES}
 
 
 @pytest.hookimpl(hookwrapper=True)
