@@ -295,6 +295,9 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     actors = graph.light_actors()
     if watch:
         graph.watchdog = Watchdog(actors, cfg.cluster.heartbeat_s).start()
+    # The trainer loads its model while the engines start (most of an engine's start is one process
+    # importing at a time); it is waited for after them, so a failure of theirs is the one named.
+    trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False) if with_trainer else None
     # Engines load, sandboxes fork their warm sessions, constructors run: wait for all of them, and
     # name the first that fails (a bad model path, an engine that cannot start, a bad reward fn ...).
     ask = {name: srv.ready for name, srv in servers.items()}
@@ -310,10 +313,14 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
             graph.gateway = GatewayActor.options(**options("gateway", light), **restarts).remote(model_path, "llm-manager", list(servers), cfg, ns,
                                                                                                a.gateway_host, a.gateway_port)
             graph.gateway_url = wait_started({"gateway": (graph.gateway, graph.gateway.start)})["gateway"]
-        graph.trainer = TrainerGroup(cfg, model_path, namespace=ns) if with_trainer else None
+        if trainer is not None:
+            trainer.started()
+        graph.trainer = trainer
     except BaseException:  # nothing of a run that failed to start is left running
         if graph.watchdog is not None:
             graph.watchdog.stop()
+        if trainer is not None:
+            trainer.shutdown(close=False)
         for actor in [*actors.values(), *([graph.gateway] if graph.gateway is not None else [])]:
             ray.kill(actor)
         raise

@@ -143,12 +143,14 @@ class TrainerGroup:
     stopped or hung process) is killed and raises TrainerLost too, so no wait on the trainer is
     unbounded."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, namespace: str | None = None):
-        """Workers are named `trainer-<rank>` in `namespace` (None: anonymous)."""
+    def __init__(self, cfg: RunConfig, model_path: str, namespace: str | None = None, wait: bool = True):
+        """Workers are named `trainer-<rank>` in `namespace` (None: anonymous). `wait=False`: return
+        once the ranks are asked to set up (their model loads meanwhile); `started()` then waits."""
         t, c = cfg.trainer, cfg.cluster
         self.cfg = cfg
         self.heartbeat_s = c.heartbeat_s
         self.liveness = Liveness()  # a rank still in its constructor is late, not hung
+        self.closed = False
         bundle = placement.bundle(cfg, "trainer worker")  # what the driver checked the cluster can hold
         self.pg = None
         strategy = None
@@ -162,9 +164,18 @@ class TrainerGroup:
             named = {"name": f"trainer-{rank}", "namespace": namespace} if namespace else {}
             opts = actor_options(t.num_cpus, t.num_gpus, c.accelerator, c.env_vars, scheduling_strategy=strategy, **named)
             self.workers.append(TrainerWorker.options(**opts).remote(rank, t.num_workers, model_path, cfg))
+        # Every rank's setup takes rank 0's store address (Ray hands the result on once it is there).
+        self._rendezvous = [self.workers[0].rendezvous_address.remote()] if t.num_workers > 1 else []
+        self._setups = [w.setup.remote(self._rendezvous[0] if self._rendezvous else None) for w in self.workers]
+        if wait:
+            self.started()
+
+    def started(self) -> None:
+        """Wait for every rank's setup: ActorStartError naming the cause, or TrainerLost for a rank
+        that died or hung meanwhile; either way the group is shut down."""
         try:
-            init = self.gather([self.workers[0].rendezvous_address.remote()])[0] if t.num_workers > 1 else None
-            self.gather([w.setup.remote(init) for w in self.workers])  # a rank that hangs or dies here: TrainerLost
+            self.gather(self._rendezvous)  # rank 0 dead before its store opened is named as rank 0
+            self.gather(self._setups)
         except ray.exceptions.RayError as exc:
             self.shutdown()
             raise ActorStartError(f"trainer failed to start: {start_failure(exc)}") from exc
@@ -294,8 +305,14 @@ class TrainerGroup:
     def export_hf(self, directory: str) -> str:
         return self.gather([w.export_hf.remote(os.fspath(directory)) for w in self.workers])[0]
 
-    def shutdown(self) -> None:
-        ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=10)
+    def shutdown(self, close: bool = True) -> None:
+        """Close the ranks (up to 10 s; `close=False`: a group given up on while starting is not
+        asked), then kill them and free their placement group. Once; again is a no-op."""
+        if self.closed:
+            return
+        self.closed = True
+        if close:
+            ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=10)
         for w in self.workers:
             ray.kill(w)
         if self.pg is not None:
