@@ -301,3 +301,26 @@ def test_validation_rolls_out_again_a_group_whose_agent_worker_died(ray_cluster,
     graph = Graph(cfg, "", {}, None, [], [], [DiesFirst.remote(str(tmp_path / "always"), True)], None)
     with pytest.raises(RaytoolError, match=r"group val0 failed 2 times \(rollout.max_group_retries=1\): agent worker: "):
         graph.rollout([row], "val", n=2)
+
+
+def test_a_trainer_that_fails_to_start_beside_the_engines_is_named_and_nothing_of_the_run_is_left(ray_cluster):
+    """The trainer loads its model while the engines start: its failure there is one line naming the
+    trainer and its cause, raised once the others are up, and every actor of the run is gone."""
+    import ray
+    from ray.util.state import list_actors
+
+    from actors.compose import build
+    from raytool.errors import ActorStartError
+
+    namespace = f"raytool-trainer-start-{os.getpid()}"
+    cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=hf", "trainer.lora_rank=4", "trainer.lora_target_modules=[no_such_proj]",
+                             "logging.logger=[]", f"cluster.namespace={namespace}"])
+    with pytest.raises(ActorStartError, match="^trainer failed to start: .*no_such_proj"):
+        build(cfg)
+    deadline = time.monotonic() + 30
+    while True:
+        alive = list_actors(filters=[("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)], address=ray.get_runtime_context().gcs_address)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert alive == [], [a.class_name for a in alive]
