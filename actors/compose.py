@@ -295,15 +295,17 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     actors = graph.light_actors()
     if watch:
         graph.watchdog = Watchdog(actors, cfg.cluster.heartbeat_s).start()
-    # The trainer loads its model while the engines start (most of an engine's start is one process
-    # importing at a time); it is waited for after them, so a failure of theirs is the one named.
-    trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False) if with_trainer else None
     # Engines load, sandboxes fork their warm sessions, constructors run: wait for all of them, and
     # name the first that fails (a bad model path, an engine that cannot start, a bad reward fn ...).
     ask = {name: srv.ready for name, srv in servers.items()}
     ask |= {f"sandbox-pool-{i}": pool.ready for i, pool in enumerate(sandbox_pools)}
     ask |= {name: actor.__ray_ready__ for name, actor in actors.items() if name not in ask}
+    trainer = None
     try:
+        # The trainer loads its model while the engines start (most of an engine's start is one
+        # process importing at a time); it is waited for after them, so a failure of theirs is the
+        # one named (a trainer that cannot be placed stops the start here).
+        trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False) if with_trainer else None
         results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, r.engine_start_timeout_s))
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
         # The OpenAI-compatible API over the manager, for agents outside raytool (actors.gateway), and

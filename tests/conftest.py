@@ -197,9 +197,9 @@ def browser_page():
 # function-scoped fixtures stop in their teardown is not a leak: the check runs after them. A
 # child's own children are its business (Ray's actors under the session's `ray start`, a sandbox's
 # sessions under its fork-server). Kept for the process's life by design, so not leaks: tqdm's
-# monitor thread, pyzmq's garbage-collector thread, torch inductor's compile pool, raytool's metrics sampler (actors.metrics, one
-# per process), multiprocessing's resource tracker and forkserver, and the math-verify children of
-# raytool.rewards.verify (one working, one spare).
+# monitor thread, pyzmq's garbage-collector thread, torch inductor's compile pool, raytool's
+# metrics sampler (actors.metrics, one per process), multiprocessing's resource tracker and
+# forkserver, and the math-verify children of raytool.rewards.verify (one working, one spare).
 # Integration tests are not held to it yet: with RAYTOOL_LEAK_REPORT=FILE their leaks are recorded
 # in FILE (a survey), otherwise they are not checked.
 LEAK_GRACE_S = 5.0  # a process or thread being stopped gets this long to go

@@ -324,3 +324,37 @@ def test_a_trainer_that_fails_to_start_beside_the_engines_is_named_and_nothing_o
             break
         time.sleep(0.5)
     assert alive == [], [a.class_name for a in alive]
+
+
+def test_a_trainer_that_cannot_be_placed_while_the_engines_start_leaves_nothing_of_the_run(ray_cluster):
+    """The cluster could hold the run, but another job holds the CPUs the trainer needs: its
+    placement group's wait ends in one line naming the config keys, and the actors already started
+    for the run are gone."""
+    import ray
+    from ray.util.state import list_actors
+
+    from actors.compose import build
+    from raytool.placement import PlacementError
+
+    @ray.remote(num_cpus=1.5)
+    class Squatter:
+        def ready(self) -> bool:
+            return True
+
+    squatter = Squatter.remote()
+    ray.get(squatter.ready.remote())
+    namespace = f"raytool-trainer-unplaced-{os.getpid()}"
+    cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=hf", "rollout.num_cpus=0.1", "cluster.light_actor_cpus=0.05", "trainer.num_cpus=1",
+                             "cluster.placement_timeout_s=3", "logging.logger=[]", f"cluster.namespace={namespace}"])
+    try:
+        with pytest.raises(PlacementError, match=r"the trainer's placement group .* was not placed within 3s .*trainer\.num_cpus"):
+            build(cfg)
+    finally:
+        ray.kill(squatter)
+    deadline = time.monotonic() + 30
+    while True:
+        alive = list_actors(filters=[("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)], address=ray.get_runtime_context().gcs_address)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert alive == [], [a.class_name for a in alive]
