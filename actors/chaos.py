@@ -22,6 +22,7 @@ import msgspec
 import psutil
 import ray
 
+from actors.common import actors_left
 from raytool.chaos import KINDS, Schedule, check_run
 from raytool.config import RunConfig
 
@@ -130,25 +131,12 @@ def run_chaos(cfg: RunConfig, run_dir: str | Path | None, kinds: list[str], ever
     report = {"faults": len(injector.faults), "fault_log": injector.faults, "by_kind": {k: sum(f["kind"] == k for f in injector.faults) for k in kinds},
               "stopped": sum(f["how"] == "stop" for f in injector.faults), "wall_s": round(wall, 1), "run_error": error,
               **check_run(run_dir, cfg.trainer.total_steps)}
-    report["actors_left"] = _actors_left(namespace)
+    report["actors_left"] = len(actors_left(namespace))
     report["shm_segments_left"] = len(unlink_orphaned_segments(min_age_s=5))
     report["ok"] = (error is None and report["every_step_logged"] and report["versions_monotone"] and report["ledger_reconciles"]
                     and report["actors_left"] == 0)
     report["run_dir"] = str(run_dir)
     return report
-
-
-def _actors_left(namespace: str, wait_s: float = 30.0) -> int:
-    """Actors of the run still alive after its shutdown (ray.kill is asynchronous: give it a moment)."""
-    from ray.util.state import list_actors
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        alive = list_actors(filters=[("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)], address=ray.get_runtime_context().gcs_address,
-                            timeout=10)
-        if not alive or time.monotonic() > deadline:
-            return len(alive)
-        time.sleep(1.0)
 
 
 def table(report: dict) -> str:

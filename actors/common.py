@@ -102,6 +102,20 @@ def alive_pid(actor) -> int | None:
     return state.pid if state is not None and state.state == "ALIVE" else None
 
 
+def actors_left(namespace: str, wait_s: float = 30.0) -> list[str]:
+    """The classes of `namespace`'s actors still alive after a run's shutdown or failed start
+    (ray.kill is asynchronous: they get up to `wait_s` to go)."""
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = list_actors(filters=[("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)], address=ray.get_runtime_context().gcs_address,
+                            timeout=10)
+        if not alive or time.monotonic() > deadline:
+            return [a.class_name for a in alive]
+        time.sleep(0.5)
+
+
 def process_id(_actor) -> int:
     """What a heartbeat asks an actor (`actor.__ray_call__.remote(process_id)`): its process id."""
     return os.getpid()

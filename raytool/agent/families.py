@@ -353,21 +353,22 @@ def _parse_kimi_k2(text: str, schemas: Schemas | None) -> ParseResult:
     return result
 
 
-_DS_BEGIN, _DS_SEP, _DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
-_DS_HINT = f"Write {_DS_BEGIN}NAME{_DS_SEP}{{...}}{_DS_END}."
+DS_CALL_BEGIN, DS_CALL_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"  # around a turn's calls
+_DS_HINT = f"Write {DS_CALL_BEGIN}NAME{DS_CALL_SEP}{{...}}{DS_CALL_END}."
 
 
 def _parse_deepseek(text: str, schemas: Schemas | None) -> ParseResult:
     """Each <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜> (V3.1), or V3/R1's
     <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>."""
     result = ParseResult()
-    for body in _tagged_bodies(text, _DS_BEGIN, _DS_END):
+    for body in _tagged_bodies(text, DS_CALL_BEGIN, DS_CALL_END):
         if body is None:
-            result.add(_error("unterminated_tag", f"{_DS_BEGIN} was opened but never closed. {_DS_HINT}"))
+            result.add(_error("unterminated_tag", f"{DS_CALL_BEGIN} was opened but never closed. {_DS_HINT}"))
             continue
-        head, sep, rest = body.partition(_DS_SEP)
+        head, sep, rest = body.partition(DS_CALL_SEP)
         if not sep:
-            result.add(_error("malformed_call", f"the call has no {_DS_SEP}. {_DS_HINT}"))
+            result.add(_error("malformed_call", f"the call has no {DS_CALL_SEP}. {_DS_HINT}"))
             continue
         if head.strip() == "function" and not rest.lstrip().startswith("{"):  # V3 / R1: the JSON in a fence, by format (no repair)
             name, _, raw = rest.partition("\n")
@@ -442,7 +443,7 @@ class Format:
 FORMATS = {f.name: f for f in (
     Format("kimi_k2", _guarded("kimi_k2", _parse_kimi_k2), ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"), True,
            ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")),
-    Format("deepseek", _guarded("deepseek", _parse_deepseek), (_DS_BEGIN, "tool▁call▁begin"), True, ("<｜tool▁calls▁begin｜>", _DS_BEGIN)),
+    Format("deepseek", _guarded("deepseek", _parse_deepseek), (DS_CALL_BEGIN, "tool▁call▁begin"), True, (DS_CALLS_BEGIN, DS_CALL_BEGIN)),
     Format("gpt_oss", _guarded("gpt_oss", _parse_gpt_oss), ("<|channel|>", "to=functions."), True, ("<|start|>", "<|channel|>"),
            ("<|call|>",)),
     Format("qwen3_coder", _guarded("qwen3_coder", _parse_qwen3_coder), ("<function=", "<parameter="), False, ("<tool_call>",)),

@@ -21,7 +21,7 @@ import hashlib
 import json
 import re
 
-from raytool.agent.families import _DS_BEGIN, _DS_END, _DS_SEP, FORMATS, harmony_messages
+from raytool.agent.families import DS_CALL_BEGIN, DS_CALL_END, DS_CALL_SEP, DS_CALLS_BEGIN, DS_CALLS_END, FORMATS, harmony_messages
 from raytool.types import Message
 
 STRUCTURED = frozenset({"kimi_k2", "mistral", "gpt_oss"})
@@ -38,7 +38,7 @@ _HARMONY_CALL_END = "<|call|>"
 
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
          "<|tool_calls_section_end|>")
-_DS = ("<｜tool▁calls▁begin｜>", _DS_BEGIN, _DS_SEP, _DS_END, "<｜tool▁calls▁end｜>")
+_DS = (DS_CALLS_BEGIN, DS_CALL_BEGIN, DS_CALL_SEP, DS_CALL_END, DS_CALLS_END)
 
 
 class TurnError(ValueError):
@@ -52,7 +52,7 @@ def template_dict(message: Message | dict, fmt: str | None = None) -> dict:
     if fmt in REASONING_KEY and "reasoning_content" in d:
         d = {REASONING_KEY[fmt] if k == "reasoning_content" else k: v for k, v in d.items()}
     if fmt in ARGUMENTS_AS_TEXT and d.get("tool_calls"):
-        d = {**d, "tool_calls": [{**c, "function": {**c["function"], "arguments": _json(c["function"]["arguments"])}} 
+        d = {**d, "tool_calls": [{**c, "function": {**c["function"], "arguments": _json(c["function"]["arguments"])}}
                                  if "arguments" in c.get("function", {}) else c for c in d["tool_calls"]]}
     return d
 

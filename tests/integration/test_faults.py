@@ -306,9 +306,7 @@ def test_validation_rolls_out_again_a_group_whose_agent_worker_died(ray_cluster,
 def test_a_trainer_that_fails_to_start_beside_the_engines_is_named_and_nothing_of_the_run_is_left(ray_cluster):
     """The trainer loads its model while the engines start: its failure there is one line naming the
     trainer and its cause, raised once the others are up, and every actor of the run is gone."""
-    import ray
-    from ray.util.state import list_actors
-
+    from actors.common import actors_left
     from actors.compose import build
     from raytool.errors import ActorStartError
 
@@ -317,13 +315,7 @@ def test_a_trainer_that_fails_to_start_beside_the_engines_is_named_and_nothing_o
                              "logging.logger=[]", f"cluster.namespace={namespace}"])
     with pytest.raises(ActorStartError, match="^trainer failed to start: .*no_such_proj"):
         build(cfg)
-    deadline = time.monotonic() + 30
-    while True:
-        alive = list_actors(filters=[("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)], address=ray.get_runtime_context().gcs_address)
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert alive == [], [a.class_name for a in alive]
+    assert actors_left(namespace) == []
 
 
 def test_a_trainer_that_cannot_be_placed_while_the_engines_start_leaves_nothing_of_the_run(ray_cluster):
@@ -331,8 +323,8 @@ def test_a_trainer_that_cannot_be_placed_while_the_engines_start_leaves_nothing_
     placement group's wait ends in one line naming the config keys, and the actors already started
     for the run are gone."""
     import ray
-    from ray.util.state import list_actors
 
+    from actors.common import actors_left
     from actors.compose import build
     from raytool.placement import PlacementError
 
@@ -351,10 +343,4 @@ def test_a_trainer_that_cannot_be_placed_while_the_engines_start_leaves_nothing_
             build(cfg)
     finally:
         ray.kill(squatter)
-    deadline = time.monotonic() + 30
-    while True:
-        alive = list_actors(filters=[("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)], address=ray.get_runtime_context().gcs_address)
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert alive == [], [a.class_name for a in alive]
+    assert actors_left(namespace) == []
