@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +39,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+
+
+# Two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml), in four kinds of work unit:
+# - the files that use the session's Ray cluster, in two units: every test of a file runs in one
+#   worker, beside that worker's one cluster and the file's module-scoped engines (a test may take
+#   a module's engine by name, as test_vllm_engine's parametrized ones do). The second unit is
+#   what balances the workers: the other worker starts its cluster for it once its own work is
+#   done (measured 2026-11-27: with one cluster unit, one worker idled the last 13 of 26 minutes);
+# - the other integration files (their own Ray instance, engine or server process), one at a time
+#   in one unit, so that at most one of them starts beside a cluster;
+# - each unit test alone, wherever a worker is free.
+# pytest 9.2 stores a node's id where xdist 3.8's `xdist_group` marker cannot rename it, so the
+# units are made here, from the files (the controller does not collect). A test on the cluster
+# fails at setup, naming its file, if its unit is not a cluster unit or is already run by another
+# worker (`_claim_cluster_unit`).
+SECOND_CLUSTER = {"test_resume.py", "test_sft_to_rl.py", "test_eval.py", "test_openenv_run.py", "test_verifiers_run.py", "test_moe_run.py",
+                  "test_sandbox_service.py", "test_judge_run.py", "test_metrics.py", "test_gateway_actor.py", "test_bench_scale.py",
+                  "test_bench_pipeline.py"}
+
+
+def _work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/integration/") or path.startswith("tests/test_"):
+        try:
+            if "ray_cluster" in (REPO / path).read_text():
+                return "ray-cluster-2" if Path(path).name in SECOND_CLUSTER else "ray-cluster"
+        except OSError:
+            pass
+    if path.startswith("tests/integration/"):
+        return "own-processes"
+    return nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return FileGroups(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +139,53 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _claim_cluster_unit(config, nodeid: str, claims: Path | None = None) -> Path | None:
+    """Under xdist: the worker that runs a test on the session's cluster claims the test's work
+    unit for the run (a file named by the run's id); a unit another worker claimed, or one that
+    is not a cluster unit, fails the test. Returns the claim this call made."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return None
+    path, unit = nodeid.split("::", 1)[0], _work_unit(nodeid)
+    if not unit.startswith("ray-cluster"):
+        raise RuntimeError(f"{path} uses ray_cluster but is not in a cluster work unit (tests/conftest.py: _work_unit): "
+                           "its worker would start a second Ray cluster beside another's")
+    claims = claims or Path(tempfile.gettempdir()) / f"raytool-tests-{worker['testrunuid']}"
+    claims.mkdir(exist_ok=True)
+    claim = claims / unit
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        holder = claim.read_text()
+        if holder != worker["workerid"]:
+            raise RuntimeError(f"{path}: {worker['workerid']} runs a test of work unit {unit}, which {holder} runs: "
+                               "two workers would each start a Ray cluster for one unit") from None
+        return None
+    os.write(fd, worker["workerid"].encode())
+    os.close(fd)
+    return claim
+
+
+_CLAIMS: list[Path] = []
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures start a cluster
+def pytest_runtest_setup(item):
+    if "ray_cluster" in getattr(item, "fixturenames", ()):
+        claim = _claim_cluster_unit(item.config, item.nodeid)
+        if claim is not None:
+            _CLAIMS.append(claim)
+
+
+def pytest_sessionfinish(session):
+    for claim in _CLAIMS:
+        claim.unlink(missing_ok=True)
+        try:
+            claim.parent.rmdir()
+        except OSError:  # the other worker's claim is still there
+            pass
 
 
 class RayCluster:
