@@ -41,30 +41,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml), in four kinds of work unit:
-# - the files that use the session's Ray cluster, in two units: every test of a file runs in one
-#   worker, beside that worker's one cluster and the file's module-scoped engines (a test may take
-#   a module's engine by name, as test_vllm_engine's parametrized ones do). The second unit is
-#   what balances the workers: the other worker starts its cluster for it once its own work is
-#   done (measured 2026-11-27: with one cluster unit, one worker idled the last 13 of 26 minutes);
+# Two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml), in three kinds of work unit:
+# - every test of the files that use the session's Ray cluster, in one worker: one cluster in the
+#   run and one set of its module-scoped engines (a test may take a module's engine by name, as
+#   test_vllm_engine's parametrized ones do). Two clusters (a second unit for the other worker)
+#   were tried on 2026-11-27: a worker died mid-run with its cluster, and a job's runtime_env
+#   package went missing; Ray's address auto-detection (/tmp/ray/ray_current_cluster) is one
+#   machine-wide file;
 # - the other integration files (their own Ray instance, engine or server process), one at a time
-#   in one unit, so that at most one of them starts beside a cluster;
+#   in one unit, so that at most one of them starts beside the cluster;
 # - each unit test alone, wherever a worker is free.
 # pytest 9.2 stores a node's id where xdist 3.8's `xdist_group` marker cannot rename it, so the
 # units are made here, from the files (the controller does not collect). A test on the cluster
-# fails at setup, naming its file, if its unit is not a cluster unit or is already run by another
-# worker (`_claim_cluster_unit`).
-SECOND_CLUSTER = {"test_resume.py", "test_sft_to_rl.py", "test_eval.py", "test_openenv_run.py", "test_verifiers_run.py", "test_moe_run.py",
-                  "test_sandbox_service.py", "test_judge_run.py", "test_metrics.py", "test_gateway_actor.py", "test_bench_scale.py",
-                  "test_bench_pipeline.py"}
-
-
+# fails at setup, naming its file, if its unit is not the cluster unit or another worker runs it
+# (`_claim_cluster_unit`), as after a worker crashed and was replaced: its cluster went with it.
 def _work_unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     if path.startswith("tests/integration/") or path.startswith("tests/test_"):
         try:
             if "ray_cluster" in (REPO / path).read_text():
-                return "ray-cluster-2" if Path(path).name in SECOND_CLUSTER else "ray-cluster"
+                return "ray-cluster"
         except OSError:
             pass
     if path.startswith("tests/integration/"):

@@ -37,7 +37,8 @@ def actor_nodes(namespace: str) -> dict:
     from ray.util.state import list_actors
 
     ids = labels_by_id()
-    return {a.name: ids.get(a.node_id) for a in list_actors(filters=[("ray_namespace", "=", namespace), ("state", "=", "ALIVE")])}
+    return {a.name: ids.get(a.node_id) for a in list_actors(filters=[("ray_namespace", "=", namespace), ("state", "=", "ALIVE")],
+                                                                     address=ray.get_runtime_context().gcs_address)}
 
 
 def labels() -> dict:

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_groups_rolled_out_again(ray_cluster, tmp_path):
+    import ray
     from ray.util.state import list_actors
 
     from actors.pipeline import run
@@ -51,7 +52,8 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
 
     def kill(*classes, sig=signal.SIGKILL):
         for cls in classes:
-            for actor in list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE"), ("ray_namespace", "=", cfg.cluster.namespace)]):
+            for actor in list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE"), ("ray_namespace", "=", cfg.cluster.namespace)],
+                                     address=ray.get_runtime_context().gcs_address):
                 os.kill(actor.pid, sig)
                 killed.setdefault(cls, []).append(actor.pid)
 

@@ -90,7 +90,7 @@ def test_an_actor_that_fails_to_start_is_named_with_its_cause_and_the_traceback_
     run_actors: dict = {}
     while True:
         try:
-            run_actors = {a.name: a.state for a in list_actors(limit=10_000) if a.ray_namespace.startswith("raytool-run-")}
+            run_actors = {a.name: a.state for a in list_actors(limit=10_000, address=ray.get_runtime_context().gcs_address) if a.ray_namespace.startswith("raytool-run-")}
         except ray.exceptions.RpcError:  # the state API timed out on a loaded machine (seen in a full run): ask again
             pass
         if set(run_actors.values()) == {"DEAD"} or time.monotonic() > deadline:
