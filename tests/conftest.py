@@ -68,6 +68,7 @@ def _work_unit(nodeid: str) -> str:
     return nodeid
 
 
+@pytest.hookimpl(optionalhook=True)  # without xdist (`-p no:xdist`) the hook is unknown
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None
@@ -145,8 +146,8 @@ def _claim_cluster_unit(config, nodeid: str, claims: Path | None = None) -> Path
     if worker is None:
         return None
     path, unit = nodeid.split("::", 1)[0], _work_unit(nodeid)
-    if not unit.startswith("ray-cluster"):
-        raise RuntimeError(f"{path} uses ray_cluster but is not in a cluster work unit (tests/conftest.py: _work_unit): "
+    if unit != "ray-cluster":
+        raise RuntimeError(f"{path} uses ray_cluster but is not in the cluster's work unit (tests/conftest.py: _work_unit): "
                            "its worker would start a second Ray cluster beside another's")
     claims = claims or Path(tempfile.gettempdir()) / f"raytool-tests-{worker['testrunuid']}"
     claims.mkdir(exist_ok=True)

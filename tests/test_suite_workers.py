@@ -45,6 +45,6 @@ def test_a_second_worker_on_the_cluster_unit_fails_naming_the_file_and_both_work
     # another run starts its own
     assert conftest._claim_cluster_unit(_worker("gw1", run="r2"), on_cluster, tmp_path / "r2").read_text() == "gw1"
     # a unit test that somehow took the cluster (e.g. through a fixture that uses it)
-    with pytest.raises(RuntimeError, match=r"tests/sandbox_security/test_hostile_cells.py uses ray_cluster but is not in a cluster work unit"):
+    with pytest.raises(RuntimeError, match=r"tests/sandbox_security/test_hostile_cells.py uses ray_cluster but is not in the cluster's work unit"):
         conftest._claim_cluster_unit(_worker("gw1"), "tests/sandbox_security/test_hostile_cells.py::test_x", tmp_path)
     assert conftest._claim_cluster_unit(SimpleNamespace(), on_cluster, tmp_path) is None  # no xdist: one process, one cluster
