@@ -22,7 +22,7 @@ import msgspec
 import psutil
 import ray
 
-from actors.common import actors_left
+from actors.common import actors_left, live_actors
 from raytool.chaos import KINDS, Schedule, check_run
 from raytool.config import RunConfig
 
@@ -77,21 +77,15 @@ class Injector(threading.Thread):
     def _wait_for_the_run(self) -> None:
         """Faults start once the run's actors are all up (its trainer is the last to start): a
         fault while the actor graph is being built stops the run with that actor named instead."""
-        from ray.util.state import list_actors
-
         while not self.done.wait(1.0):
             if not ray.is_initialized():
                 continue
             with contextlib.suppress(Exception):  # the state API can lag while the cluster starts
-                if list_actors(filters=[("class_name", "=", "TrainerWorker"), ("state", "=", "ALIVE"), ("ray_namespace", "=", self.namespace)],
-                               address=ray.get_runtime_context().gcs_address, timeout=10):
+                if live_actors(self.namespace, "TrainerWorker"):
                     return
 
     def _victim(self, kind: str) -> int | None:
-        from ray.util.state import list_actors
-
-        alive = list_actors(filters=[("class_name", "=", KINDS[kind]), ("state", "=", "ALIVE"), ("ray_namespace", "=", self.namespace)],
-                            address=ray.get_runtime_context().gcs_address, timeout=10)
+        alive = live_actors(self.namespace, KINDS[kind])
         pids = sorted(a.pid for a in alive)
         if not pids:
             return None

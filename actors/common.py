@@ -102,15 +102,22 @@ def alive_pid(actor) -> int | None:
     return state.pid if state is not None and state.state == "ALIVE" else None
 
 
+def live_actors(namespace: str, class_name: str | None = None, timeout: int = 10) -> list:
+    """The state API's records of `namespace`'s live actors (of one class, if named), asked of the
+    cluster this process is connected to: without an address Ray would pick one machine-wide
+    (/tmp/ray/ray_current_cluster, the last one started here)."""
+    from ray.util.state import list_actors
+
+    filters = [("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)] + ([("class_name", "=", class_name)] if class_name else [])
+    return list_actors(filters=filters, address=ray.get_runtime_context().gcs_address, limit=10_000, timeout=timeout)
+
+
 def actors_left(namespace: str, wait_s: float = 30.0) -> list[str]:
     """The classes of `namespace`'s actors still alive after a run's shutdown or failed start
     (ray.kill is asynchronous: they get up to `wait_s` to go)."""
-    from ray.util.state import list_actors
-
     deadline = time.monotonic() + wait_s
     while True:
-        alive = list_actors(filters=[("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)], address=ray.get_runtime_context().gcs_address,
-                            timeout=10)
+        alive = live_actors(namespace)
         if not alive or time.monotonic() > deadline:
             return [a.class_name for a in alive]
         time.sleep(0.5)

@@ -92,12 +92,11 @@ def dashboard_url() -> str | None:
 
 def actors_by_node(namespace: str) -> dict[str, dict[str, int]]:
     """Node address -> {actor class: how many} of the live actors in `namespace` (the start banner)."""
-    from ray.util.state import list_actors
+    from actors.common import live_actors
 
     addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     placed: dict[str, dict[str, int]] = {}
-    for actor in list_actors(address=ray.get_runtime_context().gcs_address, filters=[("ray_namespace", "=", namespace), ("state", "=", "ALIVE")],
-                             limit=10_000, timeout=30):
+    for actor in live_actors(namespace, timeout=30):
         counts = placed.setdefault(addresses.get(actor.node_id, actor.node_id or "?"), {})
         counts[actor.class_name] = counts.get(actor.class_name, 0) + 1
     return placed

@@ -5,6 +5,7 @@ Markers: `integration` (starts Ray, an engine or a server process) and `gpu` (sk
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -55,14 +56,19 @@ def pytest_collection_modifyitems(config, items):
 # units are made here, from the files (the controller does not collect). A test on the cluster
 # fails at setup, naming its file, if its unit is not the cluster unit or another worker runs it
 # (`_claim_cluster_unit`), as after a worker crashed and was replaced: its cluster went with it.
+@functools.cache
+def _uses_cluster(path: str) -> bool:
+    """A test file that names the `ray_cluster` fixture (read once: the scheduler asks per test)."""
+    try:
+        return (path.startswith("tests/integration/") or path.startswith("tests/test_")) and "ray_cluster" in (REPO / path).read_text()
+    except OSError:
+        return False
+
+
 def _work_unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
-    if path.startswith("tests/integration/") or path.startswith("tests/test_"):
-        try:
-            if "ray_cluster" in (REPO / path).read_text():
-                return "ray-cluster"
-        except OSError:
-            pass
+    if _uses_cluster(path):
+        return "ray-cluster"
     if path.startswith("tests/integration/"):
         return "own-processes"
     return nodeid

@@ -16,6 +16,7 @@ import sys
 import ray
 from ray.cluster_utils import Cluster
 
+from actors.common import live_actors
 from actors.compose import build
 from actors.trainer import TrainerGroup
 from raytool.config import load_config
@@ -34,11 +35,8 @@ BASE = ["model.path=tiny-random", "model.dtype=float32", "rollout.engine=hf", "c
 
 def actor_nodes(namespace: str) -> dict:
     """{actor name: node label} of the live actors in `namespace`."""
-    from ray.util.state import list_actors
-
     ids = labels_by_id()
-    return {a.name: ids.get(a.node_id) for a in list_actors(filters=[("ray_namespace", "=", namespace), ("state", "=", "ALIVE")],
-                                                                     address=ray.get_runtime_context().gcs_address)}
+    return {a.name: ids.get(a.node_id) for a in live_actors(namespace)}
 
 
 def labels() -> dict:

@@ -358,8 +358,7 @@ def test_training_survives_a_rollout_server_killed_during_step_one(ray_cluster, 
     import time
 
     import ray
-    from ray.util.state import list_actors
-
+    from actors.common import live_actors
     from actors.pipeline import run
 
     cfg = load_config(None, TINY + [
@@ -375,8 +374,7 @@ def test_training_survives_a_rollout_server_killed_during_step_one(ray_cluster, 
         deadline = time.time() + 400
         while time.time() < deadline and not (sft.exists() and len(sft.read_text().splitlines()) == 2):
             time.sleep(0.1)
-        alive = list_actors(filters=[("class_name", "=", "RolloutServer"), ("state", "=", "ALIVE"), ("ray_namespace", "=", cfg.cluster.namespace)],
-                            address=ray.get_runtime_context().gcs_address)
+        alive = live_actors(cfg.cluster.namespace, "RolloutServer")
         victim = sorted(alive, key=lambda a: a.pid)[0]
         # Killed while step 1's requests run on it (past the SFT weight sync, however slow the machine):
         # the planes see the failure, the control plane confirms it, and step 1's sync leaves it out.

@@ -23,9 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_groups_rolled_out_again(ray_cluster, tmp_path):
-    import ray
-    from ray.util.state import list_actors
-
+    from actors.common import live_actors
     from actors.pipeline import run
     from raytool.ledger import audit
 
@@ -52,8 +50,7 @@ def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_grou
 
     def kill(*classes, sig=signal.SIGKILL):
         for cls in classes:
-            for actor in list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE"), ("ray_namespace", "=", cfg.cluster.namespace)],
-                                     address=ray.get_runtime_context().gcs_address):
+            for actor in live_actors(cfg.cluster.namespace, cls):
                 os.kill(actor.pid, sig)
                 killed.setdefault(cls, []).append(actor.pid)
 
@@ -129,9 +126,7 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
     fsspec writer and reader, the driver's files through fsspec)."""
     import logging
 
-    import ray
-    from ray.util.state import list_actors
-
+    from actors.common import live_actors
     from actors.pipeline import run
     from raytool.ledger import audit
 
@@ -152,8 +147,7 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
             if time.time() > deadline:
                 return  # never past step 3: "the trainer worker was never killed" says so
             time.sleep(0.05)
-        for actor in list_actors(filters=[("class_name", "=", "TrainerWorker"), ("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)],
-                                 address=ray.get_runtime_context().gcs_address):
+        for actor in live_actors(namespace, "TrainerWorker"):
             os.kill(actor.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             killed.append(actor.pid)
 
@@ -235,9 +229,7 @@ def test_a_killed_sft_trainer_is_re_formed_from_its_last_checkpoint(ray_cluster,
     step-2 checkpoint, the run goes on from it and logs every step once."""
     import logging
 
-    import ray
-    from ray.util.state import list_actors
-
+    from actors.common import live_actors
     from actors.sft import run_sft
 
     namespace = f"raytool-sft-fault-{os.getpid()}"
@@ -251,8 +243,7 @@ def test_a_killed_sft_trainer_is_re_formed_from_its_last_checkpoint(ray_cluster,
         deadline = time.time() + 300
         pids = []
         while not pids and time.time() < deadline:
-            pids = [a.pid for a in list_actors(filters=[("class_name", "=", "TrainerWorker"), ("state", "=", "ALIVE"), ("ray_namespace", "=", namespace)],
-                                               address=ray.get_runtime_context().gcs_address)]
+            pids = [a.pid for a in live_actors(namespace, "TrainerWorker")]
         while time.time() < deadline and not (run_dir / "checkpoints" / "step_2" / "driver_state.json").exists():
             time.sleep(0.01)
         os.kill(pids[0], signal.SIGKILL)
