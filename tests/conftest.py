@@ -51,7 +51,10 @@ def pytest_collection_modifyitems(config, items):
 #   machine-wide file;
 # - the other integration files (their own Ray instance, engine or server process), one at a time
 #   in one unit, so that at most one of them starts beside the cluster;
-# - each unit test alone, wherever a worker is free.
+# - the sandbox security tests in one unit: they find the processes their cells leave behind by
+#   command line, host-wide, and the root and userns variants of a test use the same one (run at
+#   once in two workers, one saw its session's process gone: 2026-11-28);
+# - each other unit test alone, wherever a worker is free.
 # pytest 9.2 stores a node's id where xdist 3.8's `xdist_group` marker cannot rename it, so the
 # units are made here, from the files (the controller does not collect). A test on the cluster
 # fails at setup, naming its file, if its unit is not the cluster unit or another worker runs it
@@ -71,6 +74,8 @@ def _work_unit(nodeid: str) -> str:
         return "ray-cluster"
     if path.startswith("tests/integration/"):
         return "own-processes"
+    if path.startswith("tests/sandbox_security/"):
+        return "sandbox-security"
     return nodeid
 
 

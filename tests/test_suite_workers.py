@@ -1,6 +1,7 @@
 """How the suite's two xdist workers share the work (tests/conftest.py): the files on the session's
-Ray cluster in one unit, the other integration files in another, each unit test alone; and a test
-on the cluster that would make a second worker start a cluster fails, naming its file."""
+Ray cluster in one unit, the other integration files in another, the sandbox security tests in a
+third, each other unit test alone; and a test on the cluster that would make a second worker start
+a cluster fails, naming its file."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def test_files_on_the_ray_cluster_share_a_unit_and_the_other_integration_files_a
     assert unit("tests/integration/test_resume.py::test_resume_at_an_epoch_boundary_trains_the_next_epoch_and_at_the_last_step_trains_nothing") == "ray-cluster"
     assert unit("tests/integration/test_ray_up.py::test_ray_up_job_submit_ray_down") == "own-processes"
     assert unit("tests/integration/test_driver_reaper.py::test_a_killed_driver_takes_its_local_ray_instance_with_it") == "own-processes"
+    # host-wide process markers: the security tests never run beside each other
+    assert unit("tests/sandbox_security/test_hostile_cells.py::test_a_sessions_processes_die_when_it_is_closed[root]") == "sandbox-security"
+    assert unit("tests/sandbox_security/test_hostile_cells.py::test_a_sessions_processes_die_when_it_is_closed[userns]") == "sandbox-security"
     alone = "tests/test_config.py::test_defaults_load"
     assert unit(alone) == alone
 

@@ -36,8 +36,6 @@ def _weights_hash(path: Path) -> str:
 def test_max_staleness_zero_is_the_synchronous_loop_bit_for_bit(ray_cluster, tmp_path):
     """The stream with max_staleness 0 against the loop it replaced, written out here: roll out a
     batch, train on it, sync, repeat. Same seeded run: same metrics, same final weights."""
-    import ray
-
     from actors.compose import build
     from actors.pipeline import run
     from raytool.data import PromptLoader

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from raytool.config import load_config
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
