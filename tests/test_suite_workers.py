@@ -25,6 +25,9 @@ def test_files_on_the_ray_cluster_share_a_unit_and_the_other_integration_files_a
     assert unit("tests/integration/test_resume.py::test_resume_at_an_epoch_boundary_trains_the_next_epoch_and_at_the_last_step_trains_nothing") == "ray-cluster"
     assert unit("tests/integration/test_ray_up.py::test_ray_up_job_submit_ray_down") == "own-processes"
     assert unit("tests/integration/test_driver_reaper.py::test_a_killed_driver_takes_its_local_ray_instance_with_it") == "own-processes"
+    # their own Ray instances: off the cluster's worker, the critical path
+    assert unit("tests/integration/test_default_run.py::test_the_default_run_tells_its_story_on_the_console") == "own-processes"
+    assert unit("tests/integration/test_multinode_placement.py::test_npu_requests_land_on_the_ascend_node_with_hccl_settings_and_visible_devices") == "own-processes"
     # host-wide process markers: the security tests never run beside each other
     assert unit("tests/sandbox_security/test_hostile_cells.py::test_a_sessions_processes_die_when_it_is_closed[root]") == "sandbox-security"
     assert unit("tests/sandbox_security/test_hostile_cells.py::test_a_sessions_processes_die_when_it_is_closed[userns]") == "sandbox-security"
