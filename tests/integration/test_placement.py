@@ -46,22 +46,11 @@ def test_an_actor_that_fails_to_start_is_named_with_its_cause_and_the_traceback_
     assert last.endswith(f"(traceback in {log})")
     text = log.read_text()
     assert "Traceback" in text and "reward_worker.py" in text and "package_of_the_driver_only" in text
-    # nothing of the failed run is left on the cluster, asked for its live actors: the state API
-    # filters by state at the source and by namespace after; all the session's actors, filtered by
-    # namespace, held none of this run's in two full runs (2026-11-28), though they did alone
-    import time
-
+    # nothing of the failed run is left on the cluster: its live actors, as a run's end asks for them
+    # (the state API filters by state at the source and by namespace after; all the session's
+    # actors, filtered by namespace, held none of this run's in two full runs, 2026-11-28)
     import ray
 
-    from actors.common import live_actors
+    from actors.common import actors_left
 
-    deadline = time.monotonic() + 60  # ray.kill is asynchronous, and the state API lags (or times out) on a busy machine
-    left: list | None = None
-    while left != [] and time.monotonic() < deadline:
-        try:
-            left = [a.name for a in live_actors(namespace, timeout=30)]
-        except ray.exceptions.RpcError:  # timed out on a loaded machine: ask again
-            pass
-        if left != []:
-            time.sleep(1.0)
-    assert left == [] and ray.is_initialized(), left
+    assert actors_left(namespace, wait_s=60) == [] and ray.is_initialized()  # ray.kill is asynchronous
