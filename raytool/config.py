@@ -262,6 +262,7 @@ class TrainerConfig(_Section):
     packing: bool | Literal["auto"] = "auto"  # sequences end to end in one row (auto: only with a varlen flash-attention kernel)
     activation_checkpointing: bool | Literal["auto"] = "auto"  # recompute decoder layers in backward; auto: off on a CPU, on an accelerator on only when the planner finds that the micro-batch's activations would not fit without it
     compile: bool | Literal["auto"] = "auto"  # torch.compile each decoder layer and the LM head's log-prob chunk (CUDA GPUs and CPUs; not with NPU, SP or 4-bit); auto: on for CUDA GPUs (1.45x measured on an H100), off on CPUs and where it cannot run
+    kernels: bool | Literal["auto"] = "auto"  # Liger-Kernel's fused Triton RMSNorm, SwiGLU and RoPE in the trainer's model (CUDA GPUs; pip install 'raytool[gpu]'; the log-prob head is raytool's own chunked one either way); auto: off everywhere until a GPU run has measured them to pay (`raytool bench trainer`, the device check's kernels variant)
     router_replay: Literal["off", "r2", "r3"] = "off"  # mixture-of-experts routing in the trainer's forward: r3 uses the experts the rollout engine routed each token to (vLLM on GPUs, or the HF engine, returns them), r2 the trainer's own old-policy routing in a batch's later updates; the gate weights stay the trainer's (verl: router_replay.mode R2/R3)
     router_aux_loss_coef: NonNegative = 0.0  # mixture of experts: the load-balancing loss (Switch Transformer's: experts x sum of each expert's token share x its mean router probability, per layer) added to the RL loss with this weight (0: off, as RL recipes run; the checkpoint's own router_aux_loss_coef is not used)
     logprob_chunk_tokens: Positive = 2048  # the LM head and log-softmax run over this many scored tokens at a time (more: recomputed in backward)
@@ -519,6 +520,12 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
                "with a 4-bit base (bitsandbytes kernels) is not supported: set it false" if cfg.trainer.load_in_4bit else "")
         if why:
             raise ConfigError(f"{source}: config key 'trainer.compile' {why}")
+    if cfg.trainer.kernels is True:
+        why = ("Liger-Kernel's kernels are Triton kernels for CUDA GPUs, not NPUs: set it false or auto" if cfg.cluster.accelerator == "NPU" and cfg.trainer.num_gpus else
+               "needs CUDA GPUs (Liger-Kernel's Triton kernels), but the trainer runs on CPUs: give it GPUs (trainer.num_gpus) or set it false or auto"
+               if not cfg.trainer.num_gpus else "")
+        if why:
+            raise ConfigError(f"{source}: config key 'trainer.kernels' {why}")
     validate_router_replay(cfg, source)
     if cfg.trainer.lora_rank and cfg.trainer.num_workers > 1:
         raise ConfigError(f"{source}: config key 'trainer.lora_rank': LoRA runs on one trainer worker (trainer.num_workers=1), got {cfg.trainer.num_workers} workers")

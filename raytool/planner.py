@@ -345,8 +345,8 @@ def trainer_budget(cfg: RunConfig, accelerator_bytes: float, with_servers: bool 
 
 def resolve_auto(cfg: RunConfig, arch: Architecture, on_accelerator: bool, accelerator_bytes: float = 0.0,
                  with_servers: bool = True) -> tuple[RunConfig, list[str]]:
-    """`cfg` with trainer.micro_batch_tokens, trainer.activation_checkpointing and trainer.compile
-    "auto" decided for where the trainer runs, and one line per decision. Checkpointing on an
+    """`cfg` with trainer.micro_batch_tokens, trainer.activation_checkpointing, trainer.compile and
+    trainer.kernels "auto" decided for where the trainer runs, and one line per decision. Checkpointing on an
     accelerator is on only when the trainer's predicted memory without it exceeds
     CHECKPOINTING_HEADROOM of its budget (or the accelerator's memory is not known): it recomputes
     every layer's forward, about a third more compute, to fit a long micro-batch. Compile is on for
@@ -376,8 +376,16 @@ def resolve_auto(cfg: RunConfig, arch: Architecture, on_accelerator: bool, accel
         why = ("a CUDA GPU" if compiled else "on a CPU" if not on_accelerator else "inductor has no NPU backend" if not cuda
                else "sequence parallelism" if t.sequence_parallel_size > 1 else "a 4-bit base" if t.load_in_4bit else "router replay")
         notes.append(f"trainer.compile auto: {'on' if compiled else 'off'} ({why})")
+    kernels = t.kernels
+    if kernels == "auto":
+        # Off until measured: Liger-Kernel's RMSNorm, SwiGLU and RoPE have not been timed against
+        # the compiled layers (which fuse the same elementwise work) on a GPU yet.
+        kernels = False
+        notes.append("trainer.kernels auto: off (" + ("Liger-Kernel's fused kernels are not yet measured to pay on a GPU; true turns them on"
+                                                     if on_accelerator and cfg.cluster.accelerator == "GPU" else
+                                                     "on a CPU" if not on_accelerator else "Triton kernels for CUDA GPUs") + ")")
     return msgspec.structs.replace(without, trainer=msgspec.structs.replace(without.trainer, activation_checkpointing=checkpointing,
-                                                                            compile=compiled)), notes
+                                                                            compile=compiled, kernels=kernels)), notes
 
 
 def loading_peak(arch: Architecture, four_bit: bool = False) -> float:

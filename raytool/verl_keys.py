@@ -18,6 +18,7 @@ ALIASES: dict[str, str] = {
     "data.max_response_length": "agent.max_response_tokens",
     "actor_rollout_ref.model.path": "model.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "trainer.activation_checkpointing",
+    "actor_rollout_ref.model.use_liger": "trainer.kernels",
     "actor_rollout_ref.model.lora_rank": "trainer.lora_rank",
     "actor_rollout_ref.model.lora_alpha": "trainer.lora_alpha",
     "actor_rollout_ref.model.target_modules": "trainer.lora_target_modules",

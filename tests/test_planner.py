@@ -192,10 +192,11 @@ def test_auto_micro_batches_and_checkpointing_follow_the_device_and_its_memory(t
     assert decided(24, "trainer.activation_checkpointing=false")[:2] == (16384, False)  # set by hand: kept, the plan then objects
     assert decided(0)[1:] == (True, ["trainer.micro_batch_tokens auto: 16384 (on an accelerator)",
                                      "trainer.activation_checkpointing auto: on (the accelerator's memory is not known)",
-                                     "trainer.compile auto: on (a CUDA GPU)"])
+                                     "trainer.compile auto: on (a CUDA GPU)",
+                                     "trainer.kernels auto: off (Liger-Kernel's fused kernels are not yet measured to pay on a GPU; true turns them on)"])
     def compiled(*extra, on_accelerator=True):
         cfg, notes = resolve_auto(load_config(None, [*base, *extra]), arch, on_accelerator, 80 * GiB)
-        return cfg.trainer.compile, notes[-1]
+        return cfg.trainer.compile, next(note for note in notes if note.startswith("trainer.compile"))
 
     assert compiled() == (True, "trainer.compile auto: on (a CUDA GPU)")
     assert compiled(on_accelerator=False) == (False, "trainer.compile auto: off (on a CPU)")

@@ -561,6 +561,53 @@ def test_compiled_layers_and_head_give_the_eager_update(tiny_model_path):
     assert "forward" in trunk.layers[0].__dict__
 
 
+def test_fused_kernels_take_the_place_of_every_layers_norms_mlp_and_the_rotary_embedding(tiny_model_path):
+    """trainer.kernels: Liger-Kernel's RMSNorm, SwiGLU MLP and RoPE replace the model's own on every
+    layer and the final norm, with and without LoRA adapters. Only which modules are replaced is
+    checked here: the Triton kernels run on CUDA GPUs only (Triton's CPU interpreter fails on Liger
+    0.8.5's scalar arguments), so their numerical equality to the eager step is tests/test_gpu.py's.
+    In a process of its own: the RoPE patch is module-wide in transformers."""
+    import json
+    import subprocess
+    import sys
+
+    helper = Path(__file__).parent / "helpers" / "fused_kernels.py"
+    done = subprocess.run([sys.executable, str(helper), "modules", tiny_model_path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    for name in ("plain", "lora"):
+        assert result[name] == {"mlp": "LigerSwiGLUMLP.forward", "input_layernorm": "LigerRMSNorm.forward", "final_norm": "LigerRMSNorm.forward",
+                                "layers": 2, "patched_layers": 2}, name
+    assert result["rope"] == "liger_kernel.transformers.rope"
+
+
+def test_fused_kernels_are_off_by_default_and_refused_where_they_cannot_run(tiny_model_path, tmp_path, monkeypatch):
+    import importlib.util
+
+    from raytool.config import ConfigError
+    from raytool.planner import architecture, resolve_auto
+    from raytool.training.trainer import check_kernels
+
+    for overrides, words in ((["cluster.accelerator=NPU", "trainer.num_gpus=1"], "not NPUs"), ([], "the trainer runs on CPUs")):
+        with pytest.raises(ConfigError, match=f"'trainer.kernels' .*{words}"):
+            load_config(None, ["trainer.kernels=true", *overrides])
+    with pytest.raises(ValueError, match="'trainer.kernels' needs a CUDA GPU .* this trainer runs on cpu"):
+        check_kernels(torch.device("cpu"), tiny_model_path)
+    check_kernels(torch.device("cuda"), tiny_model_path)  # llama: Liger has kernels for it (no GPU is touched)
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="'trainer.kernels': Liger-Kernel has no kernels for model type 'gpt2'"):
+        check_kernels(torch.device("cuda"), str(tmp_path / "gpt2"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"'trainer.kernels' needs Liger-Kernel: pip install 'raytool\[gpu\]'"):
+        check_kernels(torch.device("cuda"), tiny_model_path)
+    arch = architecture(tiny_model_path)
+    for on_accelerator, why in ((True, "Liger-Kernel's fused kernels are not yet measured to pay on a GPU"), (False, "on a CPU")):
+        cfg, notes = resolve_auto(load_config(None, ["trainer.num_gpus=1"] if on_accelerator else []), arch, on_accelerator, 80 * 2**30)
+        assert cfg.trainer.kernels is False and f"trainer.kernels auto: off ({why}" in notes[-1]
+
+
 def test_compile_is_refused_where_it_cannot_run(tiny_model_path):
     from raytool.config import ConfigError
 

@@ -89,6 +89,20 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     groups = micro_batches(lengths, cfg.trainer.micro_batch_tokens)
 
+    def timed(fn) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timed(lambda: trainer.rl_step(trajectories))  # warm-up (allocator, kernels, thread pools; compiles where on), before the plain loop's model exists
+    trainer_peak = torch.cuda.max_memory_allocated() if cuda else None
+
     plain_dtype = trainer.dtype
     plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=cfg.model.attn_implementation).to(device)
     plain.config.use_cache = False
@@ -107,16 +121,6 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         if cuda:
             torch.cuda.empty_cache()
 
-    def timed(fn) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    timed(lambda: trainer.rl_step(trajectories))  # warm-up both (allocator, kernels, thread pools)
     plain_budget = min(cfg.trainer.micro_batch_tokens, _PLAIN_MICRO_BATCH_TOKENS)
     try:
         plain_budget = largest_that_fits(lambda budget: timed(lambda: run_plain(budget)), plain_budget, reset_plain)
@@ -157,6 +161,8 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         "plain_micro_batch_tokens": plain_budget,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "micro_batches_per_step": len(groups),
+        "compile": cfg.trainer.compile,
+        "kernels": cfg.trainer.kernels,
         **dtype_result,
         **compile_result,
     }
@@ -169,6 +175,9 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         result["host_ms_per_micro_batch"] = 1e3 * min(host) / len(groups)
         if peak:
             result["mfu"] = 6 * params * tokens / ours_s / (peak * 1e12)
+            result["mfu_compiled"] = 6 * params * result["compiled_tokens_per_s"] / (peak * 1e12)
+            result["mfu_eager"] = 6 * params * result["eager_tokens_per_s"] / (peak * 1e12)
+        result.update(_planned_peak(cfg, model_path, trainer_peak))
     plain_note = ([f"the plain loop ran {plain_budget}-token micro-batches (its full fp32 logits)"]
                   if plain_fits and plain_budget != cfg.trainer.micro_batch_tokens else [])
     table = "\n".join(
@@ -178,11 +187,27 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         + plain_note
         + dtype_rows
         + compile_rows
-        + ([f"mfu = {result['mfu']:.1%}  peak memory = {result['peak_mem_gib']:.1f} GiB"] if "mfu" in result else [])
+        + ([f"mfu = {result['mfu']:.1%} (compiled {result['mfu_compiled']:.1%}, eager {result['mfu_eager']:.1%}), kernels {'on' if cfg.trainer.kernels else 'off'}; "
+            f"peak memory = {result['peak_mem_gib']:.1f} GiB"] if "mfu" in result else [])
+        + ([f"planner: the trainer's peak {result['planned_peak_gib']:.1f} GiB predicted, {result['trainer_peak_gib']:.1f} GiB measured in its first step "
+            f"(planned_vs_measured = {result['planned_vs_measured']:.2f}; {'within' if abs(result['planned_vs_measured'] - 1) <= 0.10 else 'NOT within'} 10%)"]
+           if cuda else [])
         + ([f"host CPU time {result['host_cpu_s_per_step']:.3f} s/step ({result['host_ms_per_micro_batch']:.1f} ms per micro-batch) "
             f"for {ours_s:.3f} s of wall time"] if cuda else [])
     )
     return table, result
+
+
+def _planned_peak(cfg: RunConfig, model_path: str, measured: float | None) -> dict:
+    """On a GPU: the planner's accelerator memory for this trainer (less its fixed allowance for the
+    CUDA context, which the allocator does not see) against the peak the allocator measured in the
+    trainer's first step."""
+    if measured is None:
+        return {}
+    from raytool.planner import ACCELERATOR_RESERVE, Cluster, plan
+
+    predicted = plan(cfg, Cluster.this_machine(), model_path).roles[0].accelerator_total - ACCELERATOR_RESERVE
+    return {"planned_peak_gib": predicted / 2**30, "trainer_peak_gib": measured / 2**30, "planned_vs_measured": predicted / measured}
 
 
 def _bf16_vs_fp32(cfg: RunConfig, model_path: str, trainer, trajectories, timed, repeats: int) -> tuple[dict, list[str]]:

@@ -55,6 +55,13 @@ def _compiled_chunk_logprobs():
     return torch.compile(_chunk_logprobs)
 
 
+def liger_supported(model_type: str) -> bool:
+    """Whether the installed Liger-Kernel has kernels for this transformers model type."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
 class PolicyModel(nn.Module):
     """`lm` is an HF causal LM (optionally a peft model around one). With `sp_group` (Ulysses
     sequence parallelism, see raytool.training.sequence_parallel) its attention layers must be
@@ -82,6 +89,20 @@ class PolicyModel(nn.Module):
                 layer._compiled_forward = torch.compile(type(layer).forward.__get__(layer))
             layer.forward = layer._compiled_forward
         self.chunk_logprobs = _compiled_chunk_logprobs() if on else _chunk_logprobs
+
+    def use_fused_kernels(self) -> None:
+        """Liger-Kernel's fused Triton RMSNorm, SwiGLU MLP and rotary embedding in place of the
+        model's own (trainer.kernels; CUDA GPUs), on this instance's modules; RoPE is patched in the
+        model family's transformers module, so for this whole process. The LM head stays this
+        module's chunked log-prob head: Liger's fused linear cross-entropy returns a loss, not the
+        per-token log-probs and entropies the RL losses need."""
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        if not liger_supported(base.config.model_type):
+            raise ValueError(f"config key 'trainer.kernels': Liger-Kernel has no kernels for model type {base.config.model_type!r}: set it false or auto")
+        _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+        log.info("trainer.kernels: Liger-Kernel's RMSNorm, SwiGLU and RoPE in the %s model", base.config.model_type)
 
     def _parts(self):
         base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm

@@ -93,10 +93,10 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_auto_settings(cfg: RunConfig, model_path: str, device: torch.device, log_notes: bool = True) -> RunConfig:
-    """trainer.micro_batch_tokens, trainer.activation_checkpointing and trainer.compile "auto"
-    decided for this device and its memory, as `raytool plan` decides them (raytool.planner.resolve_auto)."""
+    """trainer.micro_batch_tokens, trainer.activation_checkpointing, trainer.compile and trainer.kernels
+    "auto" decided for this device and its memory, as `raytool plan` decides them (raytool.planner.resolve_auto)."""
     t = cfg.trainer
-    if "auto" not in (t.micro_batch_tokens, t.activation_checkpointing, t.compile):
+    if "auto" not in (t.micro_batch_tokens, t.activation_checkpointing, t.compile, t.kernels):
         return cfg
     from raytool.planner import architecture, resolve_auto
 
@@ -114,6 +114,24 @@ def check_4bit(device: torch.device) -> None:
         raise ValueError(f"config key 'trainer.load_in_4bit' needs a CUDA GPU (bitsandbytes NF4); this trainer runs on {device.type}: set it false")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError("config key 'trainer.load_in_4bit' needs bitsandbytes: pip install 'raytool[qlora]', or set it false")
+
+
+def check_kernels(device: torch.device, model_path: str) -> None:
+    """trainer.kernels' rules, before the model loads: Liger-Kernel's Triton kernels run on CUDA
+    GPUs, where it is installed, for the model families it has kernels for."""
+    import importlib.util
+
+    if device.type != "cuda":
+        raise ValueError(f"config key 'trainer.kernels' needs a CUDA GPU (Liger-Kernel's Triton kernels); this trainer runs on {device.type}: set it false or auto")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError("config key 'trainer.kernels' needs Liger-Kernel: pip install 'raytool[gpu]', or set it false or auto")
+    from transformers import AutoConfig
+
+    from raytool.training.model import liger_supported
+
+    model_type = AutoConfig.from_pretrained(model_path).model_type
+    if not liger_supported(model_type):
+        raise ValueError(f"config key 'trainer.kernels': Liger-Kernel has no kernels for model type {model_type!r} ({model_path}): set it false or auto")
 
 
 def _init_single_process_group(backend: str) -> None:
@@ -137,6 +155,8 @@ class Trainer:
             check_4bit(self.device)
         if t.compile and self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"config key 'trainer.compile': inductor compiles for CUDA GPUs and CPUs, not {self.device.type}: set it false")
+        if t.kernels:
+            check_kernels(self.device, model_path)
         self.packed = t.packing is True or (t.packing == "auto" and cfg.model.attn_implementation.startswith("flash_attention"))
         # A 4-bit base is not FSDP-sharded: its packed uint8 weights can be neither split by rows
         # nor cast by mixed precision (QLoRA runs on one worker, like all LoRA here).
@@ -223,13 +243,18 @@ class Trainer:
         else:
             lm_options["attn_implementation"] = self.cfg.model.attn_implementation
         if self.cfg.trainer.load_in_4bit:
-            return PolicyModel(load_lm(self.model_path, quantized_4bit=(self.dtype, self.device), **lm_options))
+            policy = PolicyModel(load_lm(self.model_path, quantized_4bit=(self.dtype, self.device), **lm_options))
+            if self.cfg.trainer.kernels:
+                policy.use_fused_kernels()
+            return policy
         if not self.sharded:
             policy = PolicyModel(load_lm(self.model_path, **lm_options)).to(self.device)
         else:
             if not dist.is_initialized():
                 _init_single_process_group(device_info.process_group_backend(self.device.type))
             policy = load_sharded(self.model_path, self.dtype, self.cfg.trainer.cpu_offload, self.device, sp_group=self.sp_group, **lm_options)
+        if self.cfg.trainer.kernels:
+            policy.use_fused_kernels()
         policy.set_compiled(self.cfg.trainer.compile)
         return policy
 

@@ -4,7 +4,8 @@ variant's result is one JSON line appended to OUT (and flushed) as soon as it fi
 
     python tests/helpers/gpu_trainer_bench.py OUT.jsonl [VARIANT ...]
 
-Variants: default (the device's auto settings), mbt4096 (4,096-token micro-batches, the former
+Variants: default (the device's auto settings), kernels (the same with trainer.kernels on: Liger-Kernel's
+RMSNorm, SwiGLU and RoPE), mbt4096 (4,096-token micro-batches, the former
 default), nockpt (16k micro-batches without activation checkpointing). A variant that fails
 (e.g. out of memory) writes its error instead. Scripted for a lent device (scripts/device_checks.sh)."""
 
@@ -17,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-VARIANTS = {"default": [], "mbt4096": ["trainer.micro_batch_tokens=4096"],
+VARIANTS = {"default": [], "kernels": ["trainer.kernels=true"], "mbt4096": ["trainer.micro_batch_tokens=4096"],
             "nockpt": ["trainer.micro_batch_tokens=16384", "trainer.activation_checkpointing=false"]}
 
 
