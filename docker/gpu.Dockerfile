@@ -42,7 +42,7 @@ COPY cluster_configs ./cluster_configs
 # raytool and its dependencies into the image's Python, without replacing the CUDA builds of torch,
 # vLLM and the libraries they were built against.
 RUN python3 -m pip freeze | grep -iE '^(torch|torchvision|torchaudio|vllm|transformers|triton|xformers|flashinfer[-_a-z]*)==' > /tmp/base-pins.txt \
- && python3 -m pip install -c /tmp/base-pins.txt ".[qlora]" "ray[default]==${RAY_VERSION}" \
+ && python3 -m pip install -c /tmp/base-pins.txt ".[qlora,gpu]" "ray[default]==${RAY_VERSION}" \
  && python3 -c "import raytool, actors, ray, vllm, torch; print('raytool image:', 'ray', ray.__version__, 'vllm', vllm.__version__, 'torch', torch.__version__)" \
  && rm /tmp/base-pins.txt
 

