@@ -186,7 +186,10 @@ class DataPlane:
         if name not in self.router.ejected:
             log.warning("%s: dropping rollout server %s: %s", self.role, name, failure)
         self.router.eject(name, f"{failure.kind}: {failure.cause}")
-        if name not in self.reporting:
+        # Reported once: not while a report on it waits, nor once the control plane has ejected it
+        # (a call that failed there before that answer can end after it).
+        confirmed = self.membership is not None and name in self.membership.ejected
+        if name not in self.reporting and not confirmed:
             self.reporting[name] = asyncio.get_running_loop().create_task(self._report(failure))
 
     async def _report(self, failure: ServerFailed) -> None:

@@ -104,6 +104,11 @@ def test_a_failing_server_is_dropped_reported_once_and_its_requests_complete_els
         assert control.reports == [("s1", "raised")]  # one report, though several calls failed there
         assert plane.router.ejected == {"s1": control.ejected["s1"]} and plane.membership.epoch == 1
         assert plane.retries >= 1
+        # A call that failed on s1 before the control plane's answer can end after it (a loaded host's
+        # event loop ran the report first once): the server is not reported again.
+        plane._drop(ServerFailed("s1", "raised", "a late failure"))
+        await _settle()
+        assert control.reports == [("s1", "raised")] and plane.router.ejected == {"s1": control.ejected["s1"]}
 
     asyncio.run(main())
 
