@@ -35,6 +35,18 @@ def test_files_on_the_ray_cluster_share_a_unit_and_the_other_integration_files_a
     assert unit(alone) == alone
 
 
+def test_the_cluster_files_that_wait_run_first_and_every_other_test_keeps_its_place(conftest):
+    repo = Path(__file__).resolve().parents[1]
+    order = ["tests/integration/test_async.py::a", "tests/test_config.py::x", "tests/integration/test_faults.py::b",
+             "tests/integration/test_async.py::c", "tests/integration/test_vllm_engine.py::d", "tests/test_config.py::y"]
+    items = [SimpleNamespace(nodeid=nodeid, path=repo / nodeid.split("::")[0]) for nodeid in order]
+    conftest._cluster_files_waiting_first(items)
+    assert [item.nodeid for item in items] == ["tests/integration/test_vllm_engine.py::d", "tests/test_config.py::x", "tests/integration/test_faults.py::b",
+                                               "tests/integration/test_async.py::a", "tests/integration/test_async.py::c", "tests/test_config.py::y"]
+    for name in conftest.CLUSTER_FILES_FIRST:  # a renamed file would silently lose its place
+        assert conftest._work_unit(f"tests/integration/{name}::t") == "ray-cluster", name
+
+
 def _worker(name: str, run: str = "r1"):
     return SimpleNamespace(workerinput={"testrunuid": run, "workerid": name})
 
