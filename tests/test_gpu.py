@@ -172,8 +172,9 @@ def test_compiled_step_on_cuda(tiny_model_path):
 def test_fused_kernels_give_the_eager_step_on_cuda(tiny_model_path):
     """trainer.kernels on a GPU (Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE), in a process of its
     own (the RoPE patch is module-wide): the log-probs and entropies of a batch before any update,
-    and two RL steps' loss, entropy and gradient norm, equal the step without them: to 1e-4 in fp32,
-    within bf16's tolerance in bf16 under FSDP2 with checkpointing."""
+    two RL steps' loss, entropy and gradient norm, and every parameter's gradient at the first step
+    (cosine and norm) equal the step without them: to 1e-4 in fp32, within bf16's tolerance in bf16
+    under FSDP2 with checkpointing."""
     import json
     import math
     import subprocess
@@ -193,3 +194,6 @@ def test_fused_kernels_give_the_eager_step_on_cuda(tiny_model_path):
         for eager, fused in zip(off["metrics"], on["metrics"]):
             for key in eager:
                 assert math.isclose(eager[key], fused[key], rel_tol=tolerance, abs_tol=1e-6), (dtype, key, eager[key], fused[key])
+        assert len(result["grads"]) > 0
+        for name, (cosine, ratio) in result["grads"].items():
+            assert cosine >= 1 - tolerance and abs(ratio - 1) <= tolerance, (dtype, name, cosine, ratio)

@@ -35,7 +35,8 @@ def modules(model_path: str) -> dict:
 
 def step(model_path: str, dtype: str) -> dict:
     """Two RL steps (same batch, same seed) with trainer.kernels off and then on: each step's loss,
-    entropy and gradient norm, and the first step's log-probs of the batch before any update."""
+    entropy and gradient norm, the batch's log-probs and entropies before any update, and every
+    parameter's gradient at the first step compared (cosine, norm ratio)."""
     from raytool.config import load_config
     from raytool.training import Trainer
     from raytool.types import Trajectory
@@ -43,7 +44,7 @@ def step(model_path: str, dtype: str) -> dict:
     batch = [Trajectory(uid=str(i), group_id=str(i // 2), prompt_ids=[1, 2, 3 + i], response_ids=list(range(5 + 20 * i, 17 + 23 * i)),
                         response_mask=[1] * (12 + 3 * i), rollout_logprobs=[-1.0] * (12 + 3 * i), messages=[], ground_truth="",
                         reward=float(i % 2)) for i in range(4)]
-    out = {}
+    out, grads = {}, {}
     for kernels in ("false", "true"):  # off first: the kernels' RoPE patch is process-wide
         cfg = load_config(None, ["trainer.num_gpus=1", f"trainer.kernels={kernels}", f"trainer.compute_dtype={dtype}", "trainer.compile=false",
                                  "trainer.activation_checkpointing=true", "trainer.logprob_chunk_tokens=8", "trainer.lr=1e-3"])
@@ -56,12 +57,33 @@ def step(model_path: str, dtype: str) -> dict:
                 lp, ent = trainer.policy(ids, select, ids[0, len(t.prompt_ids):], with_entropy=True)
                 logprobs += lp.float().tolist()
                 entropies += ent.float().tolist()
+        grads[kernels] = _grads_at_first_step(trainer)
         metrics = [trainer.rl_step(batch) for _ in range(2)]
         out[kernels] = {"logprobs": logprobs, "entropies": entropies,
                         "metrics": [{k: m[k] for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm")} for m in metrics]}
         del trainer
         torch.cuda.empty_cache()
+    # every parameter's gradient at the first step: its cosine to the eager one, and its norm's ratio
+    out["grads"] = {name: [torch.nn.functional.cosine_similarity(g.flatten(), grads["true"][name].flatten(), dim=0).item(),
+                           (grads["true"][name].norm() / g.norm()).item() if g.norm() > 0 else 1.0] for name, g in grads["false"].items()}
     return out
+
+
+def _grads_at_first_step(trainer) -> dict:
+    """Every parameter's gradient as the first optimizer step sees it (whole, in fp32 on the CPU)."""
+    grads: dict = {}
+    step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        if not grads:
+            for name, p in trainer.lm.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    grads[name] = g.detach().float().cpu()
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    return grads
 
 
 if __name__ == "__main__":
