@@ -199,7 +199,9 @@ def test_a_receiver_that_died_is_named_in_seconds_not_at_the_timeout(ipc):
     b.close()  # killed between two syncs
     got, threads = _start([a], 2, timeout_s=1)
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=f"could not deliver bucket 0 to {re.escape(b.address)}: its connection has been down for") as err:
+    # which bucket it names depends on when the sender sees the connection down: ZMQ may queue the
+    # first buckets for a peer it has not yet noticed is gone (bucket 2 once, on a loaded host)
+    with pytest.raises(TimeoutError, match=rf"could not deliver bucket \d+ to {re.escape(b.address)}: its connection has been down for") as err:
         sender.send(weights.items(), 2)
     assert time.monotonic() - start < 10 and err.value.kind == "undelivered" and err.value.addresses == (b.address,)
     threads[0].join(10)
