@@ -95,12 +95,11 @@ class PolicyModel(nn.Module):
         model's own (trainer.kernels; CUDA GPUs), on this instance's modules; RoPE is patched in the
         model family's transformers module, so for this whole process. The LM head stays this
         module's chunked log-prob head: Liger's fused linear cross-entropy returns a loss, not the
-        per-token log-probs and entropies the RL losses need."""
+        per-token log-probs and entropies the RL losses need. The model family is checked before the
+        model loads (raytool.training.trainer.check_kernels)."""
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
-        if not liger_supported(base.config.model_type):
-            raise ValueError(f"config key 'trainer.kernels': Liger-Kernel has no kernels for model type {base.config.model_type!r}: set it false or auto")
         _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
         log.info("trainer.kernels: Liger-Kernel's RMSNorm, SwiGLU and RoPE in the %s model", base.config.model_type)
 

@@ -244,10 +244,7 @@ class Trainer:
             lm_options["attn_implementation"] = self.cfg.model.attn_implementation
         if self.cfg.trainer.load_in_4bit:
             policy = PolicyModel(load_lm(self.model_path, quantized_4bit=(self.dtype, self.device), **lm_options))
-            if self.cfg.trainer.kernels:
-                policy.use_fused_kernels()
-            return policy
-        if not self.sharded:
+        elif not self.sharded:
             policy = PolicyModel(load_lm(self.model_path, **lm_options)).to(self.device)
         else:
             if not dist.is_initialized():
