@@ -47,16 +47,18 @@ def _stop_server(actor) -> None:
 @pytest.fixture(scope="module")
 def server(ray_cluster, tiny_model_path):
     """partial_rollout=continue (the default): requests in flight at a weight load are frozen and
-    continued. Seeded requests, as a run with rollout.seed makes them (no chunked prefill on a CPU)."""
-    actor, addresses = _start_server("rollout-test", tiny_model_path, seeded_requests=True)
+    continued. Seeded requests, as a run with rollout.seed makes them (no chunked prefill on a CPU).
+    Compiled (rollout.enforce_eager=false, as on a GPU): weights synced into a compiled engine."""
+    actor, addresses = _start_server("rollout-test", tiny_model_path, seeded_requests=True, enforce_eager=False)
     yield actor, addresses
     _stop_server(actor)
 
 
 @pytest.fixture(scope="module")
 def abort_server(ray_cluster, tiny_model_path):
-    """partial_rollout=abort: requests in flight at a weight load are aborted and submitted again."""
-    actor, addresses = _start_server("rollout-test-abort", tiny_model_path, partial_rollout="abort")
+    """partial_rollout=abort: requests in flight at a weight load are aborted and submitted again.
+    Compiled too: eager, this tiny model's 160 tokens were all done before the load mid-request."""
+    actor, addresses = _start_server("rollout-test-abort", tiny_model_path, partial_rollout="abort", enforce_eager=False)
     yield actor, addresses
     _stop_server(actor)
 
@@ -335,7 +337,7 @@ def test_a_mixture_of_experts_synced_twice_serves_the_trainers_experts(ray_clust
     from raytool.models import resolve_model
 
     path = resolve_model("tiny-random-moe")
-    actor, addresses = _start_server("rollout-test-moe", path)
+    actor, addresses = _start_server("rollout-test-moe", path, enforce_eager=True)
     try:
         # What the trainer sends: its named weights, the tied LM head once (as the embedding).
         original = {k: v.detach().clone() for k, v in _hf_model(path).state_dict().items() if k != "lm_head.weight"}
