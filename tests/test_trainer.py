@@ -427,7 +427,9 @@ def test_only_rank_0_reads_the_checkpoint_and_the_others_hold_their_shard(tiny_m
     big = [json.loads((tmp_path / f"big.rank{r}.json").read_text()) for r in (0, 1)]
     growth = [r["peak"] - r["rss_before"] for r in big]
     assert growth[0] > 0.9 * fp32_bytes  # rank 0 reads it all (the measurement sees a full load; 1.5x when nothing else runs)
-    assert growth[1] < 0.65 * fp32_bytes, f"rank 1 grew by {growth[1] / fp32_bytes:.2f}x the fp32 model"
+    # Rank 1 holds its half; its growth is a peak (ru_maxrss) over a current RSS, so transient
+    # buffers add to it: 0.67x once in a loaded full run (2026-11-28). A full read would be 0.9x or more.
+    assert growth[1] < 0.8 * fp32_bytes, f"rank 1 grew by {growth[1] / fp32_bytes:.2f}x the fp32 model"
 
 
 def _grads(trainer, batch):
