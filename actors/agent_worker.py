@@ -27,6 +27,7 @@ from raytool.agent.registry import get_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig, RunConfig
 from raytool.errors import one_line
+from raytool.models import load_tokenizer
 from raytool.streaming import trajectory_stats
 from raytool.tools.code_interpreter import CodeInterpreterTool
 from raytool.tools.registry import ToolSet, load_tool_config
@@ -49,8 +50,6 @@ class AgentLoopWorker:
         """`manager`, `sandbox_pools`, `reward_workers`: handles, or names in `namespace` (see
         actors.common.named); `servers`: the rollout servers' names, which this worker's data plane
         calls directly (the manager, the control plane, says which of them serve)."""
-        from transformers import AutoTokenizer
-
         for module in cfg.agent.loop_modules:  # where users register their own loops and tools
             importlib.import_module(module)
         self.cfg = cfg
@@ -65,7 +64,7 @@ class AgentLoopWorker:
         self.nonce = uuid.uuid4().hex[:8]
         self.sessions: dict[str, str] = {}  # trajectory id -> its sandbox session
         self.started: set[str] = set()  # sessions that have run a cell
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_tokenizer(model_path)
         self.toolset = build_toolset(cfg.agent, self.tokenizer, self._execute)
         self.renderers: dict[tuple, ChatRenderer] = {}  # one per distinct tool set of the rows (hermes lists it in the prompt)
         self._renderer(list(self.toolset.tools.values()))  # rows without tools: built now, so a template that cannot render fails at start

@@ -17,6 +17,7 @@ from actors.dataplane import data_plane, follow
 from raytool.agent.gateway import Gateway
 from raytool.agent.render import ChatRenderer
 from raytool.config import RunConfig
+from raytool.models import load_tokenizer
 from raytool.types import SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -28,14 +29,12 @@ class GatewayActor:
                  host: str = "127.0.0.1", port: int = 0):
         """`manager`: the control plane (handle or name in `namespace`); `servers`: the rollout
         servers' names, which the gateway's own data plane calls directly."""
-        from transformers import AutoTokenizer
-
         self.manager = named(manager, namespace)
         self.plane = data_plane(dict(zip(servers, named(servers, namespace))), self.manager, cfg.rollout, "gateway")
         self._following = asyncio.get_running_loop().create_task(follow(self.plane, self.manager))
         self.host, self.port = host, port
         r = cfg.rollout
-        renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), template_kwargs=cfg.agent.chat_template_kwargs)
+        renderer = ChatRenderer(load_tokenizer(model_path), template_kwargs=cfg.agent.chat_template_kwargs)
         self.gateway = Gateway(renderer, self._generate, model_name=cfg.model.path, max_model_len=r.max_model_len,
                                defaults=SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
                                template_kwargs=cfg.agent.chat_template_kwargs, tool_format=cfg.agent.format)

@@ -38,9 +38,9 @@ LOGPROB = -0.5  # every scripted token's log-prob
 
 @functools.cache
 def _tokenizer(model_path: str):
-    from transformers import AutoTokenizer
+    from raytool.models import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 class ScriptedEngine:

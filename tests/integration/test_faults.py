@@ -117,11 +117,12 @@ def test_the_watchdog_kills_a_stopped_actor_and_stops_the_run_for_one_dead_for_g
         watchdog.check()
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
-def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_step_is_logged_once(ray_cluster, tmp_path, caplog, how):
-    """SIGKILL (or SIGSTOP: the driver's heartbeat finds it and kills it) of the trainer worker
-    after the step-2 checkpoint: the graph is rebuilt, restored from step 2, and the run ends with
-    steps 1..4 logged once each and the ledger reconciling.
+def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_step_is_logged_once(ray_cluster, tmp_path, caplog):
+    """The trainer worker SIGKILLed after the step-2 checkpoint, and its successor SIGSTOPped after
+    the step-4 one (the driver's heartbeat finds it and kills it): each time the group is rebuilt
+    and restored from the last checkpoint, and the run ends with steps 1..6 logged once each and
+    the ledger reconciling. (One run for both faults: a run of its own for each cost a graph's
+    start and four steps more.)
     The checkpoints go to trainer.checkpoint_dir as an fsspec URI (torch.distributed.checkpoint's
     fsspec writer and reader, the driver's files through fsspec)."""
     import logging
@@ -132,40 +133,46 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
 
     namespace = f"raytool-trainer-fault-{os.getpid()}"
     cfg = load_config(None, [
-        "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=4", "trainer.save_every=2",
+        "model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "rollout.engine=hf", "trainer.sft_warmup_steps=0", "trainer.total_steps=6", "trainer.save_every=2",
         "trainer.save_final=false", "rollout.n=2", "data.prompts_per_step=2", "rollout.max_tokens_per_turn=16",
         "agent.max_response_tokens=48", "rollout.seed=7", "logging.logger=[]", "logging.progress=false", f"cluster.namespace={namespace}",
         f"trainer.checkpoint_dir=file://{tmp_path}/shared", "cluster.heartbeat_s=2",
     ])
     run_dir = tmp_path / "run"
-    killed = []
+    faults = []  # (signal, pid)
 
-    def kill_after_the_step_2_checkpoint():
+    def fault_after_the_checkpoint_of(step: int, sig: signal.Signals) -> bool:
         deadline = time.time() + 600
-        metrics, saved = run_dir / "metrics.jsonl", tmp_path / "shared" / "run" / "step_2" / "driver_state.json"
-        while not (saved.exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        metrics, saved = run_dir / "metrics.jsonl", tmp_path / "shared" / "run" / f"step_{step}" / "driver_state.json"
+        while not (saved.exists() and metrics.exists() and len(metrics.read_text().splitlines()) > step):
             if time.time() > deadline:
-                return  # never past step 3: "the trainer worker was never killed" says so
+                return False  # never past step + 1: the assertion on `faults` says so
             time.sleep(0.05)
         for actor in live_actors(namespace, "TrainerWorker"):
-            os.kill(actor.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-            killed.append(actor.pid)
+            if all(pid != actor.pid for _, pid in faults):  # the re-formed group's worker, not the one faulted before
+                os.kill(actor.pid, sig)
+                faults.append((sig, actor.pid))
+        return True
 
-    killer = threading.Thread(target=kill_after_the_step_2_checkpoint, daemon=True)
+    killer = threading.Thread(target=lambda: fault_after_the_checkpoint_of(2, signal.SIGKILL) and fault_after_the_checkpoint_of(4, signal.SIGSTOP),
+                              daemon=True)
     killer.start()
     with caplog.at_level(logging.WARNING, logger="actors.pipeline"):
         run(cfg, run_dir)
     killer.join(timeout=5)
-    assert killed, "the trainer worker was never killed"
+    assert [sig for sig, _ in faults] == [signal.SIGKILL, signal.SIGSTOP], f"the trainer workers were not both faulted: {faults}"
     lines = [r.getMessage() for r in caplog.records if "re-forming the trainer group" in r.getMessage()]
-    cause = "trainer-0 died" if how == "kill" else r"trainer-0 (did not answer a heartbeat within cluster\.heartbeat_s=2s|cannot be reached)"
-    assert len(lines) == 1 and re.search(cause, lines[0]) and "step_2" in lines[0] and "trainer.max_failures=3" in lines[0], lines
+    assert len(lines) == 2, lines
+    killed, stopped = lines
+    assert re.search(r"trainer-0 died", killed) and "step_2" in killed and "failure 1 of trainer.max_failures=3" in killed, killed
+    assert re.search(r"trainer-0 (did not answer a heartbeat within cluster\.heartbeat_s=2s|cannot be reached)", stopped), stopped
+    assert "step_4" in stopped and "failure 2 of trainer.max_failures=3" in stopped, stopped
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
-    assert not (run_dir / "checkpoints").exists() and sorted(p.name for p in (tmp_path / "shared" / "run").iterdir()) == ["step_2", "step_4"]
-    assert (tmp_path / "shared" / "run" / "step_4" / "config.yaml").is_file()
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert not (run_dir / "checkpoints").exists() and sorted(p.name for p in (tmp_path / "shared" / "run").iterdir()) == ["step_2", "step_4", "step_6"]
+    assert (tmp_path / "shared" / "run" / "step_6" / "config.yaml").is_file()
     counts = audit(run_dir)
-    assert counts["trained"] == 4 * 2 and counts["drawn"] == sum(v for k, v in counts.items() if k != "drawn")
+    assert counts["trained"] == 6 * 2 and counts["drawn"] == sum(v for k, v in counts.items() if k != "drawn")
 
 
 def test_a_rollout_server_takes_a_second_attempt_at_a_version_and_refuses_an_older_one(ray_cluster):
