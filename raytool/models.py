@@ -51,19 +51,25 @@ def _gguf_dir() -> Path:
 # The class names under which a checkpoint asks for transformers' generic fast tokenizer (the
 # built-in models save `TokenizersBackend`; older checkpoints, Llama 3's among them, the v4 name).
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# The model types for which AutoTokenizer keeps a generic class the checkpoint names (the built-in
+# models' families). For others it may swap in the family's own class: Qwen2's, Mistral's ...
+GENERIC_TOKENIZER_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 
 
 def load_tokenizer(path: str):
-    """`AutoTokenizer.from_pretrained(path)`, without importing torch where the checkpoint asks for
-    the generic fast tokenizer: AutoTokenizer's own import pulls torch in (2.6 s of CPU in a fresh
+    """`AutoTokenizer.from_pretrained(path)`, without importing torch where AutoTokenizer would
+    build the generic fast tokenizer: its own import pulls torch in (2.6 s of CPU in a fresh
     process, against 1.0 s; the agent workers, the gateway and the scripted engine start in
-    processes that never use torch). The same class is built from the same files either way; any
-    other class (Qwen2Tokenizer, a remote-code tokenizer ...) and a hub id go through AutoTokenizer."""
+    processes that never use torch). That is a local checkpoint whose tokenizer_config.json names a
+    generic class, of a model type in GENERIC_TOKENIZER_MODEL_TYPES, without remote code; anything
+    else (Qwen2Tokenizer, a remote-code tokenizer, a hub id ...) goes through AutoTokenizer."""
     try:
-        wanted = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        wanted = None
-    if wanted in GENERIC_TOKENIZER_CLASSES:
+        wanted = json.loads((Path(path) / "tokenizer_config.json").read_text())
+        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+        generic = wanted.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and "auto_map" not in wanted and model_type in GENERIC_TOKENIZER_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):  # no such files (a hub id), or not the JSON objects they should be
+        generic = False
+    if generic:
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(path)
