@@ -28,7 +28,7 @@ from actors.pipeline import DriverState, connect, grpo_step, rollout_stream, run
 from raytool.config import RunConfig
 from raytool.data import PromptLoader
 from raytool.data.task import load_task
-from raytool.models import resolve_model
+from raytool.models import load_tokenizer, resolve_model
 
 MODES = (0, 1, 2)  # async.max_staleness of each segment (0: the synchronous loop)
 
@@ -57,8 +57,6 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 def bench(cfg: RunConfig, steps: int = 3, repeats: int = 2) -> tuple[str, dict]:
-    from transformers import AutoTokenizer
-
     cfg = _with_bench_settings(cfg)
     model_path = resolve_model(cfg.model.path)
     task = load_task(cfg)
@@ -68,7 +66,7 @@ def bench(cfg: RunConfig, steps: int = 3, repeats: int = 2) -> tuple[str, dict]:
     try:
         version = 0
         if cfg.trainer.sft_warmup_steps:
-            run_sft_warmup(graph, cfg, warmup_examples(cfg, task, AutoTokenizer.from_pretrained(model_path), random.Random(cfg.trainer.seed)), None)
+            run_sft_warmup(graph, cfg, warmup_examples(cfg, task, load_tokenizer(model_path), random.Random(cfg.trainer.seed)), None)
         with tempfile.TemporaryDirectory(prefix="raytool-bench-pipeline-") as start:
             graph.trainer.save_checkpoint(start)
             loader = PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed)

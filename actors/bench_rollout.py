@@ -77,10 +77,8 @@ def _tool_round(graph, prompts: list[list[int]], sampling: SamplingParams, laten
 
 
 def bench(cfg: RunConfig) -> tuple[str, dict]:
-    from transformers import AutoTokenizer
-
     from raytool.agent.render import ChatRenderer
-    from raytool.models import resolve_model
+    from raytool.models import load_tokenizer, resolve_model
 
     seed = cfg.rollout.seed if cfg.rollout.seed is not None else 0
     cfg = msgspec.structs.replace(cfg, agent=msgspec.structs.replace(cfg.agent, max_turns=1),
@@ -89,7 +87,7 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
     connect(cfg.cluster.address)
     graph = build(cfg, model_path, with_trainer=False)
     try:
-        renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path))
+        renderer = ChatRenderer(load_tokenizer(model_path))
         problems = [prompt_row(p, cfg.agent.system_prompt) for p in make_splits(cfg.data.prompts_per_step, 1, cfg.data.seed)[0]]
         n = cfg.rollout.n
         prompts = [renderer.prompt_ids(p.prompt) for p in problems for _ in range(n)]

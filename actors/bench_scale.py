@@ -130,15 +130,13 @@ def _pick_us(n: int, picks: int = 20_000) -> float:
 
 
 def bench(cfg: RunConfig) -> tuple[str, dict]:
-    from transformers import AutoTokenizer
-
-    from raytool.models import resolve_model
+    from raytool.models import load_tokenizer, resolve_model
 
     cfg = _with_bench_settings(cfg)
     r, a = cfg.rollout, cfg.agent
     connect(cfg.cluster.address)
     model_path = resolve_model(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 6 * 7 + 1? Use the code tool."}], add_generation_prompt=True, tokenize=False)
     prompt = tokenizer.encode(text, add_special_tokens=False)
     options = dict(num_cpus=r.num_cpus)

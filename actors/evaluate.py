@@ -20,7 +20,7 @@ from raytool.config import EvalConfig, RunConfig, load_config
 from raytool.data.prompts import PromptRow, load_prompt_files
 from raytool.data.task import load_task
 from raytool.evaluation import EvalSample, summarize
-from raytool.models import resolve_model
+from raytool.models import load_tokenizer, resolve_model
 from raytool.rewards import check_judge, extract_answer, normalize_answer, validate_reward_fn
 from raytool.types import Trajectory
 
@@ -69,8 +69,6 @@ def eval_model_path(model: str, work_dir: Path) -> str:
 
 def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | None = None) -> dict:
     """`raytool eval`: validation metrics of `model` on data_files (none: the config's validation set)."""
-    from transformers import AutoTokenizer
-
     from actors.agent_worker import build_toolset
     from actors.session import check_row_tools, connect
     from raytool.agent.registry import check_agents
@@ -83,7 +81,7 @@ def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | N
     check_judge(cfg.reward, rows)
     with tempfile.TemporaryDirectory(prefix="raytool-eval-") as work_dir:
         model_path = eval_model_path(model, Path(work_dir))
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
         check_template_kwargs(tokenizer, cfg.agent.chat_template_kwargs)
         check_row_tools(build_toolset(cfg.agent, tokenizer, None), Task(train=[], val=rows))
         connect(address or cfg.cluster.address, log_to_driver=cfg.logging.console_level == "all")

@@ -41,7 +41,7 @@ from raytool.errors import RaytoolError
 from raytool.resolve import resolve
 from raytool.evaluation import table as eval_table
 from raytool.ledger import FILE as LEDGER_FILE, Ledger, outcome_metrics
-from raytool.models import resolve_model
+from raytool.models import load_tokenizer, resolve_model
 from raytool.rewards import check_judge, validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
 from raytool.tools.registry import ToolSet
@@ -171,9 +171,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     task = load_task(cfg)
     check_agents(cfg.agent, task.train + task.val)
     check_judge(cfg.reward, task.train + task.val)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)  # renders the warm-up, decodes the traces' prompts
+    tokenizer = load_tokenizer(model_path)  # renders the warm-up, decodes the traces' prompts
     check_template_kwargs(tokenizer, cfg.agent.chat_template_kwargs)
     toolset = build_toolset(cfg.agent, tokenizer, None)  # the run's tools (names and schemas; no executor in the driver)
     check_row_tools(toolset, task)

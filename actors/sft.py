@@ -24,7 +24,7 @@ from raytool.agent.render import as_in_turn
 from raytool.config import RunConfig, to_yaml
 from raytool.data.conversations import load_conversations, sft_examples, split_validation
 from raytool.errors import RaytoolError
-from raytool.models import resolve_model
+from raytool.models import load_tokenizer, resolve_model
 from raytool.tracking import Tracker, keep_lines, validate_backends
 from raytool.training import lr_at
 
@@ -102,8 +102,6 @@ def _train(cfg: RunConfig, run_dir: Path, model_path: str, train_examples: list,
 
 def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None = None, resume: str | Path | None = None,
             overwrite: bool = False) -> Path:
-    from transformers import AutoTokenizer
-
     s = cfg.sft
     if not s.train_files:
         raise RaytoolError("config key 'sft.train_files' is empty: give the conversations to train on (jsonl or parquet, messages + tools)")
@@ -114,7 +112,7 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     earlier = earlier_run(run_dir, overwrite) if checkpoint is None else []
     model_path = resolve_model(cfg.model.path)
     validate_backends(cfg.logging)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     train = _load(s.train_files)
     val = _load(s.val_files) if s.val_files else []
     if not val and s.val_fraction > 0:

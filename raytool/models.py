@@ -57,12 +57,13 @@ GENERIC_TOKENIZER_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 
 
 def load_tokenizer(path: str):
-    """`AutoTokenizer.from_pretrained(path)`, without importing torch where AutoTokenizer would
-    build the generic fast tokenizer: its own import pulls torch in (2.6 s of CPU in a fresh
-    process, against 1.0 s; the agent workers, the gateway and the scripted engine start in
-    processes that never use torch). That is a local checkpoint whose tokenizer_config.json names a
-    generic class, of a model type in GENERIC_TOKENIZER_MODEL_TYPES, without remote code; anything
-    else (Qwen2Tokenizer, a remote-code tokenizer, a hub id ...) goes through AutoTokenizer."""
+    """The model's tokenizer, wherever raytool loads one: `AutoTokenizer.from_pretrained(path)`,
+    without importing torch where AutoTokenizer would build the generic fast tokenizer. Its own
+    import pulls torch in (2.6 s of CPU in a fresh process, against 1.0 s), and the agent workers,
+    the gateway and the scripted engine start in processes that never use torch. That case is a
+    local checkpoint whose tokenizer_config.json names a generic class, of a model type in
+    GENERIC_TOKENIZER_MODEL_TYPES, without remote code; anything else (Qwen2Tokenizer, a
+    remote-code tokenizer, a hub id ...) goes through AutoTokenizer."""
     try:
         wanted = json.loads((Path(path) / "tokenizer_config.json").read_text())
         model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")

@@ -50,12 +50,10 @@ def with_tool_format(cfg: RunConfig) -> RunConfig:
     """agent.format auto: the tool-call format the model's chat template writes (raytool.agent.families.detect)."""
     if cfg.agent.format != "auto":
         return cfg
-    from transformers import AutoTokenizer
-
     from raytool.agent.families import detect
-    from raytool.models import resolve_model
+    from raytool.models import load_tokenizer, resolve_model
 
-    template = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path)).chat_template
+    template = load_tokenizer(resolve_model(cfg.model.path)).chat_template
     found = detect(template if isinstance(template, str) else None)
     if found is None:
         from raytool.agent.families import FORMATS

@@ -28,17 +28,15 @@ def _worker(spec: dict) -> dict:
     """One variant, in this process: start the engine, warm up, time ROUNDS rounds."""
     import asyncio
 
-    from transformers import AutoTokenizer
-
     from raytool.agent.render import ChatRenderer
     from raytool.data import make_splits
     from raytool.data.tool_arith import prompt_row
     from raytool.engines import make_engine
-    from raytool.models import resolve_model
+    from raytool.models import load_tokenizer, resolve_model
     from raytool.types import SamplingParams
 
     model_path = resolve_model(spec["model"])
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path))
+    renderer = ChatRenderer(load_tokenizer(model_path))
     problems = make_splits(spec["prompts"], 1, seed=0)[0]
     prompts = [renderer.prompt_ids(prompt_row(p).prompt) for p in problems]
     started = time.perf_counter()

@@ -28,20 +28,19 @@ OUTPUT = "42"
 async def _measure(cfg: RunConfig, trajectories: int, concurrency: int) -> dict:
     import msgspec
     import openai
-    from transformers import AutoTokenizer
 
     from raytool.agent.gateway import Gateway
     from raytool.agent.loop import ToolAgentLoop
     from raytool.agent.openai_loop import shared_http_client
     from raytool.agent.render import ChatRenderer
     from raytool.engines.scripted import ScriptedEngine
-    from raytool.models import resolve_model
+    from raytool.models import load_tokenizer, resolve_model
     from raytool.tools import CodeInterpreterTool
     from raytool.types import ExecResult, Message, SamplingParams
 
     model_path = resolve_model(cfg.model.path)
     engine = ScriptedEngine(model_path, delay_s=cfg.rollout.scripted_delay_s)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     renderer = ChatRenderer(tokenizer)
     engine_s: dict[str, float] = {}
 

@@ -23,6 +23,7 @@ import os
 
 from raytool.engines import EngineStats
 from raytool.engines.crash import EngineCrash
+from raytool.models import load_tokenizer
 from raytool.types import SamplingParams, TokenOutput
 from raytool.weightsync import WeightReceiver
 
@@ -36,11 +37,7 @@ SCRIPT = (
 LOGPROB = -0.5  # every scripted token's log-prob
 
 
-@functools.cache
-def _tokenizer(model_path: str):
-    from raytool.models import load_tokenizer
-
-    return load_tokenizer(model_path)
+_tokenizer = functools.cache(load_tokenizer)  # one per model in a process
 
 
 class ScriptedEngine:
