@@ -53,6 +53,9 @@ def host_processes() -> list[HostProcess]:
 
 
 def processes_running(argv: list[str]) -> list[int]:
+    """Processes running `argv`. A process that has just been exec'd can show an empty command
+    line for a moment after Popen returned in its parent (the kernel closes the exec-error pipe
+    before it sets the new argument pages), so a check that one runs must wait for it."""
     return [p.pid for p in host_processes() if p.argv == argv]
 
 
@@ -432,7 +435,7 @@ def test_a_sessions_processes_die_when_it_is_closed(sandbox):
     marker = MARKERS["session"]
     r = sandbox.run(f"import subprocess\nsubprocess.Popen({marker}, start_new_session=True)\nprint('started')", session="procs")
     assert (r.status, r.stdout) == ("ok", "started\n"), r
-    assert processes_running(marker), "the session's process should run while the session lives"
+    assert sandbox.wait_until(lambda: processes_running(marker)), "the session's process should run while the session lives"
     sandbox.close_session("procs")
     assert sandbox.wait_until(lambda: not processes_running(marker)), f"{' '.join(marker)} outlived its session"
     sandbox.assert_serves_a_normal_cell()
@@ -489,7 +492,7 @@ def test_sessions_do_not_see_each_others_processes(sandbox):
                 print(open(f'/proc/{pid}/cmdline', 'rb').read())
     """), session="b")
     assert r.status == "ok" and "sleep" not in r.stdout and "python" in r.stdout, r
-    assert processes_running(marker), "session a's process should be running on the host"
+    assert sandbox.wait_until(lambda: processes_running(marker)), "session a's process should be running on the host"
     sandbox.close_session("a")
     sandbox.close_session("b")
     assert sandbox.wait_until(lambda: not processes_running(marker))
