@@ -33,6 +33,7 @@ import contextlib
 import itertools
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -53,6 +54,10 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "raytool.engines.vllm_worker.WeightSyncExtension"
 _PAUSE_MODES = {"continue": "keep", "abort": "abort", "wait": "wait"}  # partial_rollout -> vLLM's pause mode
+# vLLM binds its processes' ZMQ sockets as files named by UUID in VLLM_RPC_BASE_PATH (the temp dir
+# unless set). An engine core force-killed at shutdown leaves its three behind, so each engine gets
+# a dir of its own inside that base, removed at shutdown.
+_RPC_BASE = os.environ.get("VLLM_RPC_BASE_PATH")
 
 
 def _stat_logger_factory(stats: EngineStats):
@@ -136,6 +141,8 @@ class VLLMEngine:
         # EngineDeadError this process sees does not say why the engine died.
         self.crash_file = os.path.join(tempfile.gettempdir(), f"raytool-engine-crash-{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
         os.environ[CRASH_FILE_ENV] = self.crash_file
+        self.ipc_dir = tempfile.mkdtemp(prefix="raytool-vllm-ipc-", dir=_RPC_BASE)
+        os.environ["VLLM_RPC_BASE_PATH"] = self.ipc_dir  # read when the engine starts, by it and its children
         # vLLM rewinds a seeded request's generator after a partial prefill (a chunked prompt's
         # discarded sample: `gen.set_offset(gen.get_offset() - 4)` in the model runner), and a CPU
         # generator has no offset: with chunked prefill the first step that splits a seeded prompt
@@ -397,6 +404,7 @@ class VLLMEngine:
         for path in segments | {self.crash_file}:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def _policy_version(label: str) -> int:

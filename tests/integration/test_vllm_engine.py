@@ -10,6 +10,7 @@ strings end a request, and a mixture of experts (a third engine) serves the sync
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,9 +39,14 @@ def _start_server(name: str, model_path: str, **options):
 
 
 def _stop_server(actor) -> None:
+    """Shut the server down; its engine's ZMQ socket files go with it (vLLM's own shutdown
+    force-kills the engine core, which then leaves them in the temp dir)."""
     import ray
 
+    ipc_dir = Path(ray.get(actor.__ray_call__.remote(lambda server: server.engine.ipc_dir)))
+    assert ipc_dir.is_dir() and any(path.is_socket() for path in ipc_dir.iterdir()), f"{ipc_dir}: the engine's sockets are not there"
     ray.get(actor.shutdown.remote())
+    assert not ipc_dir.exists(), f"{ipc_dir} outlived its engine's shutdown: {sorted(p.name for p in ipc_dir.iterdir())}"
     ray.kill(actor)
 
 
