@@ -54,9 +54,9 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "raytool.engines.vllm_worker.WeightSyncExtension"
 _PAUSE_MODES = {"continue": "keep", "abort": "abort", "wait": "wait"}  # partial_rollout -> vLLM's pause mode
-# vLLM binds its processes' ZMQ sockets as files named by UUID in VLLM_RPC_BASE_PATH (the temp dir
-# unless set). An engine core force-killed at shutdown leaves its three behind, so each engine gets
-# a dir of its own inside that base, removed at shutdown.
+# vLLM's front end binds its ZMQ sockets (input, output, handshake) as files named by UUID in
+# VLLM_RPC_BASE_PATH (the temp dir unless set), and they outlive its shutdown: three files in the
+# temp dir per engine. So each engine gets a dir of its own inside that base, removed at shutdown.
 _RPC_BASE = os.environ.get("VLLM_RPC_BASE_PATH")
 
 

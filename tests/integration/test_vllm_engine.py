@@ -39,8 +39,8 @@ def _start_server(name: str, model_path: str, **options):
 
 
 def _stop_server(actor) -> None:
-    """Shut the server down; its engine's ZMQ socket files go with it (vLLM's own shutdown
-    force-kills the engine core, which then leaves them in the temp dir)."""
+    """Shut the server down; its engine's ZMQ socket files go with it (after vLLM's own shutdown
+    they are still there)."""
     import ray
 
     ipc_dir = Path(ray.get(actor.__ray_call__.remote(lambda server: server.engine.ipc_dir)))
