@@ -36,7 +36,6 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -54,10 +53,7 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "raytool.engines.vllm_worker.WeightSyncExtension"
 _PAUSE_MODES = {"continue": "keep", "abort": "abort", "wait": "wait"}  # partial_rollout -> vLLM's pause mode
-# vLLM's front end binds its ZMQ sockets (input, output, handshake) as files named by UUID in
-# VLLM_RPC_BASE_PATH (the temp dir unless set), and they outlive its shutdown: three files in the
-# temp dir per engine. So each engine gets a dir of its own inside that base, removed at shutdown.
-_RPC_BASE = os.environ.get("VLLM_RPC_BASE_PATH")
+_RPC_BASE = os.environ.get("VLLM_RPC_BASE_PATH")  # the user's, if set: engines' own dirs go inside it
 
 
 def _stat_logger_factory(stats: EngineStats):
@@ -137,12 +133,15 @@ class VLLMEngine:
         self._weights_ready = asyncio.Event()  # clear while a weight load runs
         self._weights_ready.set()
         self._warned_no_spans = False
+        # The engine's files, in one dir removed at shutdown: its crash file and vLLM's ZMQ sockets.
+        # vLLM's front end binds those (input, output, handshake) as files named by UUID in
+        # VLLM_RPC_BASE_PATH, read when the engine starts, and they outlive its shutdown.
+        self.temp_dir = tempfile.mkdtemp(prefix="raytool-vllm-", dir=_RPC_BASE)
+        os.environ["VLLM_RPC_BASE_PATH"] = self.temp_dir
         # A child process that raises records its exception here (raytool.engines.crash): the
         # EngineDeadError this process sees does not say why the engine died.
-        self.crash_file = os.path.join(tempfile.gettempdir(), f"raytool-engine-crash-{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
+        self.crash_file = os.path.join(self.temp_dir, "crash.json")
         os.environ[CRASH_FILE_ENV] = self.crash_file
-        self.ipc_dir = tempfile.mkdtemp(prefix="raytool-vllm-ipc-", dir=_RPC_BASE)
-        os.environ["VLLM_RPC_BASE_PATH"] = self.ipc_dir  # read when the engine starts, by it and its children
         # vLLM rewinds a seeded request's generator after a partial prefill (a chunked prompt's
         # discarded sample: `gen.set_offset(gen.get_offset() - 4)` in the model runner), and a CPU
         # generator has no offset: with chunked prefill the first step that splits a seeded prompt
@@ -401,10 +400,10 @@ class VLLMEngine:
         # vLLM's shutdown force-kills an engine core that does not exit in time, which leaves its
         # shared-memory message queues (/dev/shm/psm_*, 160-250 MB each) behind: memory that stays
         # taken until the machine reboots. Unlink the ones this engine had mapped.
-        for path in segments | {self.crash_file}:
+        for path in segments:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def _policy_version(label: str) -> int:

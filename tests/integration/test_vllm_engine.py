@@ -39,14 +39,14 @@ def _start_server(name: str, model_path: str, **options):
 
 
 def _stop_server(actor) -> None:
-    """Shut the server down; its engine's ZMQ socket files go with it (after vLLM's own shutdown
-    they are still there)."""
+    """Shut the server down; its engine's dir goes with it, ZMQ socket files and all (after vLLM's
+    own shutdown they are still there)."""
     import ray
 
-    ipc_dir = Path(ray.get(actor.__ray_call__.remote(lambda server: server.engine.ipc_dir)))
-    assert ipc_dir.is_dir() and any(path.is_socket() for path in ipc_dir.iterdir()), f"{ipc_dir}: the engine's sockets are not there"
+    engine_dir = Path(ray.get(actor.__ray_call__.remote(lambda server: server.engine.temp_dir)))
+    assert engine_dir.is_dir() and any(path.is_socket() for path in engine_dir.iterdir()), f"{engine_dir}: the engine's sockets are not there"
     ray.get(actor.shutdown.remote())
-    assert not ipc_dir.exists(), f"{ipc_dir} outlived its engine's shutdown: {sorted(p.name for p in ipc_dir.iterdir())}"
+    assert not engine_dir.exists(), f"{engine_dir} outlived its engine's shutdown: {sorted(p.name for p in engine_dir.iterdir())}"
     ray.kill(actor)
 
 
