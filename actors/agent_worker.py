@@ -31,7 +31,7 @@ from raytool.models import load_tokenizer
 from raytool.streaming import trajectory_stats
 from raytool.tools.code_interpreter import CodeInterpreterTool
 from raytool.tools.registry import ToolSet, load_tool_config
-from raytool.types import Message, Trajectory
+from raytool.types import Message, Trajectory, trained
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,9 @@ class AgentLoopWorker:
                     self._pool(session).close_session.remote(session)
         traj.agent_name = agent_name
         scored_by_loop = hasattr(loop, "score_group") or getattr(loop, "scored_by_environment", False)
-        if not traj.infra_failure and not scored_by_loop:  # score now, while sibling trajectories are still rolling out
+        # Score now, while sibling trajectories are still rolling out; one stopped by its wall-clock
+        # limit is truncated, not answered: it is not scored (nor trained: raytool.types.trained).
+        if not traj.infra_failure and not scored_by_loop and trained(traj.finish_reason):
             await self._score(traj, ground_truth, extra)
         return traj
 

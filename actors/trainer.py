@@ -62,7 +62,7 @@ class TrainerWorker:
         local = "cuda" if device.kind == "cuda" else device.kind
         self.trainer = Trainer(self.cfg, self.model_path, device=local, rank=self.rank, world_size=self.world_size)
 
-    def rl_step(self, share: list, rewards: list[float], groups: list[int], offsets: list[int]) -> dict:
+    def rl_step(self, share: list, rewards: list[float], groups: list[int], offsets: list[int], trained: list[bool]) -> dict:
         """`share`: [(trajectories ref of group g, g, positions)] — only this rank's trajectories
         are fetched from the object store; rewards/groups describe the whole batch."""
         fetched = ray.get([ref for ref, _, _ in share])
@@ -71,7 +71,7 @@ class TrainerWorker:
             for i in positions:
                 own.append(trajs[i])
                 index.append(offsets[g] + i)
-        return self.trainer.rl_step(own, rewards, groups, index)
+        return self.trainer.rl_step(own, rewards, groups, index, trained)
 
     def sft_step(self, examples: list[SFTExample], lr: float) -> dict:
         return self.trainer.sft_step(examples, lr)
@@ -264,10 +264,10 @@ class TrainerGroup:
     def rl_step_refs(self, batch: RolloutBatch) -> list:
         """Start one update on `batch` -> the workers' result refs (each rank's metrics, the same on
         every rank). Each rank fetches only its balanced share of the trajectories."""
-        rewards, groups, offsets = batch.rewards, batch.group_index, batch.offsets
+        rewards, groups, offsets, trained = batch.rewards, batch.group_index, batch.offsets, batch.trained
         shares = split_across_ranks(batch.lengths(), len(self.workers), self.cfg.trainer.sequence_parallel_size)
         return [
-            w.rl_step.remote([(batch.groups[g].ref, g, positions) for g, positions in sorted(share.items())], rewards, groups, offsets)
+            w.rl_step.remote([(batch.groups[g].ref, g, positions) for g, positions in sorted(share.items())], rewards, groups, offsets, trained)
             for w, share in zip(self.workers, shares)
         ]
 

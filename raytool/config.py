@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 import types
 import typing
@@ -551,6 +552,7 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'trainer.sequence_parallel_size' > 1 runs attention in PyTorch SDPA; model.attn_implementation "
                           f"{cfg.model.attn_implementation} with sequence parallelism is not supported yet: set model.attn_implementation=sdpa")
     validate_async(cfg, source)
+    validate_sandbox_lifetime(cfg, source)
     s = cfg.sandbox
     if s.added_latency_median_s > 0 and s.added_latency_p95_s < s.added_latency_median_s:
         raise ConfigError(f"{source}: config key 'sandbox.added_latency_p95_s': expected a 95th percentile >= the median, "
@@ -581,6 +583,16 @@ def validate_router_replay(cfg: RunConfig, source: str) -> None:
            if t.router_replay == "r3" and r.engine == "vllm" and not r.num_gpus else "")
     if why:
         raise ConfigError(f"{source}: config key 'trainer.router_replay' {why}")
+
+
+def validate_sandbox_lifetime(cfg: RunConfig, source: str = "config") -> None:
+    """An E2B sandbox lives e2b_sandbox_timeout_s from its creation, one per trajectory: one that
+    dies before its trajectory's wall-clock limit loses the interpreter's state mid-trajectory."""
+    s, limit = cfg.sandbox, cfg.agent.max_trajectory_s
+    if s.backend == "e2b" and s.e2b_sandbox_timeout_s < limit:
+        raise ConfigError(f"{source}: config key 'sandbox.e2b_sandbox_timeout_s' is {s.e2b_sandbox_timeout_s} s, shorter than a trajectory may run "
+                          f"(agent.max_trajectory_s={limit:g}): longer trajectories would lose their sandbox's state; raise it to at least "
+                          f"{math.ceil(limit)} or lower agent.max_trajectory_s")
 
 
 def prompt_source(data: DataConfig, environment: str | None = None) -> Literal["tool_arith", "files", "verifiers"]:

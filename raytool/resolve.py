@@ -22,7 +22,7 @@ import logging
 
 import msgspec
 
-from raytool.config import ConfigError, RunConfig, SandboxConfig
+from raytool.config import ConfigError, RunConfig, SandboxConfig, validate_sandbox_lifetime
 from raytool.device import engine_dtype
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,9 @@ def with_tool_sandbox_settings(cfg: RunConfig) -> RunConfig:
             log.info("sandbox.%s: %r from the run config, not %r from %s", key, have, value, cfg.agent.tools)
             continue
         changes[key] = value
-    return msgspec.structs.replace(cfg, sandbox=msgspec.structs.replace(current, **changes))
+    cfg = msgspec.structs.replace(cfg, sandbox=msgspec.structs.replace(current, **changes))
+    validate_sandbox_lifetime(cfg, cfg.agent.tools)  # the tool file may have set the sandbox's lifetime
+    return cfg
 
 
 def with_engine_dtype(cfg: RunConfig) -> RunConfig:

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from raytool.errors import RaytoolError
-from raytool.types import Trajectory, generated_versions
+from raytool.types import Trajectory, generated_versions, trained
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,11 @@ class RolloutBatch:
     @property
     def rewards(self) -> list[float]:
         return [s.reward for g in self.groups for s in g.stats]
+
+    @property
+    def trained(self) -> list[bool]:
+        """Whether each trajectory takes part in the update (raytool.types.trained)."""
+        return [trained(s.finish_reason) for g in self.groups for s in g.stats]
 
     @property
     def group_index(self) -> list[int]:

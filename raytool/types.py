@@ -138,6 +138,18 @@ class Trajectory(msgspec.Struct):
     routes: Routes | None = None  # MoE with trainer.router_replay=r3: the engine's experts for prompt_ids + response_ids (raytool.moe)
 
 
+# The finish reason of a trajectory stopped by its wall-clock limit (agent.max_trajectory_s). It is
+# truncated, not answered: it is not scored, and training leaves it out of the loss and of its
+# group's advantage statistics (a slow sandbox or a long, still-reasoning response is not a wrong
+# answer; scoring it as one would bias training against long reasoning).
+TIME_LIMIT = "time_limit"
+
+
+def trained(finish_reason: str) -> bool:
+    """Whether a trajectory that finished so takes part in the policy update (`TIME_LIMIT`: not)."""
+    return finish_reason != TIME_LIMIT
+
+
 def generated_versions(t: Trajectory) -> list[int]:
     """The policy version of each generated (mask 1) token of `t`, in order."""
     if not t.response_versions:

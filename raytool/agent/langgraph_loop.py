@@ -15,7 +15,7 @@ from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.imports import required_object
-from raytool.types import Message, Trajectory
+from raytool.types import TIME_LIMIT, Message, Trajectory
 
 
 @register_agent_loop("langgraph")
@@ -39,5 +39,5 @@ class LangGraphAgentLoop:
             return await asyncio.wait_for(run, self.agent.max_trajectory_s)
         except asyncio.TimeoutError:
             traj = model.recorder.to_trajectory(uid, group_id, messages, ground_truth)
-            traj.finish_reason = "time_limit"
+            traj.finish_reason = TIME_LIMIT
             return traj

@@ -41,7 +41,7 @@ from raytool.config import AgentConfig, RolloutConfig
 from raytool.errors import one_line
 from raytool.moe import RouteLog
 from raytool.tools.base import Tool, ToolContext, ToolResult
-from raytool.types import Message, SamplingParams, TokenOutput, ToolCall, Trajectory
+from raytool.types import TIME_LIMIT, Message, SamplingParams, TokenOutput, ToolCall, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ToolAgentLoop:
         try:
             await asyncio.wait_for(self._turns(state, uid), self.agent.max_trajectory_s)
         except asyncio.TimeoutError:
-            state.finish = "time_limit"
+            state.finish = TIME_LIMIT
         finally:
             await self._release(uid)
         return Trajectory(

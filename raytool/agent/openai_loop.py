@@ -27,7 +27,7 @@ from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.imports import required_object
-from raytool.types import Message, SamplingParams, Trajectory
+from raytool.types import TIME_LIMIT, Message, SamplingParams, Trajectory
 
 MODEL_NAME = "raytool-policy"
 
@@ -114,7 +114,7 @@ class OpenAIAgentLoop:
             if not isinstance(answer, str):
                 raise TypeError(f"{a.openai_agent} returned {type(answer).__name__}, not the answer string")
         except asyncio.TimeoutError:
-            finish = "time_limit"
+            finish = TIME_LIMIT
         except Exception as exc:  # the agent's own failure: its trajectory ends, the run goes on
             finish, error, answer = "agent_error", first_line(exc), None
         traj = rec.finish(answer)

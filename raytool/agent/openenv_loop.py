@@ -34,7 +34,7 @@ from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, ConfigError, RolloutConfig
 from raytool.errors import one_line
-from raytool.types import Message, Trajectory
+from raytool.types import TIME_LIMIT, Message, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class OpenEnvAgentLoop:
         except _EnvFailure as failure:
             infra = f"env: {first_line(failure.__cause__)}"
         except TimeoutError:
-            finish = "time_limit"
+            finish = TIME_LIMIT
         except Exception as exc:  # the gateway's client: the engine or the data plane failed
             infra = f"env rollout: {first_line(exc)}"
         finally:

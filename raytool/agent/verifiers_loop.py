@@ -46,7 +46,7 @@ from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, ConfigError, RolloutConfig
 from raytool.errors import one_line
-from raytool.types import Message, Trajectory
+from raytool.types import TIME_LIMIT, Message, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class VerifiersAgentLoop:
             elif failure is not None:
                 finish, error = "env_error", first_line(failure)
         except asyncio.TimeoutError:
-            finish = "time_limit"
+            finish = TIME_LIMIT
         except Exception as exc:  # the environment itself failed: not the policy's doing
             infra = f"env: {first_line(exc)}"
         traj = rec.finish(last_answer(state.get("completion")) if state is not None else None)

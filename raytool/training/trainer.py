@@ -14,8 +14,6 @@ import json
 import logging
 import math
 import random
-import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,14 +32,12 @@ from raytool.moe import RouterTap, covers, find_routers, load_imbalance, moe_cla
 from raytool.resolve import with_rollout_correction
 from raytool import device as device_info
 from raytool import storage
+from raytool.training.export import HF_FILES, MAX_SHARD_BYTES, export_dtype, is_fused_moe, write_hf_to
 from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right, to_device
 from raytool.training.model import DTYPES, PolicyModel, causal_sdpa, load_lm, load_sharded, merged_named_weights
-from raytool.types import SFTExample, Trajectory
+from raytool.types import SFTExample, Trajectory, trained
 
 log = logging.getLogger(__name__)
-
-_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-
 
 def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warm-up, then constant or cosine
@@ -373,16 +369,21 @@ class Trainer:
     # -- RL ------------------------------------------------------------------------------------------
 
     def rl_step(self, trajectories: list[Trajectory], batch_rewards: list[float] | None = None,
-                batch_groups: list | None = None, index: list[int] | None = None) -> dict:
+                batch_groups: list | None = None, index: list[int] | None = None, batch_trained: list[bool] | None = None) -> dict:
         """One policy update on finished trajectories; returns metrics (the same on every rank).
 
-        `trajectories` are this rank's own; `batch_rewards`/`batch_groups` are the whole batch's
-        (all ranks), `index` the position of each own trajectory in it. One process: leave them."""
+        `trajectories` are this rank's own; `batch_rewards`/`batch_groups`/`batch_trained` are the
+        whole batch's (all ranks), `index` the position of each own trajectory in it. One process:
+        leave them. A trajectory not trained (stopped by its wall-clock limit: raytool.types.trained)
+        counts in neither its group's advantage statistics nor the loss."""
         a = self.cfg.algorithm
         start = time.perf_counter()
         if batch_rewards is None:
             batch_rewards, batch_groups = [t.reward for t in trajectories], [t.group_id for t in trajectories]
+            batch_trained = [trained(t.finish_reason) for t in trajectories]
             index = list(range(len(trajectories)))
+        if batch_trained is None:
+            batch_trained = [True] * len(batch_rewards)
         seqs = [
             _Seq(ids=t.prompt_ids + t.response_ids, mask=[0] * (len(t.prompt_ids) - 1) + list(t.response_mask),
                  rollout=[0.0] * (len(t.prompt_ids) - 1) + list(t.rollout_logprobs))
@@ -409,9 +410,13 @@ class Trainer:
                 dist.all_reduce(kl, group=self.dp_group)
             rewards = rewards - a.kl_reward_coef * kl.cpu().float()
             metrics["actor/reward_kl_penalty"] = float(kl.mean())
-        adv = get_adv_estimator(a.adv_estimator)(rewards, batch_groups, norm_by_std=a.norm_adv_by_std)
+        kept = [i for i, k in enumerate(batch_trained) if k]
+        adv = torch.zeros_like(rewards)
+        if kept:
+            adv[kept] = get_adv_estimator(a.adv_estimator)(rewards[kept], [batch_groups[i] for i in kept], norm_by_std=a.norm_adv_by_std)
         for i, x in zip(index, seqs):
             x.adv = float(adv[i])
+        seqs = [x for i, x in zip(index, seqs) if batch_trained[i]]
         loss_fn = get_policy_loss(a.policy_loss)
         skip_zero_adv = getattr(loss_fn, "zero_advantage_is_noop", False) and not kl_on and a.entropy_coeff == 0
         active = {id(x) for x in seqs if x.adv != 0.0 or not skip_zero_adv}  # the rest would add exactly nothing
@@ -448,7 +453,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self._note_compile_time(len(grad_norms), elapsed)
         out.update({
-            "actor/grad_norm": float(torch.stack(grad_norms).double().mean()), "actor/lr": lr, "adv/abs_mean": adv.abs().mean().item(),
+            "actor/grad_norm": float(torch.stack(grad_norms).double().mean()), "actor/lr": lr, "adv/abs_mean": adv[kept].abs().mean().item() if kept else 0.0,
             "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
             "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9),
         })
@@ -609,19 +614,20 @@ class Trainer:
             w = w.full_tensor() if hasattr(w, "full_tensor") else w
             yield name, (w.to(dtype) if dtype is not None else w)
 
-    def export_hf(self, directory: str | Path) -> str:
+    def export_hf(self, directory: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
         """An HF checkpoint (safetensors, config, tokenizer, chat template) that vLLM and
-        transformers load; LoRA adapters merged. Rank 0 writes (to a local directory first when
-        `directory` is an fsspec URI)."""
+        transformers load; LoRA adapters merged; in model.dtype (the rollout engine's). Streamed:
+        every rank joins each tensor's gather, one tensor at a time, and only rank 0 keeps it, in
+        shards of at most `max_shard_bytes` (to a local directory first when `directory` is an
+        fsspec URI)."""
         directory = storage.absolute(directory)
-        state = {name: w.cpu() for name, w in self.named_weights()}
-        if self.rank == 0:
-            if storage.is_local(directory):
-                write_hf(state, self.model_path, Path(directory))
-            else:
-                with tempfile.TemporaryDirectory(prefix="raytool-hf-") as local:
-                    storage.put_dir(write_hf(state, self.model_path, Path(local)), directory)
-        return directory
+        if self.rank != 0:
+            for _ in self.named_weights():  # each full tensor is a collective every rank joins; only rank 0 keeps any
+                pass
+            return directory
+        dtype = export_dtype(self.cfg.model.dtype, self.model_path)
+        fused_moe = is_fused_moe((name, p.shape) for name, p in self.lm.named_parameters())  # global shapes under FSDP2
+        return write_hf_to(directory, self.named_weights(), self.model_path, dtype, fused_moe=fused_moe, max_shard_bytes=max_shard_bytes)
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -659,7 +665,7 @@ class Trainer:
         if self.rank == 0:
             meta = {"model_path": self.model_path, "lora": self.cfg.trainer.lora_rank > 0, "reference": has_reference,
                     "trainer": msgspec.to_builtins(self.cfg.trainer), "model": msgspec.to_builtins(self.cfg.model)}
-            for name in _HF_FILES:  # what `raytool export` needs besides the weights
+            for name in HF_FILES:  # what `raytool export` needs besides the weights
                 if (Path(self.model_path) / name).is_file():
                     storage.write_bytes(storage.join(directory, "hf_meta", name), (Path(self.model_path) / name).read_bytes())
             storage.write_bytes(storage.join(directory, "trainer_meta.json"), json.dumps(meta, indent=1).encode())
@@ -720,27 +726,3 @@ class _AdaptersOff(torch.nn.Module):
         policy = self.policy[0]
         with policy.lm.disable_adapter():
             return policy(*args, **kwargs)
-
-
-def write_hf(state: dict[str, torch.Tensor], source: str | Path, directory: str | Path) -> Path:
-    """Save `state` (HF parameter names) as safetensors next to `source`'s config, generation
-    config, tokenizer and chat template."""
-    from huggingface_hub import save_torch_state_dict
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if any(t.dim() == 3 and ".experts." in name for name, t in state.items()):
-        # A mixture of experts: transformers holds each layer's experts fused (experts.gate_up_proj),
-        # checkpoints hold them one by one (experts.N.gate_proj.weight), which vLLM loads; transformers'
-        # own save (on a shell of the model without memory) writes that layout.
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
-        shell.save_pretrained(directory, state_dict=state, max_shard_size="5GB")
-    else:
-        save_torch_state_dict(state, directory, max_shard_size="5GB")  # model.safetensors, or shards and an index
-    for name in _HF_FILES:
-        if (Path(source) / name).is_file():
-            shutil.copy(Path(source) / name, directory / name)
-    return directory
