@@ -14,16 +14,18 @@
 #       -v /usr/local/dcmi:/usr/local/dcmi:ro -v /usr/local/bin/npu-smi:/usr/local/bin/npu-smi:ro \
 #       -v /etc/ascend_install.info:/etc/ascend_install.info:ro raytool:ascend npu-smi info
 #
-# Base: quay.io/ascend/vllm-ascend:v0.23.0 (vLLM 0.23.0, CANN 9.1.0, Python 3.12, torch 2.10.0,
-# torch_npu 2.10.0.post4). For Atlas A3 use the -a3 tag of the same release. The build stops if the
-# base's torch_npu is not TORCH_NPU_VERSION, and nothing below may replace torch or torch_npu.
+# Versions: scripts/versions.env. Base: quay.io/ascend/vllm-ascend:v$NPU_VLLM_ASCEND_VERSION (0.23.0:
+# CANN 9.1.0, Python 3.12, vLLM built from source for no device). For Atlas A3 build with
+# --build-arg ASCEND_TAG_SUFFIX=-a3 (the -a3 tag of the same release). The build stops unless the
+# base ships the vllm-ascend, vLLM, torch, torch_npu, triton-ascend and transformers of
+# scripts/versions.env, and nothing below may replace them.
 # NPU access: the host's /dev/davinci* belong to the driver's HwHiAiUser group; ASCEND_GID must be
 # that group's id on your hosts (1000 is the driver installer's usual choice).
-FROM quay.io/ascend/vllm-ascend:v0.23.0
+ARG NPU_VLLM_ASCEND_VERSION=0.23.0
+ARG ASCEND_TAG_SUFFIX=
+FROM quay.io/ascend/vllm-ascend:v${NPU_VLLM_ASCEND_VERSION}${ASCEND_TAG_SUFFIX}
 
 ARG RAY_VERSION=2.60.0
-ARG TORCH_VERSION=2.10.0
-ARG TORCH_NPU_VERSION=2.10.0.post4
 ARG ASCEND_GID=1000
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1 \
@@ -42,19 +44,23 @@ RUN apt-get update \
 
 WORKDIR /opt/raytool
 COPY pyproject.toml README.md ./
+COPY scripts/versions.env ./scripts/
 COPY raytool ./raytool
 COPY actors ./actors
 COPY examples ./examples
 COPY cluster_configs ./cluster_configs
 
-# torch and torch_npu pinned: checked first, then held by a constraints file while raytool installs.
-RUN python3 -c "from importlib.metadata import version; \
-have = {p: version(p).split('+')[0] for p in ('torch', 'torch-npu')}; \
-want = {'torch': '${TORCH_VERSION}', 'torch-npu': '${TORCH_NPU_VERSION}'}; \
-assert have == want, f'base image has {have}, this Dockerfile pins {want}: change the FROM tag and the pins together'" \
- && printf 'torch==%s\ntorch-npu==%s\n' "${TORCH_VERSION}" "${TORCH_NPU_VERSION}" > /tmp/pins.txt \
- && python3 -m pip freeze | grep -iE '^(torchvision|torchaudio|transformers|triton[-_a-z]*)==' >> /tmp/pins.txt \
- && python3 -m pip install -c /tmp/pins.txt . "ray[default]==${RAY_VERSION}" \
+# The base's versions checked against scripts/versions.env (vLLM's carries +empty: built for no
+# device), then held by a constraints file while raytool installs. Extras: e2b (E2B / AGS
+# sandboxes); not gpu or qlora (CUDA only: Liger-Kernel's PyPI triton would replace triton-ascend).
+RUN (set -a && . scripts/versions.env && python3 -c "import os; from importlib.metadata import version; \
+pins = {'vllm-ascend': 'NPU_VLLM_ASCEND_VERSION', 'vllm': 'NPU_VLLM_VERSION', 'torch': 'NPU_TORCH_VERSION', \
+'torch-npu': 'NPU_TORCH_NPU_VERSION', 'triton-ascend': 'NPU_TRITON_ASCEND_VERSION', 'transformers': 'NPU_TRANSFORMERS_VERSION'}; \
+have = {p: version(p).split('+')[0] for p in pins}; \
+want = {p: os.environ[key] for p, key in pins.items()}; \
+assert have == want, f'base image has {have}, scripts/versions.env pins {want}: change the FROM tag and the pins together'") \
+ && python3 -m pip freeze | grep -iE '^(torch|torch[-_]npu|torchvision|torchaudio|transformers|triton[-_a-z]*|vllm|vllm[-_]ascend)==' > /tmp/pins.txt \
+ && python3 -m pip install -c /tmp/pins.txt ".[e2b]" "ray[default]==${RAY_VERSION}" \
  && source /usr/local/Ascend/ascend-toolkit/set_env.sh \
  && python3 -c "import raytool, actors, ray, torch, torch_npu; print('raytool image:', 'ray', ray.__version__, 'torch', torch.__version__, 'torch_npu', torch_npu.__version__)" \
  && rm /tmp/pins.txt
