@@ -24,7 +24,13 @@ size, T = trainer.micro_batch_tokens / SP tokens on a rank, c the compute dtype'
 - the LM head: one chunk of min(trainer.logprob_chunk_tokens, T) x vocabulary fp32 logits, kept
   for backward, and their gradient.
 - rank 0 reads the fp32 checkpoint into host memory while loading (4P); the other ranks only
-  their shards.
+  their shards. Its HF export (raytool.training.export) holds at most one open shard, safetensors'
+  serialized copy of it, and the full tensor being gathered in fp32 and in the export dtype; a
+  mixture of experts' export (not streamed) holds the model in model.dtype.
+- a node's host: the trainer ranks placed on it (the trainer's placement group packs them: as many
+  as its accelerators hold), rank 0's larger peak of loading and export, the rollout servers on the
+  accelerators left, and what Ray's object store holds (the trajectories of the steps in flight,
+  48 bytes a token at the longest; weights go over ZMQ, not through it).
 - a rollout server: weights 2P/TP (model.dtype), KV cache 2 x layers x kv x 2 bytes per token
   per TP rank, in gpu_memory_utilization of each accelerator.
 - fixed costs: an accelerator's context and allocator slack (1 GiB), a process's Python, torch
@@ -46,6 +52,8 @@ from raytool.errors import RaytoolError
 from raytool.training.sequence_parallel import check_heads
 
 GiB = 1024**3
+OBJECT_STORE_SHARE, OBJECT_STORE_MAX = 0.3, 200e9  # Ray's default object store: 30% of a node's memory, at most 200 GB (ray_constants)
+TRAJECTORY_BYTES_PER_TOKEN = 48  # a pickled Trajectory: token id, log-prob, mask and version per token, and its trace's text
 ACCELERATOR_RESERVE = 1 * GiB  # CUDA/CANN context, cuBLAS workspace, allocator slack
 NF4_BYTES = 0.5 + 0.127 / 8  # bitsandbytes NF4 with double quantization: 4 bits a weight plus 0.127 bits of block scales
 PROCESS_BASE = 0.4 * GiB  # a trainer or engine process's interpreter, torch and transformers (435 MB resident on this CPU)
@@ -275,6 +283,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # the "auto" settings decided for this cluster, one line each
     accelerators: dict[str, float] = field(default_factory=dict)  # role -> the accelerators all its actors take
     accelerator: str = "GPU"  # what they are (cluster.accelerator)
+    export: float = 0.0  # rank 0's extra host memory while it writes the HF export
+    object_store: float = 0.0  # Ray's object store on each node
+    trainers_per_node: int = 0  # trainer ranks on the busiest node (the placement group packs them)
+    servers_per_node: int = 0  # rollout servers on that node
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -388,6 +400,40 @@ def resolve_auto(cfg: RunConfig, arch: Architecture, on_accelerator: bool, accel
                                                                             compile=compiled, kernels=kernels)), notes
 
 
+def export_peak(arch: Architecture, dtype: str) -> float:
+    """Rank 0's extra host memory while it writes the HF export (see the module's docstring)."""
+    from raytool.training.export import MAX_SHARD_BYTES
+
+    if arch.moe:
+        return arch.params() * _bytes(dtype)
+    largest = max(arch.vocab * arch.hidden, arch.intermediate * arch.hidden, arch.q_dim * arch.hidden)
+    shard = min(MAX_SHARD_BYTES, arch.params() * _bytes(dtype))  # a model smaller than one shard is one file
+    return 2 * shard + largest * (4 + _bytes(dtype))
+
+
+def object_store(cfg: RunConfig, host_memory: float) -> float:
+    """What the run keeps in Ray's object store on a node: the trajectories of the steps in flight
+    (a step's batch, and as many more as async.max_staleness lets run ahead), at most the store's
+    default size (30% of the node's memory, at most 200 GB). Weights do not go through it (ZMQ)."""
+    tokens = cfg.data.prompts_per_step * cfg.rollout.n * (cfg.rollout.max_model_len or 2 * cfg.agent.max_response_tokens)
+    return min(tokens * TRAJECTORY_BYTES_PER_TOKEN * (1 + cfg.async_.max_staleness), OBJECT_STORE_SHARE * host_memory, OBJECT_STORE_MAX)
+
+
+def busiest_node(cfg: RunConfig, cluster: Cluster, trainer_acc: bool, server_acc: bool, with_servers: bool) -> tuple[int, int]:
+    """(trainer ranks, rollout servers) on the node that holds the most of them: the trainer's
+    placement group packs its ranks (as many to a node as its accelerators take), the servers
+    take the accelerators left there; without accelerators, each role spreads evenly."""
+    t, r = cfg.trainer, cfg.rollout
+    nodes, per_node = max(cluster.nodes, 1), cluster.gpus_per_node
+    trainers = min(t.num_workers, int(per_node // t.num_gpus)) if trainer_acc and per_node >= t.num_gpus > 0 else -(-t.num_workers // nodes)
+    if not with_servers:
+        return trainers, 0
+    if server_acc and r.num_gpus > 0:
+        left = per_node - (trainers * t.num_gpus if trainer_acc else 0)
+        return trainers, min(r.num_servers, max(0, int(left // r.num_gpus)))
+    return trainers, -(-r.num_servers // nodes)
+
+
 def loading_peak(arch: Architecture, four_bit: bool = False) -> float:
     """Rank 0's extra host memory while it reads the fp32 checkpoint and broadcasts it (a 4-bit
     base goes to the GPU one tensor at a time: the largest, the embeddings in bf16)."""
@@ -453,18 +499,24 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
                             f"{_gib(avail)}), less than one {longest}-token sequence: raise rollout.tensor_parallel_size or "
                             f"rollout.gpu_memory_utilization, or lower rollout.max_model_len")
         server.kv_tokens = max(0, int(kv_tokens))
-    # host memory of the busiest node: its share of trainer workers (+ rank 0's loading) and servers
-    nodes = max(cluster.nodes, 1)
-    trainers_per_node = -(-t.num_workers // nodes)
-    servers_per_node = -(-r.num_servers // nodes) if with_servers else 0
+    # host memory of the busiest node: its trainer workers (+ rank 0's loading or export), servers and object store
+    trainers_per_node, servers_per_node = busiest_node(cfg, cluster, trainer_acc, server_acc, with_servers)
     loading = loading_peak(arch, t.load_in_4bit)
-    host_need = trainers_per_node * trainer.host_total + loading + servers_per_node * server.host_total
+    export = export_peak(arch, cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16" if trainer_acc else "float32")
+    store = object_store(cfg, cluster.host_memory_gb * GiB)
+    host_need = trainers_per_node * trainer.host_total + max(loading, export) + servers_per_node * server.host_total + store
     if host_need > cluster.host_memory_gb * GiB:
         advice = ("trainer.num_workers over more nodes, or trainer.cpu_offload=false" if t.cpu_offload
                   else "trainer.activation_checkpointing=true or a lower trainer.micro_batch_tokens" if not trainer_acc and not t.activation_checkpointing
                   else "fewer workers per node (more nodes) or a smaller model")
-        problems.append(f"a node needs {_gib(host_need)} of host memory ({trainers_per_node} trainer workers, rank 0 loading the fp32 "
-                        f"checkpoint {_gib(loading)}, {servers_per_node} rollout servers) but has {_gib(cluster.host_memory_gb * GiB)}: {advice}")
+        peak = f"rank 0 loading the fp32 checkpoint {_gib(loading)}" if loading >= export else f"rank 0 writing the HF export {_gib(export)}"
+        problems.append(f"a node needs {_gib(host_need)} of host memory ({trainers_per_node} trainer workers, {peak}, {servers_per_node} "
+                        f"rollout servers, Ray's object store {_gib(store)}) but has {_gib(cluster.host_memory_gb * GiB)}: {advice}")
+    if t.cpu_offload and trainer_acc and known:
+        without = trainer_memory(msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, cpu_offload=False)), arch, True)
+        if without.accelerator_total <= trainer_budget(cfg, gpu, with_servers):
+            notes.append(f"trainer.cpu_offload: on, though a trainer worker fits its accelerator without it ({_gib(without.accelerator_total)}): "
+                         "offload keeps parameters on the host for every step (measured 5.4x slower on an H100); set it false")
     try:
         check_heads(arch.heads, t.sequence_parallel_size)
     except ValueError as exc:
@@ -472,7 +524,7 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
     roles = [trainer, server] if with_servers else [trainer]
     accelerators = {d.role: d.count * d.bundle[cfg.cluster.accelerator] for d in accelerator_demands(cfg, with_servers)}
     return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems, loading, notes,
-                accelerators, cfg.cluster.accelerator)
+                accelerators, cfg.cluster.accelerator, export, store, trainers_per_node, servers_per_node)
 
 
 def _trainer_advice(cfg: RunConfig, role: RoleMemory) -> str:
@@ -524,6 +576,10 @@ def table(result: Plan) -> str:
             lines.append(f"  KV cache capacity: {role.kv_tokens} tokens")
         if role.role == "trainer worker":
             lines.append(f"  rank 0 while loading: + {_gib(result.loading)} host (it reads the checkpoint; any other ranks receive their shards)")
+            lines.append(f"  rank 0 while exporting: + {_gib(result.export)} host (it writes the HF export shard by shard; the others hold one tensor)")
+    if result.object_store:
+        lines.append(f"busiest node: {result.trainers_per_node} trainer worker(s), {result.servers_per_node} rollout server(s), "
+                     f"Ray's object store {_gib(result.object_store)} (the trajectories of the steps in flight)")
     lines.append("")
     lines += [f"does not fit: {p}" for p in result.problems] or ["fits"]
     return "\n".join(lines)

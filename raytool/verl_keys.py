@@ -77,7 +77,7 @@ NOT_APPLICABLE: dict[str, str] = {
     "actor_rollout_ref.actor.use_kl_loss": "a KL loss is on when algorithm.kl_loss_coef > 0",
     "actor_rollout_ref.actor.kl_loss_type": "the values differ: set algorithm.kl_type (k1, k2, k3; verl's low_var_kl is k3)",
     "actor_rollout_ref.actor.use_dynamic_bsz": "raytool always packs micro-batches by token budget (trainer.micro_batch_tokens)",
-    "actor_rollout_ref.actor.fsdp_config.param_offload": "raytool offloads parameters, gradients and optimizer state together: trainer.cpu_offload",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "verl moves the parameters to the host between phases, to make room for the rollout it colocates; raytool's rollout servers have accelerators of their own, so nothing moves. trainer.cpu_offload is another thing (FSDP2 keeps parameters on the host for every step, measured 5.4x slower on an H100): only for a model `raytool plan` says the trainer's accelerators cannot hold",
     "actor_rollout_ref.rollout.name": "vLLM is raytool's engine (rollout.engine: vllm, or hf for tests)",
     "actor_rollout_ref.rollout.mode": "raytool's rollout is always the asynchronous server mode",
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": "verl counts characters; raytool's agent.tool_output_tokens counts tokens",

@@ -126,6 +126,27 @@ def test_sft_steps_lower_the_loss_and_checkpoint_reloads(tiny_model_path, render
     assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").is_file()
 
 
+def test_a_trajectory_stopped_by_its_wall_clock_limit_is_left_out_of_the_loss_and_its_groups_statistics(tiny_model_path):
+    """A time-limited trajectory (finish reason time_limit) is truncated, not a wrong answer: the
+    update is the one of the batch without it, though it scored 0 beside a 1 and a 0."""
+    import msgspec
+
+    from raytool.types import TIME_LIMIT
+
+    def update(batch):
+        trainer = _trainer(tiny_model_path, "trainer.lr=1e-2", "trainer.micro_batch_tokens=16")
+        metrics = trainer.rl_step(batch)
+        return metrics, {n: p.detach().clone() for n, p in trainer.lm.named_parameters()}
+
+    kept = [_traj("a", "g", [1, 2, 3], [5, 6, 7], 1.0), _traj("b", "g", [1, 2, 3], [8, 9], 0.0)]
+    slow = msgspec.structs.replace(_traj("c", "g", [1, 2, 3], [10, 11, 12, 13], 0.0), finish_reason=TIME_LIMIT)
+    m_with, w_with = update(kept + [slow])
+    m_without, w_without = update(kept)
+    assert m_with["adv/abs_mean"] == pytest.approx(m_without["adv/abs_mean"])  # scored as wrong, the group's mean would be 1/3
+    for name, w in w_without.items():
+        assert torch.equal(w_with[name], w), name
+
+
 def test_skipping_zero_advantage_sequences_changes_nothing(tiny_model_path, monkeypatch):
     from raytool.algos import losses
 

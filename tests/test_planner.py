@@ -86,16 +86,23 @@ def test_flags_override_the_recipes_cluster_key_by_key(capsys):
     assert out["accelerators"] == {"rollout server": 16, "trainer worker": 16}  # 32 of the 64 GPUs
 
 
-def test_the_32b_recipe_holds_its_states_on_the_host_and_says_what_to_change_when_it_cannot_fit():
+def test_the_32b_recipe_fits_without_offload_on_packed_nodes_and_says_what_to_change_when_it_cannot_fit():
     cfg = load_config(str(EXAMPLES / "retool_qwen2.5_32b_sandbox_fusion.yaml"), [])
     cluster = Cluster(nodes=4, gpus_per_node=8, gpu_memory_gb=80, host_memory_gb=1024)
     result = plan(cfg, cluster)
-    assert 32.5e9 < result.params < 33.0e9  # Qwen2.5-32B: 32.8B parameters
+    assert 32.5e9 < result.params < 33.0e9 and result.problems == []  # Qwen2.5-32B: 32.8B parameters
     trainer = result.roles[0]
-    assert trainer.host["AdamW moments"] == pytest.approx(8 * result.params / 16)  # offloaded, sharded over 16 ranks
-    assert "AdamW moments" not in trainer.accelerator and "KL reference (fp32, sharded)" not in trainer.host  # the recipe has no KL
+    assert trainer.accelerator["AdamW moments"] == pytest.approx(8 * result.params / 16)  # sharded over 16 ranks, on their GPUs
+    assert "AdamW moments" not in trainer.host and "KL reference (fp32, sharded)" not in trainer.accelerator  # the recipe has no KL
+    # the trainer's placement group packs its 16 ranks 8 to a node; the 4 TP-4 servers take the other two nodes
+    assert (result.trainers_per_node, result.servers_per_node) == (8, 0)
+    # rank 0's export: two 5 GB shards (the open one and safetensors' serialized copy) and the embeddings in fp32 and bf16
+    assert result.export == pytest.approx(2 * 5e9 + 152064 * 5120 * 6)
+    offloaded = plan(load_config(str(EXAMPLES / "retool_qwen2.5_32b_sandbox_fusion.yaml"), ["trainer.cpu_offload=true"]), cluster)
+    assert offloaded.roles[0].host["AdamW moments"] == pytest.approx(8 * result.params / 16)
+    assert any(n.startswith("trainer.cpu_offload: on, though a trainer worker fits its accelerator without it") for n in offloaded.notes)
     with_kl = plan(load_config(str(EXAMPLES / "retool_qwen2.5_32b_sandbox_fusion.yaml"), ["algorithm.kl_loss_coef=0.001"]), cluster).roles[0]
-    assert with_kl.host["KL reference (fp32, sharded)"] == pytest.approx(4 * result.params / 16)
+    assert with_kl.accelerator["KL reference (fp32, sharded)"] == pytest.approx(4 * result.params / 16)
     # without offload the states (16 bytes a parameter over 16 ranks = 30.5 GiB) no longer fit 40 GiB next to activations
     small = Cluster(nodes=4, gpus_per_node=8, gpu_memory_gb=40, host_memory_gb=1024)
     problems = plan(load_config(str(EXAMPLES / "retool_qwen2.5_32b_sandbox_fusion.yaml"), ["trainer.cpu_offload=false"]), small).problems

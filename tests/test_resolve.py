@@ -3,6 +3,8 @@ same answer the second time, and the derived flags defined on the config."""
 
 from __future__ import annotations
 
+import pytest
+
 from raytool.config import load_config, to_yaml
 from raytool.resolve import resolve
 
@@ -22,3 +24,18 @@ def test_kl_on_is_one_definition_for_the_loss_and_the_reward_term():
     assert not load_config(None, []).algorithm.kl_on
     assert load_config(None, ["algorithm.kl_loss_coef=0.01"]).algorithm.kl_on
     assert load_config(None, ["algorithm.kl_reward_coef=0.01"]).algorithm.kl_on
+
+
+def test_an_e2b_sandbox_that_dies_before_its_trajectory_may_end_is_refused_at_start(tmp_path):
+    """The tool file's sandbox_timeout sets the sandbox's lifetime; one shorter than
+    agent.max_trajectory_s would lose the interpreter's state mid-trajectory: one line naming both keys."""
+    from raytool.config import ConfigError
+    from raytool.resolve import resolve
+
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: raytool.tools.CodeInterpreterTool\n    config: {e2b_domain: sandbox.example.com, sandbox_timeout: 300}\n")
+    with pytest.raises(ConfigError, match=r"sandbox.e2b_sandbox_timeout_s' is 300 s, shorter than a trajectory may run \(agent.max_trajectory_s=600\)"):
+        resolve(load_config(None, [f"agent.tools={tools}"]))
+    assert resolve(load_config(None, [f"agent.tools={tools}", "agent.max_trajectory_s=300"])).sandbox.e2b_sandbox_timeout_s == 300
+    with pytest.raises(ConfigError, match="at least 900"):
+        load_config(None, ["sandbox.backend=e2b", "agent.max_trajectory_s=900"])
