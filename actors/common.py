@@ -24,7 +24,10 @@ ACTOR_ENV = {
 
 # Ascend collectives: HCCL's default 120 s connect timeout is shorter than a large model's load on
 # a busy node; cluster.env_vars overrides it (and adds HCCL_IF_IP / HCCL_SOCKET_IFNAME for your network).
-NPU_ENV = {"HCCL_CONNECT_TIMEOUT": "1800"}
+# Ascend actors. VLLM_ASCEND_ENABLE_NZ=0: vllm-ascend may otherwise keep linear weights in the
+# FRACTAL_NZ layout, into which a weight sync's plain tensors would be written unconverted (verl
+# requires the same for RL weight updates); raytool.config refuses another value in cluster.env_vars.
+NPU_ENV = {"HCCL_CONNECT_TIMEOUT": "1800", "VLLM_ASCEND_ENABLE_NZ": "0"}
 
 
 def actor_options(num_cpus: float = 0.0, num_gpus: float = 0.0, accelerator: str = "GPU", env: dict | None = None, **extra) -> dict:

@@ -36,6 +36,7 @@ from raytool.config import RunConfig, sandbox_backend_options
 from raytool.data.prompts import PromptRow, with_system_prompt
 from raytool.tools.registry import row_tool_names
 from raytool import placement
+from raytool.device import torch_threads
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
 from raytool.resolve import resolve
@@ -276,7 +277,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     servers = {
         f"rollout-server-{i}": RolloutServer.options(
             **options(f"rollout-server-{i}", r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
-        ).remote(f"rollout-server-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i), cfg.cluster.torch_threads)
+        ).remote(f"rollout-server-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i),
+                 torch_threads(cfg.cluster.torch_threads, r.num_cpus, r.num_gpus))
         for i in range(r.num_servers)
     }
     manager = LLMManager.options(**options("llm-manager", light), **restarts).remote(

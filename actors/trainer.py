@@ -11,7 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.common import Liveness, actor_options, alive_pid
 from raytool.config import RunConfig
-from raytool.device import detect, set_torch_threads
+from raytool.device import detect, set_torch_threads, torch_threads
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool import placement, storage
 from raytool.streaming import RolloutBatch
@@ -28,7 +28,7 @@ class TrainerWorker:
     own, so the driver tells a rank busy in a long update (or a model load) from a hung process."""
 
     def __init__(self, rank: int, world_size: int, model_path: str, cfg: RunConfig):
-        set_torch_threads(cfg.cluster.torch_threads)
+        set_torch_threads(torch_threads(cfg.cluster.torch_threads, cfg.trainer.num_cpus, cfg.trainer.num_gpus))
         self.rank, self.world_size = rank, world_size
         self.model_path, self.cfg = model_path, cfg
         self.trainer: Trainer | None = None

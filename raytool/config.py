@@ -146,7 +146,7 @@ class AgentConfig(_Section):
     gateway_host: str = "127.0.0.1"  # the gateway's interface (0.0.0.0: reachable from other machines, unauthenticated)
     gateway_port: Port = 0  # the gateway's TCP port (0: a free one)
     loop_modules: list[str] = msgspec.field(default_factory=list)  # modules the agent workers import first (where your own loops and tools register)
-    num_workers: Positive = 1  # AgentLoopWorker actors
+    num_workers: Positive | Literal["auto"] = "auto"  # AgentLoopWorker actors; auto: as many as keep every rollout server full (rollout.num_servers x rollout.max_batch_size sequences over agent.max_concurrent_trajectories each)
     system_prompt: str | None = None  # None: the task's own system prompt
     chat_template_kwargs: dict = msgspec.field(default_factory=dict)  # extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 (verl's apply_chat_template_kwargs)
 
@@ -321,7 +321,7 @@ class LoggingConfig(_Section):
 
 class ClusterConfig(_Section):
     address: str | None = None  # Ray address; None: RAY_ADDRESS if set, else a new local instance
-    torch_threads: Count = 0  # intra-op threads of engine and trainer actors (0: the machine's cores)
+    torch_threads: Count = 0  # intra-op threads of engine and trainer actors (0: on an accelerator the Ray CPUs the actor reserves, on a CPU every core)
     light_actor_cpus: NonNegative = 0.0  # Ray CPUs of manager, agent, sandbox and reward actors
     accelerator: Literal["GPU", "NPU"] = "GPU"  # the Ray resource rollout.num_gpus / trainer.num_gpus count (NPU: Ascend nodes started with --resources '{"NPU": 8}')
     env_vars: dict[str, str] = msgspec.field(default_factory=dict)  # environment of every actor, e.g. HCCL_* or NCCL_* settings of your network
@@ -553,6 +553,9 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
                           f"{cfg.model.attn_implementation} with sequence parallelism is not supported yet: set model.attn_implementation=sdpa")
     validate_async(cfg, source)
     validate_sandbox_lifetime(cfg, source)
+    if cfg.cluster.env_vars.get("VLLM_ASCEND_ENABLE_NZ", "0") != "0":
+        raise ConfigError(f"{source}: config key 'cluster.env_vars': VLLM_ASCEND_ENABLE_NZ={cfg.cluster.env_vars['VLLM_ASCEND_ENABLE_NZ']} lets "
+                          "vllm-ascend hold weights in the FRACTAL_NZ layout, which raytool's weight syncs do not write; leave it out (raytool sets 0)")
     s = cfg.sandbox
     if s.added_latency_median_s > 0 and s.added_latency_p95_s < s.added_latency_median_s:
         raise ConfigError(f"{source}: config key 'sandbox.added_latency_p95_s': expected a 95th percentile >= the median, "

@@ -61,8 +61,21 @@ def importlib_has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def torch_threads(threads: int, num_cpus: float, num_accelerators: float) -> int:
+    """Intra-op threads of an engine or trainer process: `threads` (cluster.torch_threads) when set;
+    0: on an accelerator the Ray CPUs the actor reserves (a node's 8 trainer ranks would otherwise
+    each take all its cores and contend in the host-side optimizer step), on a CPU every core the
+    process may run on (the engine and the trainer compute in turn, not at once)."""
+    if threads:
+        return threads
+    if num_accelerators and num_cpus >= 1:
+        return int(num_cpus)
+    return len(os.sched_getaffinity(0))
+
+
 def set_torch_threads(threads: int) -> int:
-    """Use `threads` intra-op threads (0: every core this process may run on); return the count."""
+    """Use `threads` intra-op threads (`torch_threads` decides them; 0: every core this process may
+    run on); return the count."""
     import torch
 
     n = threads or len(os.sched_getaffinity(0))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from raytool.config import RunConfig
 from raytool.errors import RaytoolError
+from raytool.resolve import agent_workers
 
 
 class PlacementError(RaytoolError):
@@ -43,7 +44,7 @@ def demands(cfg: RunConfig) -> list[Demand]:
         Demand("llm manager", 1, light, "cluster.light_actor_cpus"),
         Demand("sandbox pool", s.num_pools, {**light, **s.pool_resources}, "sandbox.num_pools, sandbox.pool_resources, cluster.light_actor_cpus"),
         Demand("reward worker", cfg.reward.num_workers, light, "reward.num_workers, cluster.light_actor_cpus"),
-        Demand("agent worker", cfg.agent.num_workers, light, "agent.num_workers, cluster.light_actor_cpus"),
+        Demand("agent worker", agent_workers(cfg), light, "agent.num_workers, cluster.light_actor_cpus"),
     ]
     return [Demand(d.role, d.count, {k: v for k, v in d.bundle.items() if v}, d.keys) for d in out if d.count]
 

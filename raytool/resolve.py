@@ -4,6 +4,7 @@ place before any actor starts, into the one RunConfig every actor receives and c
 `resolve(cfg)` applies, in order:
 - the sandbox settings a verl tool YAML implies (`agent.tools`: an E2B domain, a SandboxFusion URL),
   where the run config left the default;
+- `agent.num_workers: auto` -> as many agent workers as keep every rollout server full;
 - `model.dtype: auto` -> the dtype the rollout engine runs on its device (raytool.device.engine_dtype);
 - `algorithm.rollout_correction.rollout_is: auto` -> `token` in asynchronous mode, null (off) in
   synchronous mode;
@@ -19,6 +20,7 @@ trainer ranks, which are the only ones that see that device.
 from __future__ import annotations
 
 import logging
+import math
 
 import msgspec
 
@@ -30,7 +32,31 @@ log = logging.getLogger(__name__)
 
 def resolve(cfg: RunConfig) -> RunConfig:
     """`cfg` with its autos and derived settings decided (see the module's docstring)."""
-    return with_user_code_paths(with_tool_format(with_rollout_correction(with_engine_dtype(with_tool_sandbox_settings(cfg)))))
+    return with_user_code_paths(with_tool_format(with_rollout_correction(with_engine_dtype(with_agent_workers(with_tool_sandbox_settings(cfg))))))
+
+
+def agent_workers(cfg: RunConfig) -> int:
+    """agent.num_workers, auto: enough workers that the trajectories they keep in flight fill every
+    rollout server (a 4-server, 256-sequence run with one 256-trajectory worker ran them at a quarter)."""
+    a, r = cfg.agent, cfg.rollout
+    if a.num_workers != "auto":
+        return a.num_workers
+    return max(1, math.ceil(r.num_servers * r.max_batch_size / a.max_concurrent_trajectories))
+
+
+def with_agent_workers(cfg: RunConfig) -> RunConfig:
+    """agent.num_workers auto decided (`agent_workers`); a set value that leaves the servers part idle is said once."""
+    a, r = cfg.agent, cfg.rollout
+    workers = agent_workers(cfg)
+    if a.num_workers == "auto":
+        log.info("agent.num_workers auto: %d (%d rollout servers x %d sequences, %d trajectories a worker)", workers, r.num_servers,
+                 r.max_batch_size, a.max_concurrent_trajectories)
+        return msgspec.structs.replace(cfg, agent=msgspec.structs.replace(a, num_workers=workers))
+    if workers * a.max_concurrent_trajectories < r.num_servers * r.max_batch_size:
+        log.warning("agent.num_workers=%d x agent.max_concurrent_trajectories=%d keeps at most %d trajectories in flight, where %d rollout "
+                    "servers run %d sequences at once: raise one of them (or set agent.num_workers=auto)", workers,
+                    a.max_concurrent_trajectories, workers * a.max_concurrent_trajectories, r.num_servers, r.num_servers * r.max_batch_size)
+    return cfg
 
 
 def with_user_code_paths(cfg: RunConfig) -> RunConfig:

@@ -170,3 +170,17 @@ def test_shared_memory_segments_of_killed_engines_are_removed_and_live_ones_kept
         removed = unlink_orphaned_segments(min_age_s=120, shm=str(tmp_path))
     assert removed == [str(tmp_path / "psm_dead")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other_file", "psm_mapped", "psm_new"]
+
+
+def test_threads_per_process_follow_the_cores_it_reserves_on_an_accelerator_node():
+    """cluster.torch_threads 0: a trainer rank with a GPU and 8 Ray CPUs takes 8 threads, not all of
+    its node's cores (8 ranks a node would contend in the optimizer step); on a CPU the engine and
+    the trainer take every core in turn; a set value wins."""
+    import os
+
+    from raytool.device import torch_threads
+
+    assert torch_threads(0, num_cpus=8, num_accelerators=1) == 8
+    assert torch_threads(0, num_cpus=0.5, num_accelerators=1) == len(os.sched_getaffinity(0))  # no whole core reserved
+    assert torch_threads(0, num_cpus=1, num_accelerators=0) == len(os.sched_getaffinity(0))
+    assert torch_threads(3, num_cpus=8, num_accelerators=1) == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.common import actor_options
-from raytool.config import load_config
+from raytool.config import ConfigError, load_config
 from raytool.errors import start_failure
 from raytool.placement import PlacementError, check, demands, shortfall
 
@@ -53,6 +53,9 @@ def test_actor_options_put_npus_in_custom_resources_with_hccl_settings():
     assert opts["resources"] == {"sandbox": 1, "NPU": 2} and "num_gpus" not in opts
     env = opts["runtime_env"]["env_vars"]
     assert env["HCCL_IF_IP"] == "10.0.0.1" and env["HCCL_CONNECT_TIMEOUT"] == "1800"
+    assert env["VLLM_ASCEND_ENABLE_NZ"] == "0"  # weights in plain layout, which weight syncs write
+    with pytest.raises(ConfigError, match="VLLM_ASCEND_ENABLE_NZ=1 lets vllm-ascend hold weights in the FRACTAL_NZ layout"):
+        load_config(None, ["cluster.env_vars={VLLM_ASCEND_ENABLE_NZ: '1'}"])
     gpu = actor_options(1, 2)
     assert gpu["num_gpus"] == 2 and "resources" not in gpu and "HCCL_CONNECT_TIMEOUT" not in gpu["runtime_env"]["env_vars"]
 
