@@ -22,6 +22,7 @@ from raytool.types import Trajectory
 log = logging.getLogger(__name__)
 
 STATE_FILE = "driver_state.json"
+RUN_DIR_FILE = "run_dir.txt"  # the run directory that wrote the checkpoint
 BUFFER_FILE = "buffer.msgpack"
 CONFIG_FILE = "config.yaml"
 
@@ -43,13 +44,14 @@ def checkpoint_root(cfg: RunConfig, run_dir: Path) -> str:
 
 
 def save_checkpoint(trainer, root: str | Path, state: msgspec.Struct, buffered: list[RolloutGroup] = (), config_yaml: str = "",
-                    keep: int = 0) -> str:
+                    keep: int = 0, run_dir: Path | None = None) -> str:
     """The trainer group's checkpoint in root/step_N, `buffered` groups and the run's `config_yaml`
     beside it, and the driver's `state` (a Struct with a `step`) last, as driver_state.json. It is
     written under a temporary name (.step_N.partial) and renamed into place when complete: a save
     that dies half-way leaves the checkpoints before it as they were (a re-save of step N replaces
     the old one only then). `root`: a local or shared path, or an fsspec URI. `keep` > 0: then all
-    but the newest `keep` checkpoints are deleted."""
+    but the newest `keep` checkpoints are deleted. `run_dir`: the run's directory, named in the
+    checkpoint (RUN_DIR_FILE) so that a resume without --run-dir continues it (`resumed_run_dir`)."""
     directory = storage.join(storage.absolute(root), f"step_{state.step}")
     partial = storage.join(storage.parent(directory), f".step_{state.step}.partial")
     storage.remove(partial)  # left by a save that died
@@ -61,6 +63,8 @@ def save_checkpoint(trainer, root: str | Path, state: msgspec.Struct, buffered: 
         storage.write_bytes(storage.join(partial, BUFFER_FILE), msgspec.msgpack.encode(saved))
     if config_yaml:
         storage.write_bytes(storage.join(partial, CONFIG_FILE), config_yaml.encode())
+    if run_dir is not None:
+        storage.write_bytes(storage.join(partial, RUN_DIR_FILE), str(Path(run_dir).resolve()).encode())
     storage.write_bytes(storage.join(partial, STATE_FILE), msgspec.json.encode(state))
     replaced = storage.join(storage.parent(directory), f".step_{state.step}.old")
     if storage.exists(directory):
@@ -131,10 +135,20 @@ def resume_checkpoint(path: str | Path, cfg: RunConfig) -> str:
 
 def resumed_run_dir(checkpoint: str) -> Path:
     """The run directory a resumed run writes to when none is given: the one holding a checkpoint
-    under RUN_DIR/checkpoints, else runs/<the checkpoint's run name> (checkpoint_dir/<run name>/step_N)."""
+    under RUN_DIR/checkpoints; else the run directory the checkpoint names (RUN_DIR_FILE), where this
+    machine sees it (a shared mount: a `ray job submit` runs in a working copy the next job does not
+    have); else runs/<the checkpoint's run name> (checkpoint_dir/<run name>/step_N), said in one line."""
     if storage.is_local(checkpoint) and storage.name(storage.parent(checkpoint)) == "checkpoints":
         return Path(storage.parent(storage.parent(checkpoint)))
-    return Path("runs") / storage.name(storage.parent(checkpoint))
+    named = storage.join(checkpoint, RUN_DIR_FILE)
+    recorded = Path(storage.read_bytes(named).decode()) if storage.exists(named) else None
+    if recorded is not None and recorded.is_dir():
+        return recorded
+    fallback = Path("runs") / storage.name(storage.parent(checkpoint))
+    if recorded is not None:
+        log.warning("--resume %s: its run directory %s is not on this machine; the resumed run writes to %s (--run-dir chooses)",
+                    checkpoint, recorded, fallback.resolve())
+    return fallback
 
 
 # What a run writes into its directory (raytool's files only: --overwrite removes these and nothing else).

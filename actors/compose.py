@@ -303,12 +303,18 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     ask |= {f"sandbox-pool-{i}": pool.ready for i, pool in enumerate(sandbox_pools)}
     ask |= {name: actor.__ray_ready__ for name, actor in actors.items() if name not in ask}
     trainer = None
+    # Engines and trainer on shares of the same accelerators: vLLM sizes its KV cache from the memory
+    # free while it starts, so the trainer loads only after the engines have (else the cache varies
+    # run to run, or vLLM's memory check fails as the trainer grows beside it).
+    after_engines = with_trainer and placement.shares_accelerators(cfg)
     try:
-        # The trainer loads its model while the engines start (most of an engine's start is one
-        # process importing at a time); it is waited for after them, so a failure of theirs is the
+        # Otherwise the trainer loads its model while the engines start (most of an engine's start is
+        # one process importing at a time); it is waited for after them, so a failure of theirs is the
         # one named (a trainer that cannot be placed stops the start here).
-        trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False) if with_trainer else None
+        trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False) if with_trainer and not after_engines else None
         results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, r.engine_start_timeout_s))
+        if after_engines:
+            trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False)
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
         # The OpenAI-compatible API over the manager, for agents outside raytool (actors.gateway), and
         # for a judge that is the run's own model (reward.judge.base_url self).

@@ -379,11 +379,11 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             state.step, state.loader, state.redo = step, loader.state_dict(), redo
             every = cfg.trainer.save_every
             if every and step % every == 0 and not (cfg.trainer.save_final and step == cfg.trainer.total_steps):
-                save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints)
+                save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints, run_dir)
         redo, waiting = stream.unfinished()
         ledger.finish(state.step, [key for key, _ in redo] + [g.key for g in waiting])
         if cfg.trainer.save_final:
-            directory = save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints)
+            directory = save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints, run_dir)
             return graph.trainer.export_hf(storage.join(directory, "hf"))
         return None
     finally:

@@ -91,8 +91,8 @@ def _train(cfg: RunConfig, run_dir: Path, model_path: str, train_examples: list,
                     validate(metrics)
                 tracker.log(metrics, phase="sft")
                 if s.save_every and state.step % s.save_every == 0 and state.step != total:
-                    save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg), keep=cfg.trainer.keep_checkpoints)
-        directory = save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg), keep=cfg.trainer.keep_checkpoints)
+                    save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg), keep=cfg.trainer.keep_checkpoints, run_dir=run_dir)
+        directory = save_checkpoint(trainer, root, state, config_yaml=to_yaml(cfg), keep=cfg.trainer.keep_checkpoints, run_dir=run_dir)
         log.info("final model (HF format): %s", trainer.export_hf(storage.join(directory, "hf")))
     finally:
         tracker.close()

@@ -31,6 +31,13 @@ def accelerator_request(accelerator: str, count: float) -> dict[str, float]:
     return {accelerator: count} if count else {}
 
 
+def shares_accelerators(cfg: RunConfig) -> bool:
+    """Whether rollout servers and trainer workers ask for fractions of accelerators, so that Ray may
+    put both on one device (the one-GPU LoRA recipe: 0.4 for the engine, 0.6 for the trainer)."""
+    r, t = cfg.rollout, cfg.trainer
+    return bool(r.num_gpus and t.num_gpus and (r.num_gpus % 1 or t.num_gpus % 1))
+
+
 def demands(cfg: RunConfig) -> list[Demand]:
     """Every actor the run starts, by role, with what each reserves."""
     r, t, s, c = cfg.rollout, cfg.trainer, cfg.sandbox, cfg.cluster

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -166,3 +168,24 @@ def test_a_checkpoint_is_renamed_into_place_only_when_complete(tmp_path, where):
     for step in (4, 5, 6):
         save_checkpoint(Trainer(), root, State(step), keep=2)
     assert sorted(storage.children(root)) == ["step_5", "step_6"] and find_checkpoint(run_dir, cfg) == storage.join(root, "step_6")
+
+
+def test_a_resume_without_run_dir_continues_the_run_directory_its_checkpoint_names(tmp_path, caplog, monkeypatch):
+    """A checkpoint under a shared trainer.checkpoint_dir names the run directory that wrote it: a
+    resume without --run-dir continues that directory (not runs/<name> in a job's working copy),
+    and says in one line where it writes when that directory is not on this machine."""
+    import logging
+
+    from actors.checkpoint import RUN_DIR_FILE, resumed_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "shared" / "runs" / "rl"
+    run_dir.mkdir(parents=True)
+    checkpoint = tmp_path / "shared" / "checkpoints" / "rl" / "step_2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / RUN_DIR_FILE).write_text(str(run_dir))
+    assert resumed_run_dir(str(checkpoint)) == run_dir
+    (checkpoint / RUN_DIR_FILE).write_text("/elsewhere/runs/rl")
+    with caplog.at_level(logging.WARNING, logger="actors.checkpoint"):
+        assert resumed_run_dir(str(checkpoint)) == Path("runs") / "rl"
+    assert "its run directory /elsewhere/runs/rl is not on this machine" in caplog.text

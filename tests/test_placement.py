@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from actors.common import actor_options
@@ -65,3 +67,14 @@ def test_a_failed_start_is_described_by_the_constructor_s_exception():
             "  File \"/x/reward_worker.py\", line 14, in __init__\n    self.reward = make_reward_fn(cfg)\n"
             "raytool.rewards.RewardError: reward.fn 'x.py:f': no such file")
     assert start_failure(RuntimeError(text)) == "raytool.rewards.RewardError: reward.fn 'x.py:f': no such file"
+
+
+def test_an_engine_and_a_trainer_on_shares_of_one_gpu_start_one_after_the_other():
+    """The one-GPU LoRA recipe gives the engine 0.4 of the GPU and the trainer 0.6: the trainer loads
+    only once vLLM has measured the memory it may take; whole accelerators each start at once."""
+    from raytool.placement import shares_accelerators
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    assert shares_accelerators(load_config(examples / "gsm8k_lora_qwen2.5_1.5b.yaml"))
+    assert not shares_accelerators(load_config(examples / "retool_qwen2.5_32b_sandbox_fusion.yaml"))
+    assert not shares_accelerators(load_config(None))  # CPUs only

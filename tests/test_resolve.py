@@ -39,3 +39,16 @@ def test_an_e2b_sandbox_that_dies_before_its_trajectory_may_end_is_refused_at_st
     assert resolve(load_config(None, [f"agent.tools={tools}", "agent.max_trajectory_s=300"])).sandbox.e2b_sandbox_timeout_s == 300
     with pytest.raises(ConfigError, match="at least 900"):
         load_config(None, ["sandbox.backend=e2b", "agent.max_trajectory_s=900"])
+
+
+def test_agent_workers_auto_keep_every_rollout_server_full(caplog):
+    """4 servers of 256 sequences and 256 trajectories a worker: 4 workers (one left them at a quarter);
+    a set value that cannot fill them is kept and said once."""
+    import logging
+
+    cfg = load_config(None, ["rollout.num_servers=4", "rollout.max_batch_size=256", "agent.max_concurrent_trajectories=256"])
+    assert cfg.agent.num_workers == "auto" and resolve(cfg).agent.num_workers == 4
+    assert resolve(load_config(None)).agent.num_workers == 1  # the CPU default: one server of 64
+    with caplog.at_level(logging.WARNING, logger="raytool.resolve"):
+        kept = resolve(load_config(None, ["rollout.num_servers=4", "rollout.max_batch_size=256", "agent.num_workers=1"]))
+    assert kept.agent.num_workers == 1 and "keeps at most 256 trajectories in flight, where 4 rollout servers run 1024" in caplog.text

@@ -379,3 +379,15 @@ def test_a_backend_that_raises_is_a_sandbox_error_not_a_500():
     status, body, r = asyncio.run(go())
     assert status == 200 and body["status"] == "SandboxError" and "zygote gone" in body["message"]
     assert r.status == "infra_error" and "zygote gone" in r.stderr and "after 2 attempts" in r.stderr
+
+
+def test_a_service_that_does_not_answer_stops_the_start_in_one_line_naming_its_url():
+    """The recipe's SandboxFusion URL with nothing behind it: the pool's start waits for it, then
+    fails naming the URL and what to do, instead of the run failing every trajectory's cells later."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectionError, match=rf"the SandboxFusion service at {url} does not answer \(ClientConnectorError.*\) after 1 s: start it"):
+        asyncio.run(SandboxFusionBackend(url).start(wait_s=1.0))
+
+
+def test_the_start_passes_once_the_service_answers(server_url):
+    asyncio.run(SandboxFusionBackend(server_url).start(wait_s=0.0))

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # Slack on top of run + compile time for what the service does around the run: queueing behind its
 # own concurrency limit, writing files, starting the interpreter (verl allows 10 s as well).
 REQUEST_MARGIN_S = 10.0
+START_WAIT_S = 30.0  # how long a pool's start waits for the service to answer
 
 
 class SandboxFusionBackend:
@@ -72,6 +73,7 @@ class SandboxFusionBackend:
         self.language = language
         self.sessions = sessions
         self._http: aiohttp.ClientSession | None = None
+        self._started = False
 
     def request_timeout(self, timeout_s: float, compile_timeout_s: float) -> float:
         """Seconds one HTTP request may take for a cell allowed `timeout_s` to run."""
@@ -90,15 +92,27 @@ class SandboxFusionBackend:
             self._http = aiohttp.ClientSession()
         return self._http
 
-    async def start(self) -> None:
-        """Check that the service answers (`GET /v1/ping`); a dead one is logged, not fatal (the
-        pool's circuit breaker decides what to do with cells while it is down)."""
-        try:
-            async with self._client().get(self.url + "/v1/ping", timeout=aiohttp.ClientTimeout(total=REQUEST_MARGIN_S)) as resp:
-                if resp.status != 200:
-                    log.warning("sandbox_fusion: %s/v1/ping answered HTTP %d", self.url, resp.status)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            log.warning("sandbox_fusion: %s does not answer yet (%s: %s)", self.url, type(exc).__name__, exc)
+    async def start(self, wait_s: float | None = None) -> None:
+        """Check that the service answers (`GET /v1/ping`), trying for up to `wait_s` (None: the
+        first start waits START_WAIT_S, since a node's service may still be starting; later ones, the
+        pool's circuit-breaker probes, try once): one that does not is a one-line error naming the
+        URL, at the run's start instead of in every trajectory's cells later."""
+        if wait_s is None:
+            wait_s, self._started = (0.0 if self._started else START_WAIT_S), True
+        deadline, last = time.monotonic() + wait_s, ""
+        while True:
+            try:
+                async with self._client().get(self.url + "/v1/ping", timeout=aiohttp.ClientTimeout(total=REQUEST_MARGIN_S)) as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"GET /v1/ping answered HTTP {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"the SandboxFusion service at {self.url} does not answer ({last}) after {wait_s:g} s: start it where "
+                                      "the sandbox pools run (the cluster files start `raytool sandbox serve` on 127.0.0.1:8080 of each node) "
+                                      "or point sandbox.fusion_url at it")
+            await asyncio.sleep(1.0)
 
     async def aclose(self) -> None:
         if self._http is not None:

@@ -145,6 +145,10 @@ class Trainer:
         self.cfg, self.model_path = cfg, model_path
         self.rank, self.world_size = rank, world_size
         self.dtype = compute_dtype(t.compute_dtype, self.device)
+        # Metric sums and the KL reward term on the device: float64, but float32 on an NPU, whose
+        # cores compute no float64 (torch_npu runs it on the AI CPU, if at all) and whose HCCL
+        # reductions of it are not the fast path.
+        self.sum_dtype = torch.float32 if self.device.type == "npu" else torch.float64
         if t.cpu_offload and self.device.type == "cpu":
             raise ValueError("config key 'trainer.cpu_offload' offloads accelerator memory to the host; on a CPU the weights already are there: set it false")
         if t.load_in_4bit:
@@ -336,10 +340,11 @@ class Trainer:
     # -- the optimizer -------------------------------------------------------------------------------
 
     def _global_sums(self, values: list[float]) -> list[float]:
-        """Each value summed over the data-parallel ranks, in one all-reduce."""
+        """Each value summed over the data-parallel ranks, in one all-reduce: host numbers, reduced
+        in float64 on the host (gloo: the process group's CPU backend on every device)."""
         if self.dp_size == 1:
             return [float(v) for v in values]
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, group=self.dp_group)
         return t.tolist()
 
@@ -401,11 +406,11 @@ class Trainer:
         rewards = torch.tensor(batch_rewards, dtype=torch.float32)
         metrics: dict[str, float] = {}
         if a.kl_reward_coef > 0:  # r_i - beta * sum_t KL_t, the KL summed over each sequence's tokens
-            kl = torch.zeros(len(batch_rewards), dtype=torch.float64, device=self.device)
+            kl = torch.zeros(len(batch_rewards), dtype=self.sum_dtype, device=self.device)
             if seqs:  # [own sequences, tokens] grids, 0-padded (every KL estimator is 0 there)
                 width = max(len(x.ids) for x in seqs) - 1
                 per_seq = (kl_penalty(self._grid(seqs, "old", width), self._grid(seqs, "ref", width), a.kl_type) * self._grid(seqs, "mask", width)).sum(1)
-                kl[to_device(torch.tensor(index), self.device)] = per_seq.double()
+                kl[to_device(torch.tensor(index), self.device)] = per_seq.to(self.sum_dtype)
             if self.dp_size > 1:
                 dist.all_reduce(kl, group=self.dp_group)
             rewards = rewards - a.kl_reward_coef * kl.cpu().float()
@@ -453,7 +458,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self._note_compile_time(len(grad_norms), elapsed)
         out.update({
-            "actor/grad_norm": float(torch.stack(grad_norms).double().mean()), "actor/lr": lr, "adv/abs_mean": adv[kept].abs().mean().item() if kept else 0.0,
+            "actor/grad_norm": float(torch.stack(grad_norms).to(self.sum_dtype).mean()), "actor/lr": lr, "adv/abs_mean": adv[kept].abs().mean().item() if kept else 0.0,
             "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
             "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9),
         })
@@ -508,10 +513,10 @@ class Trainer:
         (loss * self.world_size).backward()
         weight = mask.sum()
         for k, v in extra.items():
-            acc = sums.setdefault(k, torch.zeros(2, dtype=torch.float64, device=self.device))
-            acc += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) * weight, weight.double()])
-        acc = sums.setdefault("actor/pg_loss", torch.zeros(2, dtype=torch.float64, device=self.device))
-        acc += torch.stack([pg_loss.detach().double(), torch.ones((), dtype=torch.float64, device=self.device)])
+            acc = sums.setdefault(k, torch.zeros(2, dtype=self.sum_dtype, device=self.device))
+            acc += torch.stack([torch.as_tensor(v, dtype=self.sum_dtype, device=self.device) * weight, weight.to(self.sum_dtype)])
+        acc = sums.setdefault("actor/pg_loss", torch.zeros(2, dtype=self.sum_dtype, device=self.device))
+        acc += torch.stack([pg_loss.detach().to(self.sum_dtype), torch.ones((), dtype=self.sum_dtype, device=self.device)])
 
     def _engine_routes(self, seqs: list[_Seq], trajectories: list[Trajectory]) -> list[float]:
         """r3: each sequence's engine routes, where they are complete and of this model's shape (the
@@ -538,8 +543,8 @@ class Trainer:
                 logp, _ = self._logprobs(self.policy, group, temperature=self.cfg.rollout.temperature)
             width = logp.size(1)
             mask, rollout = self._grid(group, "mask", width), self._grid(group, "rollout", width)
-            acc = sums.setdefault(name, torch.zeros(2, dtype=torch.float64, device=self.device))
-            acc += torch.stack([((logp.float() - rollout).abs() * mask).sum().double(), mask.sum().double()])
+            acc = sums.setdefault(name, torch.zeros(2, dtype=self.sum_dtype, device=self.device))
+            acc += torch.stack([((logp.float() - rollout).abs() * mask).sum().to(self.sum_dtype), mask.sum().to(self.sum_dtype)])
 
     def _routing_metrics(self, sums: dict) -> None:
         """The step's expert load (busiest over mean expert, per layer) and, when replaying, the share
@@ -548,11 +553,11 @@ class Trainer:
         if tap is None:
             return
         if tap.load is not None:
-            sums["moe/load_imbalance"] = torch.tensor([load_imbalance(tap.load), 1.0], dtype=torch.float64, device=self.device)
+            sums["moe/load_imbalance"] = torch.tensor([load_imbalance(tap.load), 1.0], dtype=self.sum_dtype, device=self.device)
         if tap.compared is not None:
-            sums["router/replay_differs_frac"] = torch.stack([tap.differs.double(), tap.compared.double()]).to(self.device)
+            sums["router/replay_differs_frac"] = torch.stack([tap.differs.to(self.sum_dtype), tap.compared.to(self.sum_dtype)]).to(self.device)
         elif self.cfg.trainer.router_replay != "off" and self.world_size > 1:  # every rank reduces the same names
-            sums["router/replay_differs_frac"] = torch.zeros(2, dtype=torch.float64, device=self.device)
+            sums["router/replay_differs_frac"] = torch.zeros(2, dtype=self.sum_dtype, device=self.device)
 
     def _reduce_metrics(self, sums: dict) -> dict:
         """Token-weighted means over every micro-batch of every rank (pg_loss: summed per optimizer
@@ -576,7 +581,7 @@ class Trainer:
         train=True the gradients are accumulated. Returns (global loss, global token count)."""
         seqs = [_Seq(ids=e.input_ids, mask=e.loss_mask[1:]) for e in examples]
         n_tokens = max(self._global_sums([sum(sum(s.mask) for s in seqs)])[0], 1.0)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.zeros((), dtype=self.sum_dtype, device=self.device)
         with torch.set_grad_enabled(train):
             for group in self._plan(seqs):
                 logp, _ = self._logprobs(self.policy, group, temperature=1.0)
@@ -584,7 +589,7 @@ class Trainer:
                 loss = masked_aggregate(-logp, mask, "token-mean", n_tokens)
                 if train:
                     (loss * self.world_size).backward()
-                total += loss.detach().double()
+                total += loss.detach().to(self.sum_dtype)
         return self._global_sums([float(total)])[0], n_tokens
 
     def _note_compile_time(self, optimizer_steps: int, elapsed: float) -> None:
