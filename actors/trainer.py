@@ -11,7 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.common import Liveness, actor_options, alive_pid
 from raytool.config import RunConfig
-from raytool.device import detect, set_torch_threads, torch_threads
+from raytool.device import detect, set_torch_threads, torch_threads, unreachable_gloo_address
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool import placement, storage
 from raytool.streaming import RolloutBatch
@@ -49,8 +49,13 @@ class TrainerWorker:
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
         return f"{host}:{self._store.port}"
 
-    def setup(self, rendezvous: str | None) -> None:
+    def setup(self, rendezvous: str | None, hosts: int = 1) -> None:
+        """Join the process group (`hosts`: the machines its ranks are on) and build the trainer."""
         device = detect()
+        if hosts > 1 and (why := unreachable_gloo_address()) is not None:
+            raise RaytoolError(f"trainer rank {self.rank} on {ray.util.get_node_ip_address()}: the trainer spans {hosts} hosts, but {why}, "
+                               "which the others cannot reach: set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME / HCCL_SOCKET_IFNAME) to "
+                               "the nodes' network interface, in the cluster file's container environment or in cluster.env_vars")
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -166,9 +171,17 @@ class TrainerGroup:
             self.workers.append(TrainerWorker.options(**opts).remote(rank, t.num_workers, model_path, cfg))
         # Every rank's setup takes rank 0's store address (Ray hands the result on once it is there).
         self._rendezvous = [self.workers[0].rendezvous_address.remote()] if t.num_workers > 1 else []
-        self._setups = [w.setup.remote(self._rendezvous[0] if self._rendezvous else None) for w in self.workers]
+        hosts = self._hosts()
+        self._setups = [w.setup.remote(self._rendezvous[0] if self._rendezvous else None, hosts) for w in self.workers]
         if wait:
             self.started()
+
+    def _hosts(self) -> int:
+        """How many machines (node IP addresses: raylets of one machine share theirs) the placed ranks are on."""
+        if self.pg is None:
+            return 1
+        nodes = set(ray.util.placement_group_table(self.pg)["bundles_to_node_id"].values())
+        return len({n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] in nodes}) or 1
 
     def started(self) -> None:
         """Wait for every rank's setup: ActorStartError naming the cause, or TrainerLost for a rank

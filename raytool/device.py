@@ -61,6 +61,28 @@ def importlib_has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def unreachable_gloo_address(env: dict | None = None) -> str | None:
+    """Why this host's gloo endpoint would be unreachable from other hosts (None: it would not be).
+    Without GLOO_SOCKET_IFNAME gloo binds the address the host name resolves to, which on stock
+    Ubuntu hosts is 127.0.1.1 (/etc/hosts): the other hosts' ranks then cannot connect, and the
+    process group hangs until its timeout. NCCL picks a non-loopback interface by itself."""
+    import ipaddress
+    import socket
+
+    env = os.environ if env is None else env
+    interface = env.get("GLOO_SOCKET_IFNAME", "")
+    if interface:
+        return f"GLOO_SOCKET_IFNAME={interface} is the loopback interface" if interface.split(",")[0] == "lo" else None
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        return f"host name {host} does not resolve ({exc})"
+    if ipaddress.ip_address(address).is_loopback:
+        return f"host name {host} resolves to {address}, a loopback address"
+    return None
+
+
 def torch_threads(threads: int, num_cpus: float, num_accelerators: float) -> int:
     """Intra-op threads of an engine or trainer process: `threads` (cluster.torch_threads) when set;
     0: on an accelerator the Ray CPUs the actor reserves (a node's 8 trainer ranks would otherwise

@@ -184,3 +184,19 @@ def test_threads_per_process_follow_the_cores_it_reserves_on_an_accelerator_node
     assert torch_threads(0, num_cpus=0.5, num_accelerators=1) == len(os.sched_getaffinity(0))  # no whole core reserved
     assert torch_threads(0, num_cpus=1, num_accelerators=0) == len(os.sched_getaffinity(0))
     assert torch_threads(3, num_cpus=8, num_accelerators=1) == 3
+
+
+def test_a_host_whose_name_resolves_to_loopback_cannot_join_a_multi_host_trainer(monkeypatch):
+    """Stock Ubuntu's /etc/hosts maps the host name to 127.0.1.1, which gloo binds without
+    GLOO_SOCKET_IFNAME: other hosts' ranks could not connect (the group would hang to its timeout)."""
+    import socket
+
+    from raytool.device import unreachable_gloo_address
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert unreachable_gloo_address({}) == "host name node-a resolves to 127.0.1.1, a loopback address"
+    assert unreachable_gloo_address({"GLOO_SOCKET_IFNAME": "eth0"}) is None
+    assert unreachable_gloo_address({"GLOO_SOCKET_IFNAME": "lo"}) == "GLOO_SOCKET_IFNAME=lo is the loopback interface"
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.0.0.7")
+    assert unreachable_gloo_address({}) is None
