@@ -1,6 +1,6 @@
 """The `raytool` command: train (GRPO with optional SFT warm-up), sft (multi-turn SFT), eval (validation metrics),
 preprocess (data sets -> prompt rows), export (checkpoint -> HF), report (a run as an HTML page), config,
-sandbox serve, serve (an OpenAI-compatible API over the policy), bench NAME, chaos."""
+sandbox serve, serve (an OpenAI-compatible API over the policy), bench NAME, chaos, rehearse (a recipe at its topology on this CPU)."""
 
 from __future__ import annotations
 
@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--max-faults", type=int, default=None, metavar="N", help="stop injecting after N faults (the run goes on to its end)")
     chaos.add_argument("--run-dir", help="where the run goes (default: runs/<timestamp>)")
     chaos.add_argument("--json", action="store_true", help="also print the report as one JSON object, the last line of stdout")
+    rehearse = sub.add_parser("rehearse", help="run a recipe at its full topology on this CPU (simulated accelerators on several raylets, a tiny "
+                                                "model, its stages as ray job submits) and check placement, memory, storage and hand-offs")
+    _config_args(rehearse)
+    rehearse.add_argument("--stages", nargs="+", choices=["sft", "grpo", "resume"], help="run only these of the recipe's stages (default: all it has)")
+    rehearse.add_argument("--workdir", help="where the shared storage, the stages' logs and the tiny model go (default: runs/rehearse-<recipe>-<time>)")
+    rehearse.add_argument("--stage-timeout", type=float, default=900.0, metavar="S", help="a stage still running after S seconds fails (default 900)")
+    rehearse.add_argument("--json", action="store_true", help="also print the checks as one JSON object, the last line of stdout")
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     _config_args(bench)
@@ -176,6 +183,28 @@ def _parse_tools(args) -> int:
     found = describe(text, fmt, schemas)
     print(json.dumps(found, ensure_ascii=False) if args.json else describe_table(found))
     return 0
+
+
+def _rehearse(args) -> int:
+    from raytool.rehearse import RehearsalError, table, to_json
+
+    if not args.config:
+        print("raytool: rehearse needs a recipe: raytool rehearse -c examples/<recipe>.yaml", file=sys.stderr)
+        return 2
+    from actors.rehearse import rehearse  # lazy: the Ray layer
+
+    try:
+        r, checks, timings = rehearse(args.config, args.overrides, args.workdir, args.stages, args.stage_timeout)
+    except (RehearsalError, ConfigError, OSError) as exc:
+        print(f"raytool: {exc}", file=sys.stderr)
+        return 2
+    print(table(r, checks, timings))
+    failed = [c for c in checks if c.ok is False]
+    for c in failed:
+        print(f"raytool: rehearsal check failed: {c.name}: {c.detail}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(to_json(r, checks, timings)))
+    return 1 if failed else 0
 
 
 def _resume_path(args) -> str | Path | None:
@@ -254,6 +283,8 @@ def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
         return _preprocess(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "rehearse":
+        return _rehearse(args)
     if args.command == "export":
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from raytool.training.export import export_checkpoint
