@@ -1,11 +1,16 @@
 """The repeated-crash rule (raytool.engines.crash), without Ray: which engine deaths are restarted
-and which stop the run, the crash record an engine's child process leaves, and a poisoned scripted
-engine driven through restarts the way a RolloutServer drives it."""
+and which stop the run, the crash record an engine's child process leaves, a poisoned scripted
+engine driven through restarts the way a RolloutServer drives it, and the reaper that ends an
+engine's processes when its server is killed."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -91,3 +96,53 @@ def test_a_poisoned_scripted_engine_is_restarted_once_then_stops_with_its_own_er
         assert restarts < 10, "a crash that repeats was restarted again and again"
     assert restarts == 1
     assert "RuntimeError: poisoned on purpose" in verdict("rollout-server-0", now)
+
+
+def _server(conn) -> None:
+    """A stand-in for a rollout server process: it starts a child (as AsyncLLM starts vLLM's engine
+    core) and, as VLLMEngine does before that, the reaper for itself; then it waits to be killed."""
+    from raytool.engines.vllm_engine import start_reaper
+
+    core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    watcher = start_reaper()
+    conn.send((core.pid, watcher.pid))
+    time.sleep(600)
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_killed_servers_engine_processes_are_ended_by_its_reaper():
+    """SIGKILL a process that started a child and VLLMEngine's reaper (the engine core of a server
+    Ray killed would otherwise keep running and keep its GPU memory): the child is ended within
+    seconds, and the reaper exits after it."""
+    import psutil
+
+    ctx = multiprocessing.get_context("fork")  # pytest's imports are there already: no 4 s import of torch again
+    ours, theirs = ctx.Pipe()
+    server = ctx.Process(target=_server, args=(theirs,), daemon=True)
+    server.start()
+    core, watcher = ours.recv()
+    try:
+        deadline = time.monotonic() + 30
+        while "raytool.reaper" not in " ".join(psutil.Process(watcher).cmdline()):  # empty for a moment after the exec
+            assert time.monotonic() < deadline, "the reaper did not start"
+            time.sleep(0.05)
+        time.sleep(1.5)  # its first looks at the server's children (every 0.5 s): the child was there before it
+        server.kill()
+        server.join(10)
+        deadline = time.monotonic() + 15  # a look (0.5 s), then SIGTERM ends a sleeping child at once
+        while not (_gone(core) and _gone(watcher)):
+            assert time.monotonic() < deadline, f"left running: child {not _gone(core)}, reaper {not _gone(watcher)}"
+            time.sleep(0.1)
+    finally:
+        for pid in (core, watcher):
+            if not _gone(pid):
+                psutil.Process(pid).kill()
+        ours.close()

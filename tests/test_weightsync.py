@@ -321,6 +321,85 @@ def test_receivers_on_this_node_read_in_place_others_get_bytes():
         same_node.address_host("127.0.0.1:5000")
 
 
+class _FakeEvent:
+    """An accelerator event as torch.cuda / torch.npu give one: recorded on a stream, synchronized later."""
+
+    def __init__(self):
+        self.stream = None
+
+    def record(self, stream):
+        self.stream = stream
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "npu"])
+def test_the_copy_fence_is_the_devices_own_event_on_its_current_stream_and_none_on_a_cpu(monkeypatch, device_type):
+    """A non-blocking copy from an accelerator is only queued on its device's current stream: the
+    sender waits on an event from that device type's module (torch.cuda; torch.npu, which torch_npu
+    registers), recorded on that stream. A CPU copy is done when copy_ returns: nothing to wait on."""
+    assert sender_module.copy_fence(torch.device("cpu")) is None
+    streams = []
+    fake = types.SimpleNamespace(Event=_FakeEvent, current_stream=lambda device: streams.append(device) or f"stream of {device.index}")
+    monkeypatch.setattr(torch, device_type, fake, raising=False)
+    device = types.SimpleNamespace(type=device_type, index=1)  # torch.device("npu") needs torch_npu
+    fence = sender_module.copy_fence(device)
+    assert isinstance(fence, _FakeEvent) and fence.stream == "stream of 1" and streams == [device]
+    monkeypatch.delattr(torch, device_type)
+    with pytest.raises(RuntimeError, match=f"torch.{device_type} has no Event and current_stream.*import torch_npu"):
+        sender_module.copy_fence(device)
+
+
+def test_the_sender_thread_reads_a_bucket_only_after_its_copy_landed():
+    """The device copy into the staging buffer lands when its fence is synchronized (here: the
+    fence writes the bytes then, as a late DMA would): the receiver gets the weights, not the
+    buffer's old bytes."""
+    receiver = WeightReceiver()
+    sender = WeightSender([receiver.address], ipc=False)
+    weights = torch.arange(64, dtype=torch.float32)
+    staging = torch.zeros(256, dtype=torch.uint8)  # what the buffer held before the copy
+
+    class LateCopy(_FakeEvent):
+        def synchronize(self):
+            staging.copy_(weights.view(torch.uint8))
+
+    piece = Piece("w", "float32", [64], 0, 256, 0, 256)
+    sender._deliver(1, sender_module._Bucket(0, True, staging, 256, [piece], [staging[:256]], LateCopy()), "bytes")
+    (bucket,) = list(receiver.receive(1, timeout_s=10))
+    assert [name for name, _ in bucket] == ["w"] and torch.equal(bucket[0][1], weights)
+    sender.close()
+    receiver.close()
+
+
+def test_cuda_ipc_falls_back_to_shared_memory_with_one_warning_where_a_gpu_lacks_peer_access():
+    here, peerless = "cuda:0 (GPU-aaaa)", ["GPU 3 (GPU-dddd)"]
+    assert same_node.cuda_ipc_route(here, [], ipc=None, shm_room=True) == ("cuda", "")  # every GPU reaches ours
+    assert same_node.cuda_ipc_route(here, None, ipc=None, shm_room=True) == ("cuda", "")  # NVML cannot tell: as before
+    kind, warning = same_node.cuda_ipc_route(here, peerless, ipc=None, shm_room=True)
+    assert kind == "shm" and "\n" not in warning
+    assert "GPU 3 (GPU-dddd) of this node cannot reach the sender's GPU cuda:0 (GPU-aaaa) by peer access" in warning
+    assert "host shared memory" in warning and "trainer.weight_sync_in_place=false" in warning
+    assert same_node.cuda_ipc_route(here, peerless, ipc=None, shm_room=False)[0] == "bytes"  # a small /dev/shm
+    assert same_node.cuda_ipc_route(here, peerless, ipc=True, shm_room=False)[0] == "shm"  # in place was asked for
+    two = same_node.cuda_ipc_route(here, [*peerless, "GPU 4 (GPU-eeee)"], ipc=None, shm_room=True)[1]
+    assert "GPU 3 (GPU-dddd) and 1 more GPU(s) of this node" in two
+    assert same_node.gpus_without_peer_access("GPU-not-a-gpu-of-this-node") is None  # no NVML here, or no such GPU
+
+
+def test_a_sender_asks_about_peer_access_once_per_gpu_and_warns_once(monkeypatch, caplog):
+    asked = []
+    monkeypatch.setattr(same_node, "device_uuid", lambda device: "aaaa")
+    monkeypatch.setattr(same_node, "gpus_without_peer_access", lambda uuid: asked.append(uuid) or ["GPU 1 (GPU-bbbb)"])
+    sender = WeightSender(["tcp://127.0.0.1:5000"], bucket_bytes=1 << 20)
+    with caplog.at_level("WARNING", logger="raytool.weightsync.sender"):
+        kinds = [sender._cuda_ipc_route(torch.device("cuda", 0)) for _ in range(3)]
+    assert kinds == ["shm"] * 3 and asked == ["aaaa"]
+    assert [r.getMessage() for r in caplog.records] == [
+        same_node.cuda_ipc_route("cuda:0 (GPU-aaaa)", ["GPU 1 (GPU-bbbb)"], None, True)[1]]
+    sender.close()
+
+
 def test_in_place_buckets_wait_for_every_receivers_ack_and_name_the_missing_one():
     a, b = WeightReceiver(), WeightReceiver()
     sender = WeightSender([a.address, b.address], bucket_bytes=1 << 20, send_timeout_s=0.5, ipc=True)
@@ -378,9 +457,11 @@ def _ipc_receive(address_queue, result_queue):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_ipc_publishes_a_tensor_set_to_another_process():
+def test_cuda_ipc_publishes_a_tensor_set_to_another_process(monkeypatch):
     import multiprocessing as mp
 
+    # Both processes use this one GPU: no peer access needed, whatever the node's other GPUs lack.
+    monkeypatch.setattr(same_node, "gpus_without_peer_access", lambda uuid: [])
     ctx = mp.get_context("spawn")
     addresses, results = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_ipc_receive, args=(addresses, results))
@@ -396,6 +477,41 @@ def test_cuda_ipc_publishes_a_tensor_set_to_another_process():
         device, t = got[name]
         assert device == "cuda" and t.dtype == w.dtype and torch.equal(t, w.cpu()), name
     sender.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("route", ["bytes", "shm"])
+def test_gpu_weights_copied_to_host_staging_arrive_exact(monkeypatch, route):
+    """GPU weights through a host staging buffer: page-locked ("bytes", over TCP) or a shared-memory
+    file (the fallback where a GPU of the node lacks peer access, forced here). The copies are
+    non-blocking: the sender waits for each bucket's fence before it checksums and sends it."""
+    if route == "shm":
+        monkeypatch.setattr(same_node, "gpus_without_peer_access", lambda uuid: ["GPU 9 (GPU-no-peer-access)"])
+    weights = {name: w.cuda() for name, w in _weights().items()}
+    receiver = WeightReceiver()
+    got, threads = _start([receiver], 4)
+    sender = WeightSender([receiver.address], bucket_bytes=1 << 20, ipc=None if route == "shm" else False)
+    stats = sender.send(weights.items(), 4)
+    threads[0].join(60)
+    assert stats["kind"] == route
+    _assert_exact(got[0], {name: w.cpu() for name, w in weights.items()})
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nvml_peer_access_agrees_with_cuda_for_the_visible_gpus():
+    """The sender's check (NVML, every GPU of the node) against CUDA's own answer for the GPUs this
+    process sees; a one-GPU machine has no other GPU to lack it."""
+    for index in range(torch.cuda.device_count()):
+        peerless = same_node.gpus_without_peer_access(same_node.device_uuid(torch.device("cuda", index)))
+        assert peerless is not None, "NVML did not answer on a CUDA machine"
+        for other in range(torch.cuda.device_count()):
+            if other != index:
+                uuid = same_node.device_uuid(torch.device("cuda", other))
+                assert any(uuid in name for name in peerless) == (not torch.cuda.can_device_access_peer(other, index))
 
 
 @pytest.mark.skipif(__import__("raytool.bench.netns", fromlist=["available"]).available() is not None, reason="needs root and iproute2")

@@ -5,10 +5,16 @@ TCP; and the rule that decides when a sync may do so.
 Over loopback TCP every receiver costs the node two more copies of the weights (into and out of
 the kernel), so on one node the fan-out is memory-bound whatever the route; in place, a receiver
 costs one read.
+
+CUDA IPC between two GPUs needs peer access: a receiver maps the sender's buffer into its own GPU's
+address space and its GPU reads it over NVLink or PCIe. Hosts without it (consumer GPUs, many
+PCIe-only VMs, GPUs on different CPU sockets) fail there, so before a sender's first CUDA IPC sync
+`cuda_ipc_route` asks NVML and sends through host shared memory instead where it is missing.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 import os
@@ -70,6 +76,80 @@ def choose_kind(first: torch.Tensor | None, addresses: list[str], node_ip: str |
     return "cuda" if on_gpu else "shm"
 
 
+def cuda_ipc_route(sender_gpu: str, peerless: list[str] | None, ipc: bool | None,
+                   shm_room: bool) -> tuple[Literal["cuda", "shm", "bytes"], str]:
+    """How a sync that choose_kind sends by CUDA IPC travels, given the GPUs of this node that have
+    no peer access to the sender's (`peerless`, from `gpus_without_peer_access`; None: NVML could not
+    tell) -> (kind, a warning line, "" for none).
+
+    Where some GPU lacks it, the sync falls back, with one warning, rather than stopping the run:
+    `trainer.weight_sync_in_place=true` is the default and means "in place where this node allows
+    it" (the same rule already sends bytes to receivers on other nodes, and when /dev/shm is too
+    small); host shared memory is still in place and correct, only slower than GPU to GPU; and the
+    check is conservative (the sender sees this node's GPUs, not which of them each receiver uses),
+    so a stop could refuse a run that works. The fallback is shared memory (with ipc=True always:
+    the caller asked for in place; with ipc=None where /dev/shm has room, else bytes over TCP).
+    Where NVML cannot tell, CUDA IPC stays (a receiver that then fails to open a buffer says why:
+    `import_buffer`)."""
+    if not peerless:
+        return "cuda", ""
+    kind = "shm" if ipc or shm_room else "bytes"
+    more = f" and {len(peerless) - 1} more GPU(s)" if len(peerless) > 1 else ""
+    route = "from host shared memory" if kind == "shm" else "over TCP (/dev/shm has no room for the staging buffers)"
+    return kind, (
+        f"weight sync: {peerless[0]}{more} of this node cannot reach the sender's GPU {sender_gpu} by peer access, "
+        f"which CUDA IPC between two GPUs needs: receivers on this node read the weights {route} instead, slower than "
+        "GPU to GPU (trainer.weight_sync_in_place=false sends them over TCP and skips this check)"
+    )
+
+
+def gpus_without_peer_access(gpu_uuid: str) -> list[str] | None:
+    """The other GPUs of this node that cannot read the GPU `gpu_uuid`'s memory by peer access, named
+    "GPU <nvidia-smi index> (<uuid>)"; None where NVML cannot tell (no driver library, an error).
+
+    NVML, not `torch.cuda.can_device_access_peer`: that takes device ordinals of this process, and
+    Ray gives each actor its own CUDA_VISIBLE_DEVICES, so the trainer cannot see the servers' GPUs;
+    NVML sees every GPU of the node. Called through ctypes as torch does (`torch.cuda.
+    _raw_device_uuid_nvml`): the driver ships libnvidia-ml.so.1, pynvml may not be installed."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint(0)
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        gpus = []  # (index, uuid, handle)
+        for index in range(count.value):
+            handle, uuid = ctypes.c_void_p(), ctypes.create_string_buffer(96)
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0 or nvml.nvmlDeviceGetUUID(handle, uuid, 96) != 0:
+                return None
+            gpus.append((index, uuid.value.decode(), handle))
+        ours = [handle for _, uuid, handle in gpus if _same_gpu(uuid, gpu_uuid)]
+        if not ours:
+            return None
+        peerless = []
+        for index, uuid, handle in gpus:
+            if _same_gpu(uuid, gpu_uuid):
+                continue
+            status = ctypes.c_int(-1)
+            # The receiver's GPU reads the sender's: NVML_P2P_CAPS_INDEX_READ (0); NVML_P2P_STATUS_OK is 0.
+            if nvml.nvmlDeviceGetP2PStatus(handle, ours[0], 0, ctypes.byref(status)) != 0:
+                return None
+            if status.value != 0:
+                peerless.append(f"GPU {index} ({uuid})")
+        return peerless
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _same_gpu(a: str, b: str) -> bool:
+    """NVML writes a UUID as 'GPU-<hex>', torch's device properties without the prefix."""
+    return a.removeprefix("GPU-") == b.removeprefix("GPU-")
+
+
 def shm_has_room(nbytes: int) -> bool:
     """Whether SHM_DIR can hold nbytes more, with a quarter to spare (Ray's object store may share it)."""
     try:
@@ -118,12 +198,22 @@ def import_buffer(handle: CudaBuffer) -> torch.Tensor:
             "weight sync: the sender chose CUDA IPC (same node, GPU weights) but this receiver "
             "has no CUDA device; construct the WeightSender with ipc=False"
         )
-    return rebuild_cuda_tensor(
-        torch.Tensor, (handle.nbytes,), (1,), 0, _STORAGE_CLASSES[handle.storage_cls], torch.uint8,
-        local_device_index(handle.device_uuid), handle.storage_handle, handle.storage_size_bytes,
-        handle.storage_offset_bytes, False, handle.ref_counter_handle, handle.ref_counter_offset,
-        handle.event_handle, handle.event_sync_required,
-    )
+    index = local_device_index(handle.device_uuid)
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor, (handle.nbytes,), (1,), 0, _STORAGE_CLASSES[handle.storage_cls], torch.uint8,
+            index, handle.storage_handle, handle.storage_size_bytes,
+            handle.storage_offset_bytes, False, handle.ref_counter_handle, handle.ref_counter_offset,
+            handle.event_handle, handle.event_sync_required,
+        )
+    except RuntimeError as exc:  # the sender's NVML check could not tell (or the driver disagrees with it)
+        here = device_uuid(torch.device("cuda", index))
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RuntimeError(
+            f"weight sync: this receiver (GPU {here}) could not open the sender's CUDA IPC buffer on GPU "
+            f"{handle.device_uuid} ({first}); between two GPUs CUDA IPC needs peer access (`nvidia-smi topo -p2p r` "
+            "shows it): set trainer.weight_sync_in_place=false"
+        ) from exc
 
 
 

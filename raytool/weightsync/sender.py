@@ -7,9 +7,11 @@ the one before. Over TCP, GPU tensors are copied into one of two page-locked sta
 CPU tensors are sent from their own memory, with no copy (on a 2-core box a staging copy costs a
 third of the throughput: loopback TCP is memory-bound). To receivers on this node the tensors are
 copied into one of two staging buffers the receivers read in place (GPU memory shared by CUDA IPC,
-or a shared-memory file). At most two buckets are in flight: a bucket's buffer (or the tensors it
-points into) is released only once ZMQ has handed its bytes to the kernel, or, read in place,
-once every receiver acked it, so a slow receiver slows the packing down instead of growing memory.
+or a shared-memory file). Copies from an accelerator (CUDA, Ascend NPU) are only queued on its
+stream; the sender thread waits for them (`copy_fence`) before it reads a bucket. At most two
+buckets are in flight: a bucket's buffer (or the tensors it points into) is released only once ZMQ
+has handed its bytes to the kernel, or, read in place, once every receiver acked it, so a slow
+receiver slows the packing down instead of growing memory.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class _Bucket:
     used: int  # bytes of the bucket's layout, the last piece's end
     pieces: list[Piece]
     frames: list[torch.Tensor]  # kind "bytes": one uint8 tensor per piece
-    copied: torch.cuda.Event | None = None  # device copies into `buffer` are done when it fires
+    copied: object | None = None  # copy_fence's event: the device's copies into `buffer` are done when it fires
     waits: list = field(default_factory=list)  # (address, ZMQ tracker) to wait on before reuse
 
 
@@ -59,10 +61,12 @@ class WeightSender:
     the chain before loading it: the trainer's bandwidth is spent once however many servers there
     are. fanout="direct" sends every bucket to every receiver.
     ipc: True lets receivers read the weights in place (every receiver on this node): a CUDA IPC
-    handle for GPU weights, a shared-memory file for CPU ones; None does so when every receiver
-    host is this node (loopback, `node_ip`, or what this host name resolves to: pass Ray's node
-    IP) and, for CPU weights, /dev/shm has room; False always sends bytes over TCP. Read in place, send() returns once
-    every receiver has taken every bucket (it waits for their acks).
+    handle for GPU weights (a shared-memory file where some GPU of this node has no peer access
+    to the sender's: same_node.cuda_ipc_route), a shared-memory file for others (CPU, NPU); None
+    does so when every receiver host is this node (loopback, `node_ip`, or what this host name
+    resolves to: pass Ray's node IP) and, for a shared-memory file, /dev/shm has room; False always
+    sends bytes over TCP. Read in place, send() returns once every receiver has taken every
+    bucket (it waits for their acks).
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class WeightSender:
         self._peers = WatchedPeers(self._ctx, send_timeout_s, down_after_s)
         self._staging: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._shm_paths: dict[int, str] = {}  # data_ptr of a shared-memory staging buffer -> its file
+        self._cuda_routes: dict[str, str] = {}  # GPU -> how its syncs go where CUDA IPC would (same_node.cuda_ipc_route)
         self._acks: zmq.Socket | None = None
         self._ack_address = ""
         self._attempt = 0  # of the send in progress
@@ -111,6 +116,8 @@ class WeightSender:
         tensors = itertools.chain([first], tensors) if first is not None else iter(())
         kind = same_node.choose_kind(first[1] if first else None, self.addresses, self.node_ip, self.ipc, _STAGING * self.bucket_bytes)
         device = first[1].device if first is not None else torch.device("cpu")
+        if kind == "cuda":
+            kind = self._cuda_ipc_route(device)
         free = self._staging_buffers(device, kind)
         pending: queue.Queue[_Bucket | None] = queue.Queue(maxsize=_STAGING)
         failure: list[BaseException] = []
@@ -135,6 +142,21 @@ class WeightSender:
         log.debug("weights v%d: %d buckets, %.1f MB in %.2fs (%s, %s)", version, buckets, sent / 1e6, seconds, self.fanout, kind)
         return {"bytes": sent, "buckets": buckets, "seconds": seconds, "fanout": self.fanout, "kind": kind}
 
+    def _cuda_ipc_route(self, device: torch.device) -> str:
+        """CUDA IPC, or host shared memory (bytes where /dev/shm is small) where a GPU of this node
+        has no peer access to `device`: asked of NVML once per device, before its first in-place sync."""
+        key = str(device)
+        if key not in self._cuda_routes:
+            uuid = same_node.device_uuid(device)
+            kind, warning = same_node.cuda_ipc_route(
+                f"{device} (GPU-{uuid.removeprefix('GPU-')})", same_node.gpus_without_peer_access(uuid), self.ipc,
+                same_node.shm_has_room(_STAGING * self.bucket_bytes),
+            )
+            if warning:
+                log.warning("%s", warning)
+            self._cuda_routes[key] = kind
+        return self._cuda_routes[key]
+
     def _pack(self, tensors: Iterator, device: torch.device, free: queue.Queue, pending: queue.Queue, failure: list) -> tuple[int, int]:
         """Lay tensors out in buckets, splitting those larger than what a bucket has left, and
         hand each bucket to the sender thread. Returns (buckets, payload bytes)."""
@@ -146,10 +168,7 @@ class WeightSender:
 
         def flush(last: bool) -> None:
             nonlocal index, used, pieces, frames, buffer
-            copied = None
-            if buffer is not None and device.type == "cuda":
-                copied = torch.cuda.Event()
-                copied.record()
+            copied = copy_fence(device) if buffer is not None else None
             _put(pending, _Bucket(index, last, buffer, used, pieces, frames, copied), failure)
             index, used, pieces, frames = index + 1, 0, [], []
             if not last:
@@ -161,7 +180,7 @@ class WeightSender:
                 raise TypeError(f"weight '{name}' has dtype {tensor.dtype}, which weight sync does not carry ({', '.join(DTYPES)})")
             flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             if buffer is None and flat.device.type != "cpu":
-                flat = flat.cpu()  # a GPU tensor in a sync that began with CPU ones
+                flat = flat.cpu()  # an accelerator's tensor in a sync that began with CPU ones (waits for the copy)
             total, done = flat.numel(), 0
             if pieces and total <= size and align(used) + total > size:
                 flush(False)  # it fits a bucket of its own: do not split it
@@ -185,9 +204,9 @@ class WeightSender:
     def _staging_buffers(self, device: torch.device, kind: str) -> queue.Queue:
         """What the packer fills, one per bucket in flight. Staging buffers are allocated on first
         use and kept: GPU memory (kind "cuda") or a shared-memory file ("shm") that receivers
-        read in place, page-locked host memory for GPU weights sent as bytes. CPU weights sent
-        as bytes need none (None: the frames are the tensors themselves)."""
-        if kind == "bytes" and device.type != "cuda":
+        read in place, page-locked host memory for an accelerator's weights (GPU, NPU) sent as
+        bytes. CPU weights sent as bytes need none (None: the frames are the tensors themselves)."""
+        if kind == "bytes" and device.type == "cpu":
             buffers = [None] * _STAGING
         else:
             key = (str(device), kind)
@@ -229,7 +248,7 @@ class WeightSender:
 
     def _deliver(self, version: int, bucket: _Bucket, kind: str) -> None:
         if bucket.copied is not None:
-            bucket.copied.synchronize()  # the bytes are in the buffer before anyone reads it
+            bucket.copied.synchronize()  # the bytes are in the buffer before anyone reads it (checksum, wire, handle)
         if kind == "bytes":
             payload = [memoryview(frame.numpy()) for frame in bucket.frames]
             digest = checksum(payload)
@@ -333,6 +352,31 @@ class WeightSender:
         for path in self._shm_paths.values():
             same_node.remove_segment(path)
         self._shm_paths.clear()
+
+
+def copy_fence(device: torch.device):
+    """An event recorded on `device`'s current stream after the copies queued there, whose
+    `synchronize()` returns once they are done; None for a CPU device (a copy from CPU memory is
+    done when `copy_` returns). `copy_(..., non_blocking=True)` from an accelerator only queues the
+    copy, on the current stream of the accelerator's device, so the bytes may land after the
+    sender thread has checksummed and sent the bucket without this.
+
+    The event comes from the device type's torch module: `torch.cuda`, and `torch.npu`, which
+    torch_npu registers with the same `Event` / `current_stream` API (any accelerator whose module
+    has both works). Not torch >= 2.4's device-generic `torch.Event`: its `synchronize()` goes
+    through the backend's device guard, whose default refuses ("Backend doesn't support
+    synchronizing events") and which torch_npu's NPUGuardImpl does not override."""
+    if device.type == "cpu":
+        return None
+    module = getattr(torch, device.type, None)
+    if module is None or not hasattr(module, "Event") or not hasattr(module, "current_stream"):
+        raise RuntimeError(
+            f"weight sync: the weights are on a '{device.type}' device, but torch.{device.type} has no Event and "
+            f"current_stream to wait for their copies with (for an Ascend NPU, import torch_npu first)"
+        )
+    event = module.Event()
+    event.record(module.current_stream(device))
+    return event
 
 
 def _put(q: queue.Queue, item, failure: list, thread: threading.Thread | None = None) -> None:
