@@ -657,7 +657,7 @@ def check_export_read(r: Rehearsal, run_dir: Path, ok: bool) -> Check:
 
 
 # a metric that measures time or this host's speed, not what the run computed
-_TIMING = re.compile(r"(^timing/|_s$|per_s|_seconds|idle_ratio|latency|tokens_per_s)")
+_TIMING = re.compile(r"(^timing(_s)?/|_s$|per_s|_seconds|idle_ratio|latency|tokens_per_s)")
 
 
 def check_resume(run_dir: Path, before: list[dict], after: list[dict], logs: str, ok: bool) -> Check:

@@ -154,9 +154,9 @@ def test_memory_check_allows_rank_0_its_checkpoint_read_and_names_a_rank_over_th
 
 def test_resume_check_wants_the_shared_run_continued_and_step_2_repeated(tmp_path):
     step1 = {"step": 1, "reward/mean": 0.5, "policy_version": 1, "timing/step_s": 3.0}
-    step2 = {"step": 2, "reward/mean": 0.25, "policy_version": 2, "timing/step_s": 3.0, "train/loss": 0.125}
+    step2 = {"step": 2, "reward/mean": 0.25, "policy_version": 2, "timing/step_s": 3.0, "timing_s/gen": 1.5, "train/loss": 0.125}
     logs = "resumed from /s/step_1 at step 1 (0 groups to roll out again, 0 finished groups to train)\n"
-    redone = {**step2, "timing/step_s": 9.0}
+    redone = {**step2, "timing/step_s": 9.0, "timing_s/gen": 4.5}  # the pipeline's own timing names (timing_s/gen ...) too
     assert rh.check_resume(tmp_path, [step1, step2], [step1, redone], logs, True).ok
     drifted = rh.check_resume(tmp_path, [step1, step2], [step1, {**redone, "train/loss": 0.5}], logs, True)
     assert not drifted.ok and "train/loss" in drifted.detail
