@@ -32,7 +32,6 @@ import ray
 from actors.compose import build
 from actors.session import connect
 from raytool.config import RunConfig
-from raytool.resolve import agent_workers
 from raytool.data import make_splits
 from raytool.data.tool_arith import prompt_row
 from raytool.engines.scripted import SCRIPT
@@ -47,7 +46,7 @@ def _with_bench_settings(cfg: RunConfig, trajectories: int = TRAJECTORIES) -> Ru
     """The scripted engine, enough agent slots and sandbox queue for `trajectories` at once, one
     turn per script step."""
     r = msgspec.structs.replace(cfg.rollout, engine="scripted", n=GROUP, num_servers=max(2, cfg.rollout.num_servers), num_cpus=0.1)
-    a = msgspec.structs.replace(cfg.agent, num_workers=max(4, agent_workers(cfg)), max_turns=len(SCRIPT), format="retool",
+    a = msgspec.structs.replace(cfg.agent, num_workers=4 if cfg.agent.num_workers == "auto" else max(4, cfg.agent.num_workers), max_turns=len(SCRIPT), format="retool",
                                 observation_style="tool_message", tools=None)
     workers = a.num_workers
     a = msgspec.structs.replace(a, max_concurrent_trajectories=max(a.max_concurrent_trajectories, -(-trajectories // workers)))

@@ -39,7 +39,6 @@ from actors.llm_manager import LLMManager
 from actors.session import connect
 from actors.rollout_server import RolloutServer
 from raytool.config import RolloutConfig, RunConfig
-from raytool.resolve import agent_workers
 from raytool.engines.scripted import SCRIPT
 from raytool.routing import Router
 from raytool.types import SamplingParams
@@ -95,7 +94,7 @@ def _with_bench_settings(cfg: RunConfig) -> RunConfig:
     r = cfg.rollout
     delay = r.scripted_delay_s if r.scripted_delay_s != RolloutConfig().scripted_delay_s else DELAY_S  # a delay the user set is kept
     r = msgspec.structs.replace(r, engine="scripted", num_servers=max(2, r.num_servers), num_cpus=0.1, scripted_delay_s=delay)
-    a = msgspec.structs.replace(cfg.agent, num_workers=max(4, agent_workers(cfg)), max_concurrent_trajectories=min(cfg.agent.max_concurrent_trajectories, 64))
+    a = msgspec.structs.replace(cfg.agent, num_workers=4 if cfg.agent.num_workers == "auto" else max(4, cfg.agent.num_workers), max_concurrent_trajectories=min(cfg.agent.max_concurrent_trajectories, 64))
     return msgspec.structs.replace(cfg, rollout=r, agent=a)
 
 

@@ -48,6 +48,7 @@ import msgspec
 
 from raytool import placement
 from raytool.config import RunConfig
+from raytool.device import engine_dtype
 from raytool.errors import RaytoolError
 from raytool.training.sequence_parallel import check_heads
 
@@ -443,8 +444,6 @@ def loading_peak(arch: Architecture, four_bit: bool = False) -> float:
 def server_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool, gpu_memory: float) -> RoleMemory:
     r = cfg.rollout
     tp = r.tensor_parallel_size
-    from raytool.device import engine_dtype
-
     weight_bytes = _bytes(engine_dtype(cfg.model.dtype, on_accelerator, engine="hf")[0])  # no vLLM import: its dtype check is the run's
     role = RoleMemory("rollout server", r.num_servers)
     weights = arch.params() * weight_bytes / tp
@@ -502,7 +501,7 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
     # host memory of the busiest node: its trainer workers (+ rank 0's loading or export), servers and object store
     trainers_per_node, servers_per_node = busiest_node(cfg, cluster, trainer_acc, server_acc, with_servers)
     loading = loading_peak(arch, t.load_in_4bit)
-    export = export_peak(arch, cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16" if trainer_acc else "float32")
+    export = export_peak(arch, engine_dtype(cfg.model.dtype, cfg.rollout.num_gpus > 0, engine="hf")[0])  # model.dtype, as the run resolves it
     store = object_store(cfg, cluster.host_memory_gb * GiB)
     host_need = trainers_per_node * trainer.host_total + max(loading, export) + servers_per_node * server.host_total + store
     if host_need > cluster.host_memory_gb * GiB:

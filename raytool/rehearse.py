@@ -594,7 +594,7 @@ def count_roles(seen: list[Seen], node: str) -> str:
 
 def check_trainer_memory(stage: str, seen: list[Seen], planned: float, loading: float) -> Check:
     """Each trainer rank's host peak (VmHWM) within the plan's host figure for it (rank 0 plus
-    its read of the checkpoint), PEAK_TOLERANCE allowed."""
+    `loading`, the larger of its read of the checkpoint and its write of the export), PEAK_TOLERANCE allowed."""
     ranks = sorted((s for s in seen if role_of(s.name) == "trainer worker"), key=lambda s: int(s.name.rsplit("-", 1)[1]))
     if not ranks or not any(s.peak_bytes for s in ranks):
         return Check(f"trainer host memory ({stage})", False, "no trainer rank's memory could be read")
@@ -602,7 +602,7 @@ def check_trainer_memory(stage: str, seen: list[Seen], planned: float, loading: 
     over = [s for s in ranks if s.peak_bytes > PEAK_TOLERANCE * (planned + (loading if s.name == "trainer-0" else 0))]
     ratio = worst.peak_bytes / (planned + (loading if worst.name == "trainer-0" else 0))
     detail = (f"{len(ranks)} ranks, peaks {min(s.peak_bytes for s in ranks) / GiB:.2f}-{max(s.peak_bytes for s in ranks) / GiB:.2f} GiB; "
-              f"plan {planned / GiB:.2f} GiB (+{loading / GiB:.2f} rank 0 loading); worst {worst.name} at {ratio:.2f}x")
+              f"plan {planned / GiB:.2f} GiB (+{loading / GiB:.2f} rank 0 loading or exporting); worst {worst.name} at {ratio:.2f}x")
     if over:
         return Check(f"trainer host memory ({stage})", False, detail + f"; over {PEAK_TOLERANCE:g}x: {', '.join(s.name for s in over)}")
     return Check(f"trainer host memory ({stage})", True, detail)

@@ -82,9 +82,10 @@ def rollout_metrics(stats: list[TrajectoryStats]) -> dict:
     """A step's rollout metrics from its trajectories' stats."""
     n = len(stats)
     calls = sum(s.tool_calls for s in stats)
+    scored = [s for s in stats if trained(s.finish_reason)]  # a time-limited trajectory is not scored (finish/time_limit counts it)
     metrics = {
-        "reward/mean": sum(s.reward for s in stats) / n,
-        "acc/mean": sum(s.acc for s in stats) / n,
+        "reward/mean": sum(s.reward for s in scored) / max(len(scored), 1),
+        "acc/mean": sum(s.acc for s in scored) / max(len(scored), 1),
         "response_length/mean": sum(s.response_length for s in stats) / n,
         "generated_tokens/mean": sum(s.generated_tokens for s in stats) / n,
         "num_turns/mean": sum(s.num_turns for s in stats) / n,
@@ -126,8 +127,9 @@ class RolloutGroup:
         return max(s.max_version for s in self.stats)
 
     def rewards_vary(self) -> bool:
-        """Whether its samples scored differently: under GRPO an all-equal group has zero advantage."""
-        return len({s.reward for s in self.stats}) > 1
+        """Whether its trained samples scored differently: under GRPO an all-equal group has zero
+        advantage (a time-limited sample counts in neither the loss nor the group's statistics)."""
+        return len({s.reward for s in self.stats if trained(s.finish_reason)}) > 1
 
 
 @dataclass
@@ -168,8 +170,9 @@ class RolloutBatch:
         return out
 
     def lengths(self) -> list[list[int]]:
-        """Per group, each trajectory's trained length (prompt-free response plus one)."""
-        return [[s.response_length + 1 for s in g.stats] for g in self.groups]
+        """Per group, each trajectory's trained length (prompt-free response plus one; 1 for one the
+        update leaves out), by which the ranks' shares are balanced."""
+        return [[s.response_length + 1 if trained(s.finish_reason) else 1 for s in g.stats] for g in self.groups]
 
     def staleness_metrics(self) -> dict:
         """How far behind the trainer's version the batch's tokens and trajectories are."""

@@ -25,6 +25,21 @@ def test_rollout_metrics_from_trajectory_stats():
     assert rollout_metrics([msgspec.structs.replace(stats[0], tool_calls=0)])["tool/error_rate"] == 0.0
 
 
+def test_a_time_limited_trajectory_is_neither_a_wrong_answer_in_the_metrics_nor_a_difference_for_dynamic_sampling():
+    """Stopped by agent.max_trajectory_s, it is not scored: the means are over the scored ones, the
+    finish rate counts it, and a group whose scored samples agree is all-equal to DAPO's filter
+    (the update leaves the time-limited one out, so nothing would be learned from the group)."""
+    from raytool.streaming import RolloutGroup
+    from raytool.types import TIME_LIMIT
+
+    stats = [_stat(reward=1.0, acc=1.0), _stat(reward=1.0, acc=1.0), _stat(reward=0.0, finish_reason=TIME_LIMIT)]
+    m = rollout_metrics(stats)
+    assert m["reward/mean"] == 1.0 and m["acc/mean"] == 1.0 and m[f"finish/{TIME_LIMIT}"] == 1 / 3
+    group = RolloutGroup(key="g", seq=0, row=None, ref=None, stats=stats, submitted_version=0)
+    assert not group.rewards_vary()
+    assert RolloutGroup(key="h", seq=1, row=None, ref=None, stats=[*stats, _stat(reward=0.0)], submitted_version=0).rewards_vary()
+
+
 class _Rollouts:
     """Scripted agent workers: `rewards(key)` gives a group's sample rewards; a group's tokens carry
     the version the trainer held when it started, unless `late` moves them on. `wait` finishes

@@ -390,4 +390,6 @@ def test_a_service_that_does_not_answer_stops_the_start_in_one_line_naming_its_u
 
 
 def test_the_start_passes_once_the_service_answers(server_url):
-    asyncio.run(SandboxFusionBackend(server_url).start(wait_s=0.0))
+    backend = SandboxFusionBackend(server_url)
+    asyncio.run(backend.start(wait_s=0.0))  # raises where it does not answer
+    assert backend._started is False  # an explicit wait_s leaves the first start's wait for later

@@ -526,10 +526,11 @@ def test_a_runs_tool_yaml_configures_its_sandbox_where_the_config_left_defaults(
     from raytool.config import load_config
 
     yaml_path = str(REPO / "examples/tools/retool_e2b_ags.yaml")
-    cfg = with_tool_sandbox_settings(load_config(None, [f"agent.tools={yaml_path}"]))
+    short = "agent.max_trajectory_s=300"  # within the tool file's sandbox lifetime (sandbox_timeout: 300)
+    cfg = with_tool_sandbox_settings(load_config(None, [f"agent.tools={yaml_path}", short]))
     assert (cfg.sandbox.backend, cfg.sandbox.e2b_domain, cfg.sandbox.e2b_template) == ("e2b", "ap-shanghai.tencentags.com", "code-interpreter-v1")
     with pytest.raises(ConfigError, match="sandbox.backend"):
-        with_tool_sandbox_settings(load_config(None, [f"agent.tools={yaml_path}", "sandbox.backend=sandbox_fusion"]))
+        with_tool_sandbox_settings(load_config(None, [f"agent.tools={yaml_path}", short, "sandbox.backend=sandbox_fusion"]))
 
 
 def test_the_run_configs_sandbox_url_wins_over_the_tool_yamls_and_says_so(caplog):

@@ -23,7 +23,7 @@ import torch
 
 from raytool import storage
 from raytool.errors import RaytoolError
-from raytool.training.model import DTYPES, PolicyModel, load_lm, merged_named_weights, with_lora
+from raytool.training.model import DTYPES, PolicyModel, load_lm, merged_named_weights, single_process_quiet, trainable_state, with_lora
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,6 @@ class ShardWriter:
     def __init__(self, directory: Path, max_bytes: int = MAX_SHARD_BYTES):
         self.directory, self.max_bytes = Path(directory), max_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in [*self.directory.glob("model*.safetensors"), self.directory / SAFETENSORS_INDEX]:
-            stale.unlink(missing_ok=True)  # an earlier export into the same directory: its shards would mix with ours
         self.open: dict[str, torch.Tensor] = {}
         self.open_bytes = 0
         self.shards: list[list[str]] = []  # the names in each written shard, in order
@@ -105,6 +103,8 @@ def write_hf(tensors: Iterable[tuple[str, torch.Tensor]], source: str | Path, di
     (its dtype set to `dtype`), generation config, tokenizer and chat template."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    for stale in [*directory.glob("model*.safetensors"), directory / SAFETENSORS_INDEX]:
+        stale.unlink(missing_ok=True)  # an earlier export into the same directory: its shards would mix with these
     if fused_moe:
         # transformers holds each layer's experts fused (experts.gate_up_proj), checkpoints one by one
         # (experts.N.gate_proj.weight), which vLLM loads; transformers' own save, on a shell of the
@@ -141,7 +141,8 @@ def _set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
 
 
 def write_hf_to(location: str, tensors: Iterable[tuple[str, torch.Tensor]], source: str | Path, dtype: torch.dtype, **options) -> str:
-    """write_hf to a local path or an fsspec URI (written to a local directory first, then uploaded)."""
+    """write_hf to a local path or an fsspec URI (written to a local directory first, then uploaded
+    over what the URI holds: export into a fresh location, as each step_N/hf is)."""
     if storage.is_local(location):
         write_hf(tensors, source, location, dtype, **options)
     else:
@@ -155,7 +156,6 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from raytool.training.trainer import single_process_quiet
 
     if not storage.is_local(ckpt):  # an fsspec URI: read a local copy (one process reads every shard anyway)
         with tempfile.TemporaryDirectory(prefix="raytool-ckpt-") as local:
@@ -192,7 +192,6 @@ def _export_4bit(ckpt: Path, meta: dict, out: str | Path) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from raytool.training.trainer import single_process_quiet, trainable_state
 
     t, base = meta["trainer"], meta["model_path"]
     if not (Path(base) / "config.json").is_file():

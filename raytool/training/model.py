@@ -10,8 +10,10 @@ gathers the root's parameters (embeddings, final norm, head) exactly as calling 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import warnings
 
 import torch
 import torch.nn as nn
@@ -286,3 +288,17 @@ def _dequantized(p: torch.Tensor) -> torch.Tensor:
     from bitsandbytes.functional import dequantize_4bit
 
     return dequantize_4bit(p.data, p.quant_state)
+
+
+def trainable_state(policy: torch.nn.Module, model_state: dict) -> dict:
+    """The entries of `model_state` that are trainable parameters of `policy` (a QLoRA checkpoint's)."""
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    return {name: value for name, value in model_state.items() if name in trainable}
+
+
+@contextlib.contextmanager
+def single_process_quiet():
+    """torch.distributed.checkpoint warns on every single-process save or load, which is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield

@@ -15,7 +15,6 @@ import logging
 import math
 import random
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -34,7 +33,7 @@ from raytool import device as device_info
 from raytool import storage
 from raytool.training.export import HF_FILES, MAX_SHARD_BYTES, export_dtype, is_fused_moe, write_hf_to
 from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right, to_device
-from raytool.training.model import DTYPES, PolicyModel, causal_sdpa, load_lm, load_sharded, merged_named_weights
+from raytool.training.model import DTYPES, PolicyModel, causal_sdpa, load_lm, load_sharded, merged_named_weights, single_process_quiet, trainable_state
 from raytool.types import SFTExample, Trajectory, trained
 
 log = logging.getLogger(__name__)
@@ -389,6 +388,8 @@ class Trainer:
             index = list(range(len(trajectories)))
         if batch_trained is None:
             batch_trained = [True] * len(batch_rewards)
+        own = [(i, t) for i, t in zip(index, trajectories) if batch_trained[i]]  # the rest: no forward, no loss
+        index, trajectories = [i for i, _ in own], [t for _, t in own]
         seqs = [
             _Seq(ids=t.prompt_ids + t.response_ids, mask=[0] * (len(t.prompt_ids) - 1) + list(t.response_mask),
                  rollout=[0.0] * (len(t.prompt_ids) - 1) + list(t.rollout_logprobs))
@@ -421,7 +422,6 @@ class Trainer:
             adv[kept] = get_adv_estimator(a.adv_estimator)(rewards[kept], [batch_groups[i] for i in kept], norm_by_std=a.norm_adv_by_std)
         for i, x in zip(index, seqs):
             x.adv = float(adv[i])
-        seqs = [x for i, x in zip(index, seqs) if batch_trained[i]]
         loss_fn = get_policy_loss(a.policy_loss)
         skip_zero_adv = getattr(loss_fn, "zero_advantage_is_noop", False) and not kl_on and a.entropy_coeff == 0
         active = {id(x) for x in seqs if x.adv != 0.0 or not skip_zero_adv}  # the rest would add exactly nothing
@@ -704,20 +704,6 @@ class Trainer:
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
         self.step, self.rl_updates = rng["step"], rng["rl_updates"]
-
-
-def trainable_state(policy: torch.nn.Module, model_state: dict) -> dict:
-    """The entries of `model_state` that are trainable parameters of `policy` (a QLoRA checkpoint's)."""
-    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
-    return {name: value for name, value in model_state.items() if name in trainable}
-
-
-@contextlib.contextmanager
-def single_process_quiet():
-    """torch.distributed.checkpoint warns on every single-process save or load, which is our intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
-        yield
 
 
 class _AdaptersOff(torch.nn.Module):
