@@ -402,6 +402,17 @@ def _torchrun(script: str, *args: str, ranks: int = 2) -> None:
     assert done.returncode == 0, f"torchrun {script} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
 
+def _save_63m_llama(directory) -> int:
+    """A 63M-parameter Llama (16 layers of width 512, tied embeddings), random, saved to `directory`: its fp32 bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=8,
+                                         num_key_value_heads=4, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=True))
+    model.save_pretrained(directory)
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
 @pytest.mark.integration
 def test_only_rank_0_reads_the_checkpoint_and_the_others_hold_their_shard(tiny_model_path, tmp_path):
     """2 gloo ranks building the trainer: rank 1 builds on the meta device and receives its shards
@@ -410,14 +421,7 @@ def test_only_rank_0_reads_the_checkpoint_and_the_others_hold_their_shard(tiny_m
     buffers included; with LoRA and activation checkpointing too."""
     import json
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=8,
-                                         num_key_value_heads=4, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=True))
-    fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
-    model.save_pretrained(tmp_path / "model")
-    del model
+    fp32_bytes = _save_63m_llama(tmp_path / "model")
     runs = {"big": (str(tmp_path / "model"), []), "lora": (tiny_model_path, ["trainer.lora_rank=4", "trainer.activation_checkpointing=true"])}
     for name, (path, overrides) in runs.items():
         _torchrun("rank0_load.py", path, str(tmp_path / name), *overrides)
@@ -442,14 +446,7 @@ def test_the_hf_export_streams_one_tensor_at_a_time_and_only_rank_0_keeps_any(tm
     gloo's buffers), the others by 0.10-0.14x; gathering the whole model is 1x or more."""
     import json
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=8,
-                                         num_key_value_heads=4, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=True))
-    fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
-    model.save_pretrained(tmp_path / "model")
-    del model
+    fp32_bytes = _save_63m_llama(tmp_path / "model")
     _torchrun("export_peak.py", str(tmp_path / "model"), str(tmp_path / "run"), str(8 * 2**20), "model.dtype=bfloat16", ranks=4)
     ranks = [json.loads((tmp_path / f"run.rank{r}.json").read_text()) for r in range(4)]
     head = ranks[0]
