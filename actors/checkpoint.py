@@ -38,9 +38,7 @@ class _SavedGroup(msgspec.Struct):
 
 def checkpoint_root(cfg: RunConfig, run_dir: Path) -> str:
     """Where this run's checkpoints go: RUN_DIR/checkpoints, or trainer.checkpoint_dir/<run name>."""
-    if cfg.trainer.checkpoint_dir:
-        return storage.join(storage.absolute(cfg.trainer.checkpoint_dir), Path(run_dir).resolve().name)
-    return str((Path(run_dir) / "checkpoints").resolve())
+    return storage.checkpoints_of(cfg.trainer.checkpoint_dir, run_dir)
 
 
 def save_checkpoint(trainer, root: str | Path, state: msgspec.Struct, buffered: list[RolloutGroup] = (), config_yaml: str = "",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from raytool import storage
 from raytool.config import RunConfig
 from raytool.errors import RaytoolError
 from raytool.resolve import agent_workers
@@ -384,11 +385,11 @@ def stages(cfg: RunConfig, r: Rehearsal) -> list[Stage]:
         sft_dir = runs / f"{name}-sft"
         r.sft_steps = STEPS
         out.append(Stage("sft", "sft", [*base, "--run-dir", str(sft_dir)], str(sft_dir)))
-        r.export = str(Path(checkpoint_root(cfg, r, sft_dir)) / f"step_{STEPS}" / "hf")
+        r.export = str(Path(storage.checkpoints_of(shared_checkpoints(cfg, r), sft_dir)) / f"step_{STEPS}" / "hf")
         base = [a for a in base if not a.startswith("model.path=")] + [f"model.path={r.export}"]  # the later stages start from the SFT export
     rl_dir = runs / f"{name}-rl"
     out.append(Stage("grpo", "train", [*base, "--run-dir", str(rl_dir)], str(rl_dir)))
-    r.rl_checkpoints = checkpoint_root(cfg, r, rl_dir)
+    r.rl_checkpoints = storage.checkpoints_of(shared_checkpoints(cfg, r), rl_dir)
     out.append(Stage("resume", "train", [*base, "--resume", str(Path(r.rl_checkpoints) / "step_1")], str(rl_dir)))
     return out
 
@@ -415,11 +416,9 @@ def _sft_train(n: int, s) -> int:
     return n - max(round(n * s.val_fraction), 1)
 
 
-def checkpoint_root(cfg: RunConfig, r: Rehearsal, run_dir: Path) -> str:
-    """Where a stage's checkpoints go (as actors.checkpoint.checkpoint_root decides it)."""
-    if cfg.trainer.checkpoint_dir:
-        return str(r.shared / "checkpoints" / run_dir.name)
-    return str(run_dir / "checkpoints")
+def shared_checkpoints(cfg: RunConfig, r: Rehearsal) -> str:
+    """The trainer.checkpoint_dir the stages run with: the recipe's, moved onto the shared directory ("": none)."""
+    return str(r.shared / "checkpoints") if cfg.trainer.checkpoint_dir else ""
 
 
 def cannot_rehearse(cfg: RunConfig) -> list[str]:

@@ -28,6 +28,14 @@ def filesystem(location: str | Path):
         raise RaytoolError(f"checkpoint storage {location}: {exc}") from None
 
 
+def checkpoints_of(checkpoint_dir: str, run_dir: str | Path) -> str:
+    """Where a run's checkpoints go: RUN_DIR/checkpoints, or (trainer.checkpoint_dir set: shared
+    storage or a URI) checkpoint_dir/<run name>."""
+    if checkpoint_dir:
+        return join(absolute(checkpoint_dir), Path(run_dir).resolve().name)
+    return str((Path(run_dir) / "checkpoints").resolve())
+
+
 def is_local(location: str | Path) -> bool:
     return isinstance(filesystem(location)[0], LocalFileSystem)
 

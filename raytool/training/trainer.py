@@ -416,10 +416,7 @@ class Trainer:
                 dist.all_reduce(kl, group=self.dp_group)
             rewards = rewards - a.kl_reward_coef * kl.cpu().float()
             metrics["actor/reward_kl_penalty"] = float(kl.mean())
-        kept = [i for i, k in enumerate(batch_trained) if k]
-        adv = torch.zeros_like(rewards)
-        if kept:
-            adv[kept] = get_adv_estimator(a.adv_estimator)(rewards[kept], [batch_groups[i] for i in kept], norm_by_std=a.norm_adv_by_std)
+        adv, kept = self._advantages(rewards, batch_groups, batch_trained)
         for i, x in zip(index, seqs):
             x.adv = float(adv[i])
         loss_fn = get_policy_loss(a.policy_loss)
@@ -463,6 +460,15 @@ class Trainer:
             "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9),
         })
         return out
+
+    def _advantages(self, rewards: torch.Tensor, groups: list, trained: list[bool]) -> tuple[torch.Tensor, list[int]]:
+        """The batch's advantages over its trained trajectories (0 for the rest) -> (advantages, their indices)."""
+        a = self.cfg.algorithm
+        kept = [i for i, k in enumerate(trained) if k]
+        adv = torch.zeros_like(rewards)
+        if kept:
+            adv[kept] = get_adv_estimator(a.adv_estimator)(rewards[kept], [groups[i] for i in kept], norm_by_std=a.norm_adv_by_std)
+        return adv, kept
 
     def _rl_micro_step(self, group: list[_Seq], on_policy: bool, n_tokens: float, n_seqs: float, sums: dict) -> None:
         with self._routing(group, counting=True):
