@@ -90,10 +90,10 @@ def export_dtype(model_dtype: str, source: str | Path) -> torch.dtype:
     return DTYPES.get(named, torch.float32)
 
 
-def is_fused_moe(named: Iterable[tuple[str, torch.Size]]) -> bool:
+def is_fused_moe(lm: torch.nn.Module) -> bool:
     """Whether a model holds its experts fused (experts.gate_up_proj, 3-D), as transformers does in
-    memory, where checkpoints hold them one by one."""
-    return any(len(shape) == 3 and ".experts." in name for name, shape in named)
+    memory, where checkpoints hold them one by one (global shapes under FSDP2)."""
+    return any(p.dim() == 3 and ".experts." in name for name, p in lm.named_parameters())
 
 
 def write_hf(tensors: Iterable[tuple[str, torch.Tensor]], source: str | Path, directory: str | Path, dtype: torch.dtype, *,
@@ -180,7 +180,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path) -> Path:
         dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)  # one process reads every shard
     set_model_state_dict(policy, state["model"])
     dtype = export_dtype(meta.get("model", {}).get("dtype", "auto"), hf_meta)
-    out = write_hf(merged_named_weights(policy.lm), hf_meta, out, dtype, fused_moe=is_fused_moe((n, p.shape) for n, p in policy.lm.named_parameters()))
+    out = write_hf(merged_named_weights(policy.lm), hf_meta, out, dtype, fused_moe=is_fused_moe(policy.lm))
     log.info("exported %s (%s) to %s", ckpt, str(dtype).removeprefix("torch."), out)
     return out
 

@@ -637,8 +637,7 @@ class Trainer:
                 pass
             return directory
         dtype = export_dtype(self.cfg.model.dtype, self.model_path)
-        fused_moe = is_fused_moe((name, p.shape) for name, p in self.lm.named_parameters())  # global shapes under FSDP2
-        return write_hf_to(directory, self.named_weights(), self.model_path, dtype, fused_moe=fused_moe, max_shard_bytes=max_shard_bytes)
+        return write_hf_to(directory, self.named_weights(), self.model_path, dtype, fused_moe=is_fused_moe(self.lm), max_shard_bytes=max_shard_bytes)
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
