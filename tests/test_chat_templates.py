@@ -520,7 +520,23 @@ def test_tool_rendering_that_depends_on_the_turn_before_it_is_refused(tokenizers
         renderer.observation_text([Message("tool", "5")], [SYSTEM, USER, Message("assistant", "abc")])
 
 
-@pytest.mark.parametrize("template", ["glm_4_5", "qwen3_coder_vllm", "deepseek_v3_1", "kimi_k2_thinking", "mistral_small_3_1", "gpt_oss_20b"])
+def test_a_turn_in_parts_whose_earlier_turns_render_differently_once_tools_answer_is_refused(tokenizers):
+    """Only the turn itself may render differently once the tool messages come (Qwen3's empty
+    <think> block on the last turn): a change before it is a prompt the model never saw."""
+    tok = copy.deepcopy(tokenizers["qwen2_5_instruct"])
+    old = "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    assert old in tok.chat_template
+    tok.chat_template = tok.chat_template.replace(old, "{{- '<|im_start|>' + message.role + '\\n' + message.content + "
+                                                       "(' (answered)' if messages[-1].role == 'tool' else '') + '<|im_end|>' + '\\n' }}")
+    renderer = ChatRenderer(tok)
+    call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(2 + 3)"}}}
+    with pytest.raises(RenderError, match="differently once they come"):
+        renderer.observation_text([Message("tool", "5")], [SYSTEM, USER, Message("assistant", "", tool_calls=[call])])
+    assert ChatRenderer(tokenizers["qwen2_5_instruct"]).observation_text(  # the template as shipped: the observation
+        [Message("tool", "5")], [SYSTEM, USER, Message("assistant", "", tool_calls=[call])]).startswith("\n<|im_start|>user\n<tool_response>")
+
+
+@pytest.mark.parametrize("template", ["qwen3", "qwen3_instruct_2507", "qwen2_5_instruct", "glm_4_5", "qwen3_coder_vllm", "deepseek_v3_1", "kimi_k2_thinking", "mistral_small_3_1", "gpt_oss_20b"])
 def test_a_trace_given_in_parts_trains_the_tokens_a_rollout_of_the_same_turns_gives(tokenizers, template):
     """SFT data in OpenAI's form (calls as tool_calls with ids, reasoning as reasoning_content, tool
     results with their tool_call_id) for each family: written as its models generate the turns, it

@@ -259,25 +259,40 @@ class ChatRenderer:
         """The observation after a turn given in parts (its calls in tool_calls, which the template's
         tool messages may need: Mistral's ids): what the template writes after the turn's
         end-of-turn token once the tool messages and the next generation prompt come. The turn
-        itself is the template's to render (the generated ids stay as they were); the conversation
-        before must be a prefix of the one after, else no observation is derived."""
+        itself is the template's to render (the generated ids stay as they were). The conversation
+        before must render the same once the tool messages come, up to the turn itself: a template
+        may write the turn differently once it is no longer the last (Qwen3 gives the last turn
+        after the user's query an empty <think> block, an earlier one none); the observation is what
+        follows the turn's end-of-turn token in the rendering with the tool messages."""
         try:
             before = self._text(history, add_generation_prompt=False)
             real = self._text([*history, *tool_messages], add_generation_prompt=True)
         except TemplateError as exc:
             raise RenderError(f"{self.name} cannot render the tool messages after this turn: {exc}") from None
-        if not real.startswith(before):
-            raise RenderError(f"{self.name} renders the conversation before the tool messages differently once they come, "
-                              "so the observation cannot be derived exactly")
         if self.fmt in NEXT_ROLE_ENDS:  # GLM: the turn ends with the tool turn's own first token, which the model generated
             token = NEXT_ROLE_ENDS[self.fmt][0]
+            if not real.startswith(before):
+                raise RenderError(f"{self.name} renders the conversation before the tool messages differently once they come, "
+                                  "so the observation cannot be derived exactly")
             if not real.startswith(token, len(before)):
                 raise RenderError(f"{self.name} does not open the tool messages with {token!r}, so the observation cannot be derived exactly")
             return real[len(before) + len(token):]
-        end, token = max((before.rfind(t), t) for t in (self.eos_text, *TEMPLATE_TURN_ENDS.get(self.fmt, ())))
+        ends = (self.eos_text, *TEMPLATE_TURN_ENDS.get(self.fmt, ()))
+        end, token = max((before.rfind(t), t) for t in ends)
         if end < 0:
             raise RenderError(f"{self.name} writes no end-of-turn token after this turn, so the observation cannot be derived exactly")
-        return real[end + len(token):]  # what follows the turn's end-of-turn token
+        if real.startswith(before):
+            return real[end + len(token):]  # what follows the turn's end-of-turn token
+        differs = next(k for k, (x, y) in enumerate(zip(before, real)) if x != y)
+        turn_start = max((before.rfind(t, 0, end) + len(t) for t in ends if before.rfind(t, 0, end) >= 0), default=0)
+        if differs < turn_start:  # an earlier turn changed: the prompt the model saw is not what comes after
+            raise RenderError(f"{self.name} renders the conversation before the tool messages differently once they come, "
+                              "so the observation cannot be derived exactly")
+        at, token = min(((real.find(t, differs), t) for t in ends if real.find(t, differs) >= 0), default=(-1, ""))
+        if at < 0:
+            raise RenderError(f"{self.name} writes no end-of-turn token after this turn once the tool messages come, "
+                              "so the observation cannot be derived exactly")
+        return real[at + len(token):]
 
     def observation_ids(self, tool_messages: list[Message], history: list[Message]) -> list[int]:
         """Tokens between an assistant turn's eos and the next assistant turn's first token."""
