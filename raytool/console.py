@@ -13,6 +13,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from raytool.evaluation import source_name
+
 OWN_LOGGERS = ("raytool", "actors", "__main__")
 VERBOSE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger(__name__)  # the console's own lines: `show`
@@ -93,7 +95,7 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def validation_means(row: dict) -> dict[str, float]:
-    """{data source: acc/mean@n} of one metrics row's validation."""
+    """{data source's metric segment (raytool.evaluation.source_segment): acc/mean@n} of one metrics row's validation."""
     out = {}
     for key, value in row.items():
         if key.startswith("val-core/") and "/acc/mean@" in key:
@@ -126,9 +128,9 @@ def summary(run_dir: Path, wall_s: float, final_hf: str | None = None) -> list[s
             b, a = validation_means(before).get(source), validation_means(after).get(source)
             n = next((k.rsplit("@", 1)[1] for k in after if k.startswith(f"val-core/{source}/acc/mean@")), "n")
             if before is after:
-                lines.append(f"held-out accuracy ({source}, mean@{n}): {_fmt(a)} at step {after['step']}")
+                lines.append(f"held-out accuracy ({source_name(source)}, mean@{n}): {_fmt(a)} at step {after['step']}")
             else:
-                lines.append(f"held-out accuracy ({source}, mean@{n}): {_fmt(b)} at step {before['step']} -> {_fmt(a)} at step {after['step']}")
+                lines.append(f"held-out accuracy ({source_name(source)}, mean@{n}): {_fmt(b)} at step {before['step']} -> {_fmt(a)} at step {after['step']}")
         calls = [r.get("val-aux/tool/calls_per_traj") for r in (before, after)]
         if any(c is not None for c in calls):
             lines.append(f"tool calls per held-out trajectory: {_fmt(calls[0])} -> {_fmt(calls[1])}" if before is not after

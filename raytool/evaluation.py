@@ -7,7 +7,9 @@ per data source:
 - `val-core/<source>/acc/pass@k`: share of prompts with at least one correct sample;
 - `val-aux/<source>/...`: reward mean@k, mean turns, tool calls per trajectory, share of
   trajectories that call a tool, tool error rate (errors per call), response length;
-and the same auxiliary metrics over all sources as `val-aux/<metric>`.
+and the same auxiliary metrics over all sources as `val-aux/<metric>`. A source is one segment of
+the name: its '/' and '%' are percent-escaped (`source_segment`; verl's gsm8k, MATH and geometry3k
+preprocessing write `openai/gsm8k`-style names).
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import msgspec
+
+
+def source_segment(source: str) -> str:
+    """A data source as one segment of a metric name ('openai/gsm8k' -> 'openai%2Fgsm8k')."""
+    return source.replace("%", "%25").replace("/", "%2F")
+
+
+def source_name(segment: str) -> str:
+    """The data source a metric name's segment stands for (the inverse of source_segment)."""
+    return segment.replace("%2F", "/").replace("%25", "%")
 
 
 class EvalSample(msgspec.Struct):
@@ -63,8 +75,8 @@ def summarize(samples: list[EvalSample], k: int) -> dict[str, float]:
     by_source: dict[str, list[EvalSample]] = defaultdict(list)
     for s in samples:
         by_source[s.data_source].append(s)
-    for source in sorted(by_source):
-        group = by_source[source]
+    for name in sorted(by_source):
+        group, source = by_source[name], source_segment(name)
         prompts: dict[int, list[EvalSample]] = defaultdict(list)
         for s in group:
             prompts[s.prompt].append(s)
@@ -79,6 +91,7 @@ def summarize(samples: list[EvalSample], k: int) -> dict[str, float]:
 
 
 def sources(metrics: dict[str, float]) -> list[str]:
+    """The data sources' segments (source_segment) that `metrics` holds validation accuracies of."""
     return sorted({key.split("/")[1] for key in metrics if key.startswith("val-core/")})
 
 
@@ -90,6 +103,6 @@ def table(metrics: dict[str, float], k: int) -> str:
                ("call rate", "val-aux/{s}/tool/call_rate", "{:.2f}"), ("tool err", "val-aux/{s}/tool/error_rate", "{:.2f}"),
                ("length", "val-aux/{s}/response_length/mean", "{:.0f}")]
     rows = [["source", *(name for name, _, _ in columns)]]
-    rows += [[s, *(fmt.format(metrics[key.format(s=s)]) for _, key, fmt in columns)] for s in sources(metrics)]
+    rows += [[source_name(s), *(fmt.format(metrics[key.format(s=s)]) for _, key, fmt in columns)] for s in sources(metrics)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))) for r in rows)

@@ -36,3 +36,18 @@ def test_majority_ties_go_to_the_earliest_answer_and_no_answer_is_wrong():
     assert majority_correct([_s("x", 0, 0.0, None)]) == 0.0
     with pytest.raises(ValueError):
         summarize([], 4)
+
+
+def test_a_data_source_with_slashes_is_one_segment_of_its_metric_names(tmp_path):
+    """verl's gsm8k, MATH and geometry3k preprocessing write data_source 'openai/gsm8k'-style names."""
+    import json
+
+    from raytool.console import summary
+
+    m = summarize([_s("openai/gsm8k", 0, 1.0, "7"), _s("openai/gsm8k", 0, 0.0, "5"), _s("100%/x", 1, 1.0, "1")], 2)
+    assert m["val-core/openai%2Fgsm8k/acc/mean@2"] == 0.5 and m["val-aux/openai%2Fgsm8k/prompts"] == 1
+    assert m["val-core/100%25%2Fx/acc/pass@2"] == 1.0
+    assert [r.split()[0] for r in table(m, 2).splitlines()[1:]] == ["100%/x", "openai/gsm8k"]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, **m}) + "\n")
+    lines = summary(tmp_path, 1.0)
+    assert "held-out accuracy (openai/gsm8k, mean@2): 0.50 at step 0" in lines
