@@ -1,7 +1,7 @@
 """The config resolved once: every `auto` and every setting derived from another, decided in one
 place before any actor starts, into the one RunConfig every actor receives and config.yaml records.
 
-`resolve(cfg)` applies, in order:
+`resolve(cfg)` checks that the algorithms it names are registered, then applies, in order:
 - the sandbox settings a verl tool YAML implies (`agent.tools`: an E2B domain, a SandboxFusion URL),
   where the run config left the default;
 - `agent.num_workers: auto` -> as many agent workers as keep every rollout server full;
@@ -32,7 +32,27 @@ log = logging.getLogger(__name__)
 
 def resolve(cfg: RunConfig) -> RunConfig:
     """`cfg` with its autos and derived settings decided (see the module's docstring)."""
+    check_algorithms(cfg)
     return with_user_code_paths(with_tool_format(with_rollout_correction(with_engine_dtype(with_agent_workers(with_tool_sandbox_settings(cfg))))))
+
+
+# verl's estimators that need what raytool does not train or keep -> what to use
+_NO_ESTIMATOR = {"gae": "GAE needs a critic (a value model), which raytool does not train",
+                 "reinforce_plus_plus": "REINFORCE++ needs a per-token KL in the reward, which raytool does not compute",
+                 "remax": "ReMax needs a greedy baseline rollout per prompt, which raytool does not sample"}
+
+
+def check_algorithms(cfg: RunConfig) -> None:
+    """algorithm.adv_estimator and algorithm.policy_loss name registered functions (raytool.algos:
+    built in, or registered by the user's code before the run starts); checked before anything
+    starts, since the trainer looks them up only after the first rollout."""
+    from raytool.algos import ADV_ESTIMATORS, POLICY_LOSSES
+
+    a = cfg.algorithm
+    for key, name, registry in (("adv_estimator", a.adv_estimator, ADV_ESTIMATORS), ("policy_loss", a.policy_loss, POLICY_LOSSES)):
+        if name not in registry:
+            why = f"{_NO_ESTIMATOR[name]}; " if key == "adv_estimator" and name in _NO_ESTIMATOR else ""
+            raise ConfigError(f"config key 'algorithm.{key}': {why}unknown {registry.what} '{name}'; registered: {', '.join(sorted(registry))}")
 
 
 def agent_workers(cfg: RunConfig) -> int:

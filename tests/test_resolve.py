@@ -52,3 +52,14 @@ def test_agent_workers_auto_keep_every_rollout_server_full(caplog):
     with caplog.at_level(logging.WARNING, logger="raytool.resolve"):
         kept = resolve(load_config(None, ["rollout.num_servers=4", "rollout.max_batch_size=256", "agent.num_workers=1"]))
     assert kept.agent.num_workers == 1 and "keeps at most 256 trajectories in flight, where 4 rollout servers run 1024" in caplog.text
+
+
+def test_an_unknown_or_critic_needing_algorithm_is_refused_before_anything_starts():
+    """verl's algorithm.adv_estimator=gae was accepted, then failed after the first rollout."""
+    from raytool.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'algorithm.adv_estimator': GAE needs a critic .* registered: grpo, rloo"):
+        resolve(load_config(None, ["algorithm.adv_estimator=gae"]))
+    with pytest.raises(ConfigError, match=r"'algorithm.policy_loss': unknown policy loss 'ppo_clipp'; registered: .*ppo_clip"):
+        resolve(load_config(None, ["algorithm.policy_loss=ppo_clipp"]))
+    assert resolve(load_config(None, ["algorithm.adv_estimator=rloo"])).algorithm.adv_estimator == "rloo"
