@@ -38,7 +38,7 @@ from raytool.data.task import Task, load_task
 from raytool.device import NO_FAST_ALLOCATOR, fast_allocator_missing
 from raytool import console, storage
 from raytool.errors import RaytoolError
-from raytool.resolve import resolve
+from raytool.resolve import resolve, with_epochs
 from raytool.evaluation import table as eval_table
 from raytool.ledger import FILE as LEDGER_FILE, Ledger, outcome_metrics
 from raytool.models import load_tokenizer, resolve_model
@@ -46,6 +46,7 @@ from raytool.rewards import check_judge, validate_reward_fn
 from raytool.streaming import RolloutBatch, RolloutStream
 from raytool.tools.registry import ToolSet
 from raytool.tracking import Tracker, cut_after_step, validate_backends
+from raytool.training.guard import UpdateGuard
 from raytool.training import lr_at
 
 log = logging.getLogger(__name__)
@@ -176,12 +177,13 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     toolset = build_toolset(cfg.agent, tokenizer, None)  # the run's tools (names and schemas; no executor in the driver)
     check_row_tools(toolset, task)
     warmup = warmup_examples(cfg, task, tokenizer, random.Random(cfg.trainer.seed)) if cfg.trainer.sft_warmup_steps and checkpoint is None else []
+    task = fitting_prompts(cfg, task, model_path, tokenizer, toolset)
+    cfg = with_epochs(cfg, len(task.train))
     remove_earlier_run(run_dir, earlier)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with run_log(run_dir):
         start = time.monotonic()
-        task = fitting_prompts(cfg, task, model_path, tokenizer, toolset)
         connect(address or cfg.cluster.address, log_to_driver=cfg.logging.console_level == "all")
         r = cfg.rollout
         if r.engine == "vllm" and r.num_gpus == 0 and r.cpu_preload and fast_allocator_missing():
@@ -226,21 +228,21 @@ def context_length(cfg: RunConfig, model_path: str) -> int | None:
 
 
 def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer, toolset: ToolSet) -> Task:
-    """`task` without the prompts that cannot fit the engine's context with the response budget,
-    each split's left-out rows named in one warning line (counted in `data/prompts_too_long`)."""
-    context = context_length(cfg, model_path)
-    if context is None:
-        return task
+    """`task` without the prompts over data.max_prompt_tokens or that cannot fit the engine's
+    context with the response budget, each split's left-out rows named in one warning line
+    (counted in `data/prompts_too_long`); with data.truncation=error, the first such row stops the run."""
+    context = context_length(cfg, model_path) or 1 << 62
     renderer = ChatRenderer(tokenizer, tools=toolset.schemas if cfg.agent.format != "retool" else None, template_kwargs=cfg.agent.chat_template_kwargs)
 
     def prompt_tokens(row: PromptRow) -> int:
         return len(renderer.prompt_ids(with_system_prompt(row.prompt, cfg.agent.system_prompt)))
 
     budget = cfg.agent.max_response_tokens
-    train, warned = drop_too_long(task.train, prompt_tokens, context, budget, "training data")
+    limits = {"max_prompt": cfg.data.max_prompt_tokens, "truncation": cfg.data.truncation}
+    train, warned = drop_too_long(task.train, prompt_tokens, context, budget, "training data", **limits)
     if warned:
         log.warning(warned)
-    val, warned_val = drop_too_long(task.val, prompt_tokens, context, budget, "validation data")
+    val, warned_val = drop_too_long(task.val, prompt_tokens, context, budget, "validation data", **limits)
     if warned_val:
         log.warning(warned_val)
     if not train:
@@ -323,6 +325,13 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState
     return metrics, batch
 
 
+def _origin(row, key: str) -> str:
+    """Where a group's prompt came from, for a line that names it."""
+    origin = getattr(row, "origin", "") or f"group {key}"
+    source = getattr(row, "data_source", "")
+    return f"{origin} (data source {source})" if source else origin
+
+
 def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer, warmup: list, checkpoint: str | None) -> str | None:
     """Start the actors and run the loop (SFT warm-up, then GRPO steps) of `run` -> where the final
     model's HF export is (None: trainer.save_final is off).
@@ -364,8 +373,10 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
         stream = rollout_stream(graph, cfg, loader, state.version)
         stream.restore(list(state.redo), buffered)
         ledger = Ledger(run_dir, resume_step=state.step if checkpoint is not None else None)
+        guard = UpdateGuard(cfg.trainer.max_skipped_steps)
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
             metrics, batch = grpo_step(graph, stream, step, state, progress=cfg.logging.progress)
+            guard.after_step(step, metrics, [(_origin(g.row, g.key), s.reward) for g in batch.groups for s in g.stats])
             every, last = cfg.eval.every, step == cfg.trainer.total_steps
             if task.val and ((every and (step % every == 0 or last)) or (cfg.eval.after_train and last)):
                 metrics.update(validate(graph, cfg, task, step, tracker, tokenizer.decode))

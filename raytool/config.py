@@ -85,6 +85,8 @@ class DataConfig(_Section):
     val_size: Count = 64  # tool_arith: generated problems in the validation split
     seed: int = 0  # task generation seed (train and val never overlap) and prompt shuffling
     prompts_per_step: Positive = 4  # prompts per GRPO step (each sampled rollout.n times)
+    max_prompt_tokens: Positive | None = None  # longest prompt, as the chat template renders it (None: whatever fits rollout.max_model_len with agent.max_response_tokens after it)
+    truncation: Literal["drop", "error"] = "drop"  # a prompt over either limit: drop (left out, the rows named in one line) or error (the run stops at start naming the first)
 
 
 class EvalConfig(_Section):
@@ -104,7 +106,7 @@ class RolloutConfig(_Section):
     temperature: NonNegative = 1.0  # sampling temperature of every rollout turn
     top_p: TopP = 1.0  # nucleus sampling (1.0: off)
     top_k: TopK = -1  # -1: no top-k
-    max_tokens_per_turn: Positive = 96  # generation budget of one assistant turn
+    max_tokens_per_turn: Positive = 96  # generation budget of one assistant turn; a config that sets agent.max_response_tokens (or verl's data.max_response_length) and not this gets that budget here too (verl has no per-turn limit)
     seed: int | None = None  # sampling seed per request from (seed, trajectory id, turn): reproducible rollouts (None: unseeded)
     max_batch_size: Positive = 64  # sequences one engine runs at once (vLLM max_num_seqs)
     num_cpus: NonNegative = 1.0  # Ray CPUs each server reserves
@@ -252,6 +254,7 @@ class AlgorithmConfig(_Section):
 
 class TrainerConfig(_Section):
     total_steps: Count = 12  # GRPO steps
+    total_epochs: Positive | None = None  # GRPO steps as passes over the training prompts instead (verl's trainer.total_epochs): whole batches of data.prompts_per_step per pass, counted at start; overrides total_steps
     lr: PositiveNumber = 5e-6  # peak learning rate of the GRPO phase
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after the warm-up
     warmup_steps: Count = 0  # linear learning-rate warm-up, in optimizer steps
@@ -283,6 +286,7 @@ class TrainerConfig(_Section):
     save_final: bool = True  # write a resumable checkpoint and an HF export at the end of the run
     keep_checkpoints: Count = 0  # after each save, delete all but the newest this many checkpoints (0: keep all)
     checkpoint_dir: str = ""  # where checkpoints go: "" is RUN_DIR/checkpoints; else a path every node mounts, or an fsspec URI (s3://bucket/path; its fsspec package on every node), under which each run writes <run name>/step_N
+    max_skipped_steps: Positive = 3  # GRPO steps in a row whose update is skipped (a non-finite reward, advantage, loss or gradient norm: each step says so, naming the rows) before the run stops in one line
     max_failures: Count = 3  # a trainer worker whose process dies or hangs: the whole actor graph is rebuilt and restored from the last checkpoint (none yet: the run starts over) this many times; then the run stops
     weight_sync_bucket_mb: Positive = 64  # size of one ZMQ weight bucket (larger tensors are split)
     weight_sync_in_place: bool = True  # servers on the trainer's node read its staging buffers in place (CUDA IPC, shared memory) instead of TCP
@@ -462,7 +466,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of config sections, got {type(raw).__name__}")
     try:
-        cfg = _checked(apply_overrides(copy.deepcopy(raw), list(overrides)), source)
+        given = {item.partition("=")[0] for item in overrides}
+        cfg = _checked(apply_overrides(copy.deepcopy(raw), list(overrides)), source, given)
     except ConfigError as exc:
         if not overrides or not _valid(raw, source):
             raise
@@ -471,18 +476,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     return cfg
 
 
-def _checked(raw: dict, source: str) -> RunConfig:
-    """The config `raw` describes (verl's keys read as raytool's), its keys, types, ranges and
-    cross-key rules checked."""
+def _checked(raw: dict, source: str, given: set[str] = frozenset()) -> RunConfig:
+    """The config `raw` describes (verl's keys read as raytool's; `given`: the keys the command
+    line set, whose verl keys override the file's), its keys, types, ranges and cross-key rules checked."""
     from raytool.verl_keys import VerlKeyError, translate
 
     try:
-        raw = translate(raw)
+        raw = translate(raw, given)
     except VerlKeyError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    _turns_follow_the_budget(raw)
     cfg = from_dict(raw, source)  # keys, types and ranges
     validate_rules(cfg, source)
     return cfg
+
+
+def _turns_follow_the_budget(raw: dict) -> None:
+    """A config that sets the response budget (agent.max_response_tokens) and not the per-turn
+    limit lets one turn use all of it, as verl does (its data.max_response_length is the only limit)."""
+    budget = (raw.get("agent") or {}).get("max_response_tokens") if isinstance(raw.get("agent"), dict) else None
+    rollout = raw.get("rollout")
+    if budget is None or (isinstance(rollout, dict) and "max_tokens_per_turn" in rollout) or (rollout is not None and not isinstance(rollout, dict)):
+        return
+    raw.setdefault("rollout", {})["max_tokens_per_turn"] = budget
+    log.info("rollout.max_tokens_per_turn follows agent.max_response_tokens (%s): set it to limit one turn", budget)
 
 
 def _valid(raw: dict, source: str) -> bool:

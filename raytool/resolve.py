@@ -55,6 +55,20 @@ def check_algorithms(cfg: RunConfig) -> None:
             raise ConfigError(f"config key 'algorithm.{key}': {why}unknown {registry.what} '{name}'; registered: {', '.join(sorted(registry))}")
 
 
+def with_epochs(cfg: RunConfig, prompts: int) -> RunConfig:
+    """trainer.total_epochs (verl's) as trainer.total_steps, once the `prompts` usable training
+    prompts are known: whole batches of data.prompts_per_step per pass, as verl's loader (it drops
+    the last partial batch). A config without it comes back unchanged."""
+    from raytool.verl_keys import steps_of_epochs
+
+    t = cfg.trainer
+    if t.total_epochs is None:
+        return cfg
+    steps = steps_of_epochs(t.total_epochs, prompts, cfg.data.prompts_per_step)
+    log.info("trainer.total_epochs=%d: %d GRPO steps (%d training prompts, %d a step)", t.total_epochs, steps, prompts, cfg.data.prompts_per_step)
+    return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, total_steps=steps, total_epochs=None))
+
+
 def agent_workers(cfg: RunConfig) -> int:
     """agent.num_workers, auto: enough workers that the trajectories they keep in flight fill every
     rollout server (a 4-server, 256-sequence run with one 256-trajectory worker ran them at a quarter)."""

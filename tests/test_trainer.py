@@ -715,3 +715,54 @@ def test_a_mixture_of_experts_trains_and_exports_its_experts_one_by_one(tmp_path
     reloaded = dict(AutoModelForCausalLM.from_pretrained(exported).named_parameters())
     for name, w in after.items():
         assert torch.equal(reloaded[name], w), name
+
+
+def test_a_non_finite_reward_or_gradient_skips_the_update_and_non_finite_weights_are_never_saved(tiny_model_path, tmp_path):
+    """verl skips an update whose gradient norm is not finite, and says so; a NaN reward used to
+    train the model into NaN and announce it as the final model."""
+    from raytool.training.trainer import NonFiniteWeights
+
+    trainer = _trainer(tiny_model_path, "trainer.lr=1e-2")
+    before = {name: w.clone() for name, w in trainer.named_weights()}
+    nan_reward = [_traj("a", "g", [1, 2, 3], [5, 6, 7], float("nan")), *BATCH[1:]]
+    out = trainer.rl_step(nan_reward)
+    assert out["actor/skipped_updates"] == 1.0 and out["actor/nonfinite_reward"] == 1.0
+    assert all(torch.equal(w, before[name]) for name, w in trainer.named_weights())
+
+    original = trainer._rl_micro_step
+
+    def poisoned(*args, **kwargs):  # a loss that went NaN: every gradient NaN
+        original(*args, **kwargs)
+        for p in trainer.params:
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+
+    trainer._rl_micro_step = poisoned
+    out = trainer.rl_step(BATCH)
+    assert out["actor/skipped_updates"] == 1.0 and math.isnan(out["actor/grad_norm"])
+    assert all(torch.equal(w, before[name]) for name, w in trainer.named_weights())
+    trainer._rl_micro_step = original
+    assert trainer.rl_step(BATCH)["actor/skipped_updates"] == 0.0  # a finite batch trains again
+    assert not all(torch.equal(w, before[name]) for name, w in trainer.named_weights())
+    trainer.save_checkpoint(tmp_path / "finite")
+
+    with torch.no_grad():
+        next(iter(trainer.params)).view(-1)[0] = float("inf")
+    for write in (lambda: trainer.save_checkpoint(tmp_path / "poisoned"), lambda: trainer.export_hf(tmp_path / "hf")):
+        with pytest.raises(NonFiniteWeights, match="non-finite values .* on rank 0"):
+            write()
+    assert not (tmp_path / "poisoned").exists() and not (tmp_path / "hf").exists()
+
+
+def test_the_driver_names_the_rows_of_a_skipped_update_and_stops_after_too_many_in_a_row(caplog):
+    from raytool.training.guard import SkippedUpdates, UpdateGuard
+
+    guard = UpdateGuard(2)
+    rows = [("train.parquet row 3 (0-based) (data source openai/gsm8k)", float("nan")), ("train.parquet row 4 (0-based)", 1.0)]
+    guard.after_step(1, {"actor/skipped_updates": 1.0, "actor/nonfinite_reward": 1.0}, rows)
+    assert "step 1: 1 update skipped, the weights left as they were: non-finite rewards from train.parquet row 3 (0-based)" in caplog.text
+    guard.after_step(2, {"actor/skipped_updates": 0.0}, rows)  # a trained step ends the run of skips
+    guard.after_step(3, {"actor/skipped_updates": 2.0, "actor/grad_norm": float("nan")}, [("r", 1.0)])
+    assert "step 3: 2 updates skipped" in caplog.text and "non-finite loss or gradient norm" in caplog.text
+    with pytest.raises(SkippedUpdates, match=r"^2 GRPO steps in a row skipped their update \(trainer.max_skipped_steps=2\); step 4"):
+        guard.after_step(4, {"actor/skipped_updates": 1.0}, rows)

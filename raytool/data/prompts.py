@@ -119,18 +119,27 @@ def with_system_prompt(messages: list[Message], system_prompt: str | None) -> li
 
 
 def drop_too_long(rows: list[PromptRow], prompt_tokens: Callable[[PromptRow], int], context: int, response_budget: int,
-                  what: str) -> tuple[list[PromptRow], str]:
-    """The rows whose prompt (`prompt_tokens(row)`: its length as the agent renders it) leaves room
-    for `response_budget` tokens within the engine's `context` -> (those rows, one warning line
-    naming the others, or "" when none was dropped). A prompt that cannot fit would be rejected by
-    the engine on every try; left in, it would cost a group's rollouts each time it is drawn."""
+                  what: str, max_prompt: int | None = None, truncation: str = "drop") -> tuple[list[PromptRow], str]:
+    """The rows whose prompt (`prompt_tokens(row)`: its length as the agent renders it) is at most
+    `max_prompt` tokens (data.max_prompt_tokens; None: no such limit) and leaves room for
+    `response_budget` tokens within the engine's `context` -> (those rows, one warning line naming
+    the others, or "" when none was dropped). With truncation "error" the first such row raises
+    DataError naming it. A prompt that cannot fit would be rejected by the engine on every try;
+    left in, it would cost a group's rollouts each time it is drawn."""
     kept, dropped = [], []
     for i, row in enumerate(rows):
         n = prompt_tokens(row)
-        (dropped if n + response_budget > context else kept).append((i, n, row))
+        over = n + response_budget > context or (max_prompt is not None and n > max_prompt)
+        if over and truncation == "error":
+            limit = (f"data.max_prompt_tokens={max_prompt}" if max_prompt is not None and n > max_prompt else
+                     f"the engine's context of {context} tokens (rollout.max_model_len) with agent.max_response_tokens={response_budget} after it")
+            raise DataError(f"{what}: {row.origin or f'row {i}'}: a prompt of {n} tokens is over {limit} (data.truncation=error; "
+                            "drop leaves such prompts out)")
+        (dropped if over else kept).append((i, n, row))
     if not dropped:
         return rows, ""
     named = ", ".join(f"{i} ({n} tokens)" for i, n, _ in dropped[:10]) + (f" and {len(dropped) - 10} more" if len(dropped) > 10 else "")
-    line = (f"{what}: {len(dropped)} of {len(rows)} prompts left out: a prompt with agent.max_response_tokens={response_budget} after it "
+    limits = f"over data.max_prompt_tokens={max_prompt} or " if max_prompt is not None else ""
+    line = (f"{what}: {len(dropped)} of {len(rows)} prompts left out: a prompt {limits}with agent.max_response_tokens={response_budget} after it "
             f"does not fit the engine's context of {context} tokens (rollout.max_model_len); rows {named}")
     return [row for _, _, row in kept], line

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
 from raytool.algos.correction import rollout_correction
 from raytool.config import RunConfig
+from raytool.errors import RaytoolError
 from raytool.moe import RouterTap, covers, find_routers, load_imbalance, moe_classes_without_replay, replay_tensor, routes_array, split_recording, valid_tokens
 from raytool.resolve import with_rollout_correction
 from raytool import device as device_info
@@ -38,6 +39,7 @@ from raytool.types import SFTExample, Trajectory, trained
 
 log = logging.getLogger(__name__)
 
+
 def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warm-up, then constant or cosine
     decay to `min_ratio * peak` at `total`."""
@@ -47,6 +49,10 @@ def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str, min_ra
         return peak
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class NonFiniteWeights(RaytoolError):
+    """The policy holds NaN or infinite weights: nothing is saved or exported from it."""
 
 
 @dataclass
@@ -170,6 +176,7 @@ class Trainer:
         self.rollout_is = with_rollout_correction(cfg).algorithm.rollout_correction.rollout_is  # auto decided (raytool.resolve)
         self.reference: PolicyModel | None = None  # built on first use (KL on); LoRA uses the base model instead
         self.step = 0  # optimizer steps taken
+        self.skipped_updates = 0  # optimizer steps skipped for a non-finite gradient norm (this process's life)
         self.rl_updates = 0  # optimizer steps of the RL phase (drive its learning-rate schedule)
         self.router_tap = self._router_tap()  # MoE models: expert load, and router replay when on
 
@@ -361,6 +368,10 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if not torch.isfinite(grad_norm):  # a non-finite loss or gradient (the same norm on every rank): skip, as verl does
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            return grad_norm.detach()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -405,6 +416,8 @@ class Trainer:
         if not on_policy or a.kl_reward_coef > 0:
             self._fill(seqs, "old", self.policy)
         rewards = torch.tensor(batch_rewards, dtype=torch.float32)
+        if not torch.isfinite(rewards[torch.tensor(batch_trained, dtype=torch.bool)]).all():  # every rank sees the whole batch's
+            return self._skipped("reward", time.perf_counter() - start)
         metrics: dict[str, float] = {}
         if a.kl_reward_coef > 0:  # r_i - beta * sum_t KL_t, the KL summed over each sequence's tokens
             kl = torch.zeros(len(batch_rewards), dtype=self.sum_dtype, device=self.device)
@@ -417,6 +430,8 @@ class Trainer:
             rewards = rewards - a.kl_reward_coef * kl.cpu().float()
             metrics["actor/reward_kl_penalty"] = float(kl.mean())
         adv, kept = self._advantages(rewards, batch_groups, batch_trained)
+        if not torch.isfinite(adv).all():  # e.g. a reward KL penalty gone non-finite
+            return self._skipped("advantage", time.perf_counter() - start)
         for i, x in zip(index, seqs):
             x.adv = float(adv[i])
         loss_fn = get_policy_loss(a.policy_loss)
@@ -430,7 +445,7 @@ class Trainer:
         # in one all-reduce, the metrics in one at the end (_reduce_metrics, then the token count).
         # Normalizers count every sequence of a mini-batch on every rank, skipped ones too.
         counts = self._global_sums([v for mini in minis for v in (sum(sum(x.mask) for x in mini), len(mini))] + route_counts + [len(active), len(seqs)])
-        tokens, grad_norms = 0, []
+        tokens, grad_norms, skipped_before = 0, [], self.skipped_updates
         lr = self._rl_lr()
         plans = self._plans([[x for x in mini if id(x) in active] if skip_zero_adv else mini for mini in minis])
         if route_counts:  # every rank: the diagnostics' forwards are collectives under FSDP
@@ -458,8 +473,17 @@ class Trainer:
             "actor/grad_norm": float(torch.stack(grad_norms).to(self.sum_dtype).mean()), "actor/lr": lr, "adv/abs_mean": adv[kept].abs().mean().item() if kept else 0.0,
             "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
             "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9),
+            "actor/skipped_updates": float(self.skipped_updates - skipped_before),
         })
         return out
+
+    def _skipped(self, what: str, elapsed: float) -> dict:
+        """The metrics of an RL step whose update is skipped before any forward: a non-finite
+        `what` (reward, advantage) in the batch, the same on every rank. The weights stay as they were."""
+        self.skipped_updates += 1
+        log.warning("rank %d: update skipped: a non-finite %s in the batch", self.rank, what)
+        return {"actor/skipped_updates": 1.0, f"actor/nonfinite_{what}": 1.0, "actor/lr": self._rl_lr(), "perf/train_tokens_per_s": 0.0,
+                "timing/skipped_s": elapsed}
 
     def _advantages(self, rewards: torch.Tensor, groups: list, trained: list[bool]) -> tuple[torch.Tensor, list[int]]:
         """The batch's advantages over its trained trajectories (0 for the rest) -> (advantages, their indices)."""
@@ -607,9 +631,11 @@ class Trainer:
         """One supervised step on this rank's slice of a batch."""
         start = time.perf_counter()
         loss, n_tokens = self.sft_loss(examples, train=True)
+        skipped = self.skipped_updates
         grad_norm = self._optimizer_step(lr)
         self._note_compile_time(1, time.perf_counter() - start)
-        return {"sft/loss": loss, "sft/grad_norm": float(grad_norm), "sft/lr": lr, "sft/tokens": n_tokens}
+        return {"sft/loss": loss, "sft/grad_norm": float(grad_norm), "sft/lr": lr, "sft/tokens": n_tokens,
+                "sft/skipped_updates": float(self.skipped_updates - skipped)}
 
     @torch.no_grad()
     def sft_val_loss(self, examples: list[SFTExample]) -> float:
@@ -632,6 +658,7 @@ class Trainer:
         shards of at most `max_shard_bytes` (to a local directory first when `directory` is an
         fsspec URI)."""
         directory = storage.absolute(directory)
+        self.check_finite("HF export")
         if self.rank != 0:
             for _ in self.named_weights():  # each full tensor is a collective every rank joins; only rank 0 keeps any
                 pass
@@ -640,6 +667,17 @@ class Trainer:
         return write_hf_to(directory, self.named_weights(), self.model_path, dtype, fused_moe=is_fused_moe(self.lm), max_shard_bytes=max_shard_bytes)
 
     # -- checkpoints -----------------------------------------------------------------------------------
+
+    def check_finite(self, what: str) -> None:
+        """Raises NonFiniteWeights, on every rank, when any rank's shard of the policy holds a
+        non-finite value: nothing `what` (a checkpoint, an export) would write from it is written."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.policy.parameters()]
+        finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True
+        bad = next((name for name, p in self.policy.named_parameters() if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()),
+                   None) if not finite else None
+        if self._global_sums([0.0 if finite else 1.0])[0]:
+            raise NonFiniteWeights(f"the policy's weights hold non-finite values{f' ({bad} on rank {self.rank})' if bad else ''}: "
+                                   f"no {what} written from them")
 
     def _model_state(self):
         """The policy's state dict for a checkpoint. A 4-bit base is left out: it is `model_path`
@@ -660,6 +698,7 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         directory = storage.absolute(directory)
+        self.check_finite("checkpoint")
         model_state, optim_state, _ = self._model_state()
         state = {"model": model_state, "optim": optim_state}
         has_reference = isinstance(self.reference, PolicyModel)
