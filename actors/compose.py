@@ -78,7 +78,8 @@ class Graph:
         another worker where there is one)."""
         worker = next(self._next_worker)
         messages = with_system_prompt(row.prompt, self.cfg.agent.system_prompt)
-        extra = {"data_source": row.data_source, "extra_info": row.extra_info, "tools": row_tool_names(row.tools)}
+        extra = {"data_source": row.data_source, "extra_info": row.extra_info, "tools": row_tool_names(row.tools),
+                 "ground_truth_json": row.ground_truth_json}
         refs = worker.run_group.remote(messages, row.ground_truth, group_id, n or self.cfg.rollout.n, row.agent_name, extra, sampling, attempt)
         self._group_worker[refs[1]] = worker
         return refs

@@ -230,7 +230,7 @@ def context_length(cfg: RunConfig, model_path: str) -> int | None:
 def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer, toolset: ToolSet) -> Task:
     """`task` without the prompts over data.max_prompt_tokens or that cannot fit the engine's
     context with the response budget, each split's left-out rows named in one warning line
-    (counted in `data/prompts_too_long`); with data.truncation=error, the first such row stops the run."""
+    (counted in `data/prompts_too_long`); with data.overlong_prompts=error, the first such row stops the run."""
     context = context_length(cfg, model_path) or 1 << 62
     renderer = ChatRenderer(tokenizer, tools=toolset.schemas if cfg.agent.format != "retool" else None, template_kwargs=cfg.agent.chat_template_kwargs)
 
@@ -238,7 +238,7 @@ def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer, tool
         return len(renderer.prompt_ids(with_system_prompt(row.prompt, cfg.agent.system_prompt)))
 
     budget = cfg.agent.max_response_tokens
-    limits = {"max_prompt": cfg.data.max_prompt_tokens, "truncation": cfg.data.truncation}
+    limits = {"max_prompt": cfg.data.max_prompt_tokens, "overlong": cfg.data.overlong_prompts}
     train, warned = drop_too_long(task.train, prompt_tokens, context, budget, "training data", **limits)
     if warned:
         log.warning(warned)

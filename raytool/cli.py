@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     parse_tools.add_argument("--model", default="smollm2-135m-instruct", help="with --format auto: the model whose chat template says the format (a built-in name or an HF directory)")
     parse_tools.add_argument("--tools", help="a verl-format tool YAML: its schemas type the arguments of the XML formats")
     parse_tools.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    convert = sub.add_parser("convert-verl", help="print the raytool config of a verl run script (a bash file ending in python3 -m "
+                                                  "verl.trainer.main_ppo ...), a comment per key naming its verl override")
+    convert.add_argument("script", help="the verl run script")
+    convert.add_argument("args", nargs="*", help="the script's own arguments ($@: verl overrides)")
     plan = sub.add_parser("plan", help="predict the accelerator and host memory each role needs, and whether it fits a cluster")
     _config_args(plan)
     plan.add_argument("--nodes", type=int, help="nodes in the cluster (default: cluster.nodes, else 1)")
@@ -120,6 +124,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trajectories", type=int, help="load only: the big round's trajectories, a multiple of 40 (default 1000); "
                                                          "the small round has a quarter")
     return parser
+
+
+def _convert_verl(args) -> int:
+    """The config on stdout; what was not carried, accepted or not evaluated on stderr. 1 when something was not carried."""
+    from raytool.verl_convert import convert
+    from raytool.verl_script import VerlScriptError
+
+    try:
+        result = convert(args.script, args.args)
+    except (OSError, VerlScriptError, RaytoolError) as exc:
+        print(f"raytool: {exc}", file=sys.stderr)
+        return 2
+    print(result.yaml, end="")
+    for line in result.notes:
+        print(f"raytool convert-verl: {line}", file=sys.stderr)
+    for line in result.not_carried:
+        print(f"raytool convert-verl: not carried: {line}", file=sys.stderr)
+    return 1 if result.not_carried else 0
 
 
 def _preprocess(args) -> int:
@@ -297,6 +319,8 @@ def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
         return 0
     if args.command == "parse-tools":
         return _parse_tools(args)
+    if args.command == "convert-verl":
+        return _convert_verl(args)
     if args.command == "config" and (args.reference or args.explain):
         from raytool.config_reference import explain, reference
 

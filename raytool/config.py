@@ -86,7 +86,7 @@ class DataConfig(_Section):
     seed: int = 0  # task generation seed (train and val never overlap) and prompt shuffling
     prompts_per_step: Positive = 4  # prompts per GRPO step (each sampled rollout.n times)
     max_prompt_tokens: Positive | None = None  # longest prompt, as the chat template renders it (None: whatever fits rollout.max_model_len with agent.max_response_tokens after it)
-    truncation: Literal["drop", "error"] = "drop"  # a prompt over either limit: drop (left out, the rows named in one line) or error (the run stops at start naming the first)
+    overlong_prompts: Literal["drop", "error"] = "drop"  # a prompt over either limit: drop (left out, the rows named in one line) or error (the run stops at start naming the first)
 
 
 class EvalConfig(_Section):

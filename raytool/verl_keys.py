@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 AR = "actor_rollout_ref"
+GPUS = "trainer.nnodes x trainer.n_gpus_per_node"
 
 # verl key -> raytool key (the same meaning and unit).
 ALIASES: dict[str, str] = {
@@ -69,6 +70,8 @@ ALIASES: dict[str, str] = {
     f"{AR}.rollout.agent.num_workers": "agent.num_workers",
     f"{AR}.rollout.agent.default_agent_loop": "agent.default_agent",
     "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
+    "algorithm.filter_groups.enable": "algorithm.dynamic_sampling",
+    "algorithm.filter_groups.max_num_gen_batches": "algorithm.max_sampling_rounds",
     "trainer.total_training_steps": "trainer.total_steps",
     "trainer.logger": "logging.logger",
     "trainer.project_name": "logging.project_name",
@@ -139,10 +142,33 @@ ALWAYS: dict[str, tuple[tuple | None, str]] = {
     "trainer.max_critic_ckpt_to_keep": (None, "GRPO has no critic"),
     "trainer.rollout_data_dir": (None, "raytool writes trajectories to RUN_DIR/traces.jsonl (logging.trace_samples a step)"),
     "trainer.validation_data_dir": (None, "raytool writes validation trajectories to RUN_DIR/val_traces.jsonl (logging.val_trace_samples)"),
-    "ray_init.num_cpus": (None, "raytool joins the Ray cluster it is started in, or starts one with this machine's CPUs"),
-    "ray_init.timeline_json_file": (None, "the Ray dashboard shows raytool's actors and metrics"),
-    "global_profiler.tool": (None, "raytool's profiling: `raytool bench`"),
-    "global_profiler.steps": (None, "raytool's profiling: `raytool bench`"),
+    "ray_init.*": (None, "raytool joins the Ray cluster it is started in, or starts one with this machine's CPUs; the dashboard shows its actors"),
+    "global_profiler.*": (None, "profiling only: raytool's own is `raytool bench`"),
+    f"{AR}.rollout.over_sample_rate": (None, "raytool streams the groups and trains on those finished first (async.max_staleness), "
+                                             "without aborting the others"),
+    "data.gen_batch_size": (None, "with dynamic sampling raytool rolls out prompts until data.prompts_per_step groups with varying "
+                                  "rewards are in hand (algorithm.max_sampling_rounds), not a fixed generation batch"),
+    "algorithm.filter_groups.metric": (("acc", "score", "seq_reward", "seq_final_reward"), "raytool's dynamic sampling keeps the groups "
+                                                                                           "whose rewards vary"),
+}
+
+# verl's SFT trainer (verl.trainer.fsdp_sft_trainer) names: its key -> raytool's (convert-verl).
+SFT_ALIASES: dict[str, str] = {
+    "data.train_files": "sft.train_files", "data.val_files": "sft.val_files", "data.max_length": "sft.max_length",
+    "data.train_batch_size": "sft.batch_size", "optim.lr": "sft.lr", "optim.weight_decay": "trainer.weight_decay",
+    "optim.clip_grad": "trainer.grad_clip", "trainer.total_epochs": "sft.epochs", "trainer.save_freq": "sft.save_every",
+    "trainer.test_freq": "sft.val_every", "model.partial_pretrain": "model.path",
+    "model.enable_gradient_checkpointing": "trainer.activation_checkpointing", "model.lora_rank": "trainer.lora_rank",
+    "model.lora_alpha": "trainer.lora_alpha", "ulysses_sequence_parallel_size": "trainer.sequence_parallel_size",
+}
+SFT_ALWAYS: dict[str, tuple[tuple | None, str]] = {
+    "data.multiturn.enable": ((True,), "raytool's SFT trains multi-turn conversations"),
+    "data.multiturn.messages_key": (("messages",), "raytool reads the rows' `messages`"),
+    "data.multiturn.tools_key": (("tools",), "raytool reads the rows' `tools`"),
+    "data.micro_batch_size_per_gpu": (None, _SIZING),
+    "model.strategy": (("fsdp", "fsdp2"), "raytool trains with FSDP2"),
+    "use_remove_padding": (None, "memory and speed only: raytool packs sequences when the attention allows it (model.attn_implementation)"),
+    "model.fsdp_config.*": (None, "raytool's FSDP2 settings (trainer.cpu_offload when `raytool plan` says so)"),
 }
 
 # verl keys whose raytool value `derive` computes (the table docs/verl.md shows).
@@ -165,10 +191,10 @@ DERIVED: dict[str, str] = {
     "reward_model.overlong_buffer.log": "accepted: raytool logs the overlong share always",
     "data.custom_cls.path": "ReTool's CustomRLHFDataset: the rows `raytool preprocess dapo_math_17k` writes; another class: refused",
     "data.custom_cls.name": "see data.custom_cls.path",
-    "data.filter_overlong_prompts": "True: data.truncation=drop (the prompts longer than data.max_prompt_tokens left out, named); False: verl's data.truncation (error)",
-    "data.truncation": "error: data.truncation=error (the run stops at start naming the row); left, right, middle: refused (a cut prompt is not a conversation)",
+    "data.filter_overlong_prompts": "True: data.overlong_prompts=drop (the prompts longer than data.max_prompt_tokens left out, named); False: verl's data.truncation (error)",
+    "data.truncation": "error: data.overlong_prompts=error (the run stops at start naming the row); left, right, middle: refused (a cut prompt is not a conversation)",
     "trainer.device": "npu: cluster.accelerator=NPU; cuda: GPU",
-    "trainer.nnodes x trainer.n_gpus_per_node": "the GPUs the run may use: split into trainer ranks and rollout servers (`split_gpus`)",
+    GPUS: "the GPUs the run may use: split into trainer ranks and rollout servers (`split_gpus`)",
 }
 
 # verl key -> why raytool cannot honour it, and the nearest raytool knob.
@@ -180,7 +206,7 @@ NOT_APPLICABLE: dict[str, str] = {
 }
 
 VERL_ONLY_SECTIONS = (AR, "critic", "reward_model", "custom_reward_function", "ray_init", "global_profiler")
-_LISTS = {"data.train_files", "data.val_files"}  # verl takes one path or a list; raytool a list
+_LISTS = {"data.train_files", "data.val_files", "trainer.logger"}  # verl takes one value or a list; raytool a list
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 
 
@@ -194,30 +220,31 @@ class Reading:
 
     raw: dict
     given: set[str]  # the keys typed on the command line (their origin decides conflicts)
-    moved: list[str] = field(default_factory=list)
-    accepted: list[str] = field(default_factory=list)
+    moved: list[tuple[str, str, object, str]] = field(default_factory=list)  # (verl key, raytool key, value, note)
+    accepted: list[str] = field(default_factory=list)  # each starts with the verl key
     refused: list[str] = field(default_factory=list)
 
     def put(self, verl_key: str, target: str, value, note: str = "") -> None:
         """Set raytool's `target` from `verl_key`: a value the same knob already has from the other
         place (file or command line) is overridden by the command line's; from the same place, refused."""
-        leaves = dict(_leaves(self.raw))
-        if target in leaves and leaves[target] != value:
+        have = dict(leaves(self.raw))
+        if target in have and have[target] != value:
             if (verl_key in self.given) == (target in self.given):
-                self.refused.append(f"'{verl_key}' and raytool's '{target}' are both given ({value!r} and {leaves[target]!r}): keep one")
+                self.refused.append(f"'{verl_key}' and raytool's '{target}' are both given ({value!r} and {have[target]!r}): keep one")
                 return
             if target in self.given:  # raytool's key on the command line wins over the file's verl key
-                self.moved.append(f"{verl_key} -> {target}: the command line's {leaves[target]!r} kept")
+                self.moved.append((verl_key, target, have[target], "the command line's value kept"))
                 return
         _put(self.raw, target, value)
-        self.moved.append(f"{verl_key} -> {target}={value!r}" + (f" ({note})" if note else ""))
+        self.moved.append((verl_key, target, value, note))
 
 
-def _leaves(node: dict, prefix: str = ""):
+def leaves(node: dict, prefix: str = ""):
+    """(dotted key, value) of every leaf of a parsed config (a verl alias's dict value is one leaf)."""
     for key, value in node.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict) and path not in ALIASES and value:
-            yield from _leaves(value, f"{path}.")
+            yield from leaves(value, f"{path}.")
         else:
             yield path, value
 
@@ -288,11 +315,11 @@ def split_gpus(total: int, tp: int, sp: int) -> tuple[int, int, bool]:
 
 def derive(r: Reading) -> None:
     """The DERIVED keys: each read (and removed) from r.raw, its raytool value put in."""
-    raw, pop = r.raw, (lambda key, default=None: _pop(raw, key) if key in dict(_leaves(raw)) else default)
-    given = dict(_leaves(raw))
+    raw, pop = r.raw, (lambda key, default=None: _pop(raw, key) if key in dict(leaves(raw)) else default)
+    given = dict(leaves(raw))
     path, name = pop("custom_reward_function.path"), pop("custom_reward_function.name")
     if path:
-        r.put("custom_reward_function.path", "reward.fn", f"{path}:{name or 'compute_score'}")
+        r.put(_both("custom_reward_function.path", "custom_reward_function.name" if name else ""), "reward.fn", f"{path}:{name or 'compute_score'}")
     elif name:
         r.refused.append("'custom_reward_function.name' without custom_reward_function.path: raytool's reward.fn names the file too (PATH:NAME)")
     mini = pop(f"{AR}.actor.ppo_mini_batch_size")
@@ -308,10 +335,11 @@ def derive(r: Reading) -> None:
         on, value = pop(switch), pop(coef)
         if on is None and value is None:
             continue
+        keys = _both(switch if on is not None else "", coef if value is not None else "")
         if not on:  # both of verl's switches default to False: a coefficient alone does nothing
-            r.put(switch if on is not None else coef, target, 0.0, f"{switch} is False" + (f": {coef}={value} has no effect" if value else ""))
+            r.put(keys, target, 0.0, f"{switch} is False" + (f": {coef}={value} has no effect" if value else ""))
         else:
-            r.put(coef if value is not None else switch, target, 0.001 if value is None else value)
+            r.put(keys, target, 0.001 if value is None else value, "" if value is not None else "verl's default kl_coef")
     kl_type = pop(f"{AR}.actor.kl_loss_type")
     if kl_type is not None:
         if kl_type in _KL_TYPES:
@@ -345,26 +373,32 @@ def derive(r: Reading) -> None:
         r.accepted.append("trainer.total_epochs: trainer.total_training_steps is given too, and wins (as in verl)")
 
 
+def _both(*keys: str) -> str:
+    """The verl keys one raytool value came from, as the notice names them."""
+    return " + ".join(k for k in keys if k)
+
+
 def _prompt_length(r: Reading, pop) -> None:
-    """verl's filter_overlong_prompts and truncation as raytool's data.truncation."""
+    """verl's filter_overlong_prompts and truncation as raytool's data.overlong_prompts."""
     drop, cut = pop("data.filter_overlong_prompts"), pop("data.truncation")
     if drop:
-        r.put("data.filter_overlong_prompts", "data.truncation", "drop")
+        r.put("data.filter_overlong_prompts", "data.overlong_prompts", "drop")
         if cut is not None:
-            r.accepted.append(f"data.truncation={cut!r}: filter_overlong_prompts leaves no prompt to cut")
+            r.accepted.append(f"data.truncation={cut!r}: data.filter_overlong_prompts leaves no prompt to cut")
     elif cut in (None, "error"):
         if drop is not None or cut is not None:
-            r.put("data.truncation" if cut else "data.filter_overlong_prompts", "data.truncation", "error")
+            r.put("data.truncation" if cut else "data.filter_overlong_prompts", "data.overlong_prompts", "error")
     else:
         r.refused.append(f"'data.truncation' {cut!r}: raytool renders each prompt from its messages and cannot cut it; "
-                         "data.truncation is drop (verl's filter_overlong_prompts=True) or error")
+                         "data.overlong_prompts is drop (verl's filter_overlong_prompts=True) or error")
 
 
 def _reward_manager(r: Reading, pop) -> None:
     manager = pop("reward_model.reward_manager")
     enable = pop("reward_model.overlong_buffer.enable")
     length, factor = pop("reward_model.overlong_buffer.len"), pop("reward_model.overlong_buffer.penalty_factor")
-    pop("reward_model.overlong_buffer.log")
+    if pop("reward_model.overlong_buffer.log") is not None:
+        r.accepted.append("reward_model.overlong_buffer.log: raytool logs the overlong penalty always (reward metrics)")
     if manager not in (None, "naive", "prime", "dapo"):
         r.refused.append(f"'reward_model.reward_manager' {manager!r}: raytool scores each trajectory as it finishes with reward.fn "
                          "(verl's naive, prime and dapo managers map; see docs/verl.md)")
@@ -373,7 +407,8 @@ def _reward_manager(r: Reading, pop) -> None:
         r.accepted.append(f"reward_model.reward_manager={manager}: raytool scores each trajectory with reward.fn as it finishes"
                           + (" (DAPO's overlong shaping from reward_model.overlong_buffer.*)" if manager == "dapo" else ""))
     if enable:
-        r.put("reward_model.overlong_buffer.len", "reward.overlong_buffer_tokens", length if length is not None else 4096)
+        r.put(_both("reward_model.overlong_buffer.enable", "reward_model.overlong_buffer.len" if length is not None else ""),
+              "reward.overlong_buffer_tokens", length if length is not None else 4096)
         if factor is not None:
             r.put("reward_model.overlong_buffer.penalty_factor", "reward.overlong_penalty_factor", factor)
     elif enable is False and (length is not None or factor is not None):
@@ -385,7 +420,7 @@ def _custom_dataset(r: Reading, pop) -> None:
     if path is None and name is None:
         return
     if str(path or "").endswith("retool/retool.py") and name == "CustomRLHFDataset":
-        r.accepted.append("data.custom_cls=retool.py:CustomRLHFDataset: ReTool's class rewrites DAPO-Math-17k's rows; raytool reads "
+        r.accepted.append(f"data.custom_cls.path + data.custom_cls.name={path}:{name}: ReTool's class rewrites DAPO-Math-17k's rows; raytool reads "
                           "the rows `raytool preprocess dapo_math_17k` writes, which are those (data.train_files must be its output)")
         return
     r.refused.append(f"'data.custom_cls' ({path}:{name}): raytool reads prompt rows, not a dataset class; write the rows your class "
@@ -395,65 +430,94 @@ def _custom_dataset(r: Reading, pop) -> None:
 def _gpus(r: Reading) -> None:
     """verl's trainer.nnodes x trainer.n_gpus_per_node as raytool's roles, where the config does
     not place them itself (trainer.num_gpus, rollout.num_gpus, or the counts of either)."""
-    leaves = dict(_leaves(r.raw))
-    if not {"trainer.nnodes", "trainer.n_gpus_per_node"} & set(leaves):
+    have = dict(leaves(r.raw))
+    if not {"trainer.nnodes", "trainer.n_gpus_per_node"} & set(have):
         return
-    placed = {"trainer.num_gpus", "rollout.num_gpus", "trainer.num_workers", "rollout.num_servers"} & set(leaves)
-    nodes, per_node = leaves.get("trainer.nnodes", 1), leaves.get("trainer.n_gpus_per_node", 8)
+    placed = {"trainer.num_gpus", "rollout.num_gpus", "trainer.num_workers", "rollout.num_servers"} & set(have)
+    nodes, per_node = have.get("trainer.nnodes", 1), have.get("trainer.n_gpus_per_node", 8)
     if placed:
         r.accepted.append(f"trainer.nnodes x trainer.n_gpus_per_node ({nodes} x {per_node}): the cluster; the config places the roles "
                           f"itself ({', '.join(sorted(placed))})")
         return
-    tp = leaves.get(f"{AR}.rollout.tensor_model_parallel_size", leaves.get("rollout.tensor_parallel_size", 1))
-    sp = leaves.get(f"{AR}.actor.ulysses_sequence_parallel_size", leaves.get("trainer.sequence_parallel_size", 1))
-    try:
-        trainers, servers, shared = split_gpus(nodes * per_node, tp, sp)
-    except VerlKeyError as exc:
-        r.refused.append(str(exc))
-        return
+    tp = have.get(f"{AR}.rollout.tensor_model_parallel_size", have.get("rollout.tensor_parallel_size", 1))
+    sp = have.get(f"{AR}.actor.ulysses_sequence_parallel_size", have.get("trainer.sequence_parallel_size", 1))
+    if have.get(f"{AR}.model.lora_rank", have.get("trainer.lora_rank", 0)):  # raytool's LoRA trains on one rank
+        trainers, servers, shared = 1, max(1, (nodes * per_node - 1) // tp), nodes * per_node == 1
+        r.accepted.append(f"{GPUS}: LoRA trains on one rank in raytool: 1 GPU trains, the others serve")
+    else:
+        try:
+            trainers, servers, shared = split_gpus(nodes * per_node, tp, sp)
+        except VerlKeyError as exc:
+            r.refused.append(str(exc))
+            return
     share = 0.5 if shared else 1.0
     for key, value in (("trainer.num_workers", trainers), ("trainer.num_gpus", share), ("rollout.num_servers", servers),
                        ("rollout.num_gpus", tp * share)):
-        _put(r.raw, key, value)
+        r.put(GPUS, key, value, "the GPU split below")
     how = (f"trainer and rollout share every GPU (half each): too few GPUs for sequence parallel {sp} and separate servers" if shared
            else f"{trainers} GPUs train ({trainers // sp} data-parallel x SP {sp}), {servers * tp} serve ({servers} x TP {tp})")
     r.accepted.append(f"trainer.nnodes x trainer.n_gpus_per_node = {nodes * per_node} GPUs, which verl colocates; raytool gives the "
                       f"trainer and the rollout GPUs of their own: trainer.num_workers={trainers} trainer.num_gpus={share:g} "
                       f"rollout.num_servers={servers} rollout.num_gpus={tp * share:g}: {how}")
-    if shared and leaves.get(f"{AR}.rollout.gpu_memory_utilization", leaves.get("rollout.gpu_memory_utilization", 0.9)) > 0.45:
-        _put(r.raw, "rollout.gpu_memory_utilization", 0.45)
+    if shared and have.get(f"{AR}.rollout.gpu_memory_utilization", have.get("rollout.gpu_memory_utilization", 0.9)) > 0.45:
+        if f"{AR}.rollout.gpu_memory_utilization" in have:  # verl's own value is for a GPU the engine has to itself between phases
+            _pop(r.raw, f"{AR}.rollout.gpu_memory_utilization")
+        r.put(GPUS, "rollout.gpu_memory_utilization", 0.45, "a shared GPU")
         r.accepted.append("rollout.gpu_memory_utilization=0.45: a shared GPU keeps room for the trainer (verl frees the engine's memory "
                           "while it trains; raytool's engines stay up)")
 
 
-def translate(raw: dict, given: set[str] = frozenset()) -> dict:
-    """`raw` (a parsed config, overrides applied; `given`: the keys the command line set) with
-    verl's keys read as raytool's, in one pass. Raises VerlKeyError with every key it cannot take."""
-    leaves = dict(_leaves(raw))
+def _always(path: str, table: dict[str, tuple[tuple | None, str]]) -> tuple[tuple | None, str] | None:
+    """`path`'s entry in an ALWAYS-like table: its own, or a section's (`section.*`)."""
+    return table.get(path) or next((v for k, v in table.items() if k.endswith(".*") and path.startswith(k[:-1])), None)
+
+
+def _accept(r: Reading, path: str, value, entry: tuple[tuple | None, str]) -> None:
+    values, does = entry
+    _pop(r.raw, path)
+    if values is None or value in values:
+        r.accepted.append(f"{path}={value!r}: {does}")
+    else:
+        r.refused.append(f"'{path}' {value!r}: {does}; raytool cannot do otherwise")
+
+
+def _read_sft(r: Reading) -> None:
+    """verl's SFT trainer's own names (SFT_ALIASES, SFT_ALWAYS) read first: its data and optim keys are `raytool sft`'s."""
+    for path, value in list(leaves(r.raw)):
+        if path in SFT_ALIASES:
+            value = _pop(r.raw, path)
+            r.put(path, SFT_ALIASES[path], [value] if path.endswith("_files") and isinstance(value, str) else value)
+        elif _always(path, SFT_ALWAYS):
+            _accept(r, path, value, _always(path, SFT_ALWAYS))
+
+
+def read(raw: dict, given: set[str] = frozenset(), sft: bool = False) -> Reading:
+    """One pass over `raw` (a parsed config, overrides applied; `given`: the keys the command line
+    set; `sft`: the keys are verl's SFT trainer's): verl's keys moved to raytool's in `raw`, what was
+    accepted, what is refused."""
+    present = dict(leaves(raw))
     mine = raytool_keys()
     known = verl_keys()
-    present = [k for k in leaves if k in known or k.split(".")[0] in VERL_ONLY_SECTIONS or k in ("trainer.nnodes", "trainer.n_gpus_per_node")]
-    if not present:
-        return raw
     r = Reading(raw, {k.lstrip("+") for k in given})
+    if sft:
+        _read_sft(r)
+    elif not any(k in known or _always(k, ALWAYS) or k.split(".")[0] in VERL_ONLY_SECTIONS for k in present):
+        return r
     _gpus(r)
     derive(r)
-    for path, value in list(_leaves(raw)):
+    for path, value in list(leaves(raw)):
         if path in _LISTS and isinstance(value, str):
             _put(raw, path, [value])
-        elif path in ALIASES and ALIASES[path] != path:
+            if path in ALIASES:
+                r.put(path, ALIASES[path], _pop(raw, path))
+        elif path in ALIASES:
             r.put(path, ALIASES[path], _pop(raw, path))
-        elif path in ALWAYS:
-            values, does = ALWAYS[path]
-            _pop(raw, path)
-            if values is None or value in values:
-                r.accepted.append(f"{path}={value!r}: {does}")
-            else:
-                r.refused.append(f"'{path}' {value!r}: {does}; raytool cannot do otherwise")
+        elif _always(path, ALWAYS):
+            _accept(r, path, value, _always(path, ALWAYS))
         elif path in NOT_APPLICABLE:
             _pop(raw, path)
             r.refused.append(f"'{path}': {NOT_APPLICABLE[path]}")
-        elif not any(path == k or path.startswith(k + ".") for k in mine) and path not in ALIASES.values():
+        elif not any(path == k or path.startswith(k + ".") for k in mine):
             section = path.split(".")[0]
             if section in VERL_ONLY_SECTIONS or section in ("data", "trainer", "algorithm"):
                 _pop(raw, path)
@@ -461,12 +525,26 @@ def translate(raw: dict, given: set[str] = frozenset()) -> dict:
                 hint = "; ".join(x for x in (f"the nearest verl key raytool reads: {near_verl}" if near_verl else "",
                                              f"the nearest raytool key: {near_mine}" if near_mine else "") if x)
                 r.refused.append(f"'{path}' is not a key raytool knows, in verl's names or its own" + (f" ({hint})" if hint else ""))
+    return r
+
+
+def describe(r: Reading) -> list[str]:
+    """The notice block's lines: each key read as raytool's, then each accepted."""
+    return ([f"read as raytool's: {v} -> {t}={value!r}" + (f" ({note})" if note else "") for v, t, value, note in r.moved]
+            + [f"accepted: {a}" for a in r.accepted])
+
+
+def translate(raw: dict, given: set[str] = frozenset()) -> dict:
+    """`raw` with verl's keys read as raytool's, in one pass (`read`), the notice block logged.
+    Raises VerlKeyError with every key it cannot take."""
+    r = read(raw, given)
     if r.refused:
         raise VerlKeyError(f"{len(r.refused)} verl key{'s' if len(r.refused) > 1 else ''} raytool cannot take (docs/verl.md):\n  "
                            + "\n  ".join(r.refused))
-    lines = [f"read as raytool's: {m}" for m in r.moved] + [f"accepted: {a}" for a in r.accepted]
-    log.info("verl keys: %d read as raytool's, %d accepted as what raytool does:\n  %s", len(r.moved), len(r.accepted), "\n  ".join(lines))
-    return raw
+    if r.moved or r.accepted:
+        log.info("verl keys: %d read as raytool's, %d accepted as what raytool does:\n  %s", len(r.moved), len(r.accepted),
+                 "\n  ".join(describe(r)))
+    return r.raw
 
 
 def steps_of_epochs(epochs: int, rows: int, batch: int) -> int:

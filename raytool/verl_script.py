@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -61,6 +61,7 @@ class VerlCommand:
     module: str
     overrides: list[tuple[str, str, int]]
     unresolved: list[str]
+    launcher: list[str] = field(default_factory=list)  # the words before `-m` (torchrun's --nnodes, --nproc_per_node)
 
 
 class VerlScriptError(ValueError):
@@ -224,11 +225,11 @@ class _Shell:
         for j, (text, _, _) in enumerate(expanded[:-1]):
             launched = any(_LAUNCHER.match(t.rsplit("/", 1)[-1]) for t, _, _ in expanded[:j])
             if text == "-m" and launched and _MODULE.match(expanded[j + 1][0]):
-                return self._command(expanded[j + 1][0], expanded[j + 2 :])
+                return self._command(expanded[j + 1][0], expanded[j + 2 :], [t for t, _, _ in expanded[:j]])
         return None
 
-    def _command(self, module: str, tokens: list[tuple[str, int, list[str]]]) -> VerlCommand:
-        """The verl command of `module` given the expanded words after it."""
+    def _command(self, module: str, tokens: list[tuple[str, int, list[str]]], launcher: list[str]) -> VerlCommand:
+        """The verl command of `module` given the expanded words after it (and `launcher`'s before `-m`)."""
         notes, overrides, k = list(self.notes), [], 0
         while k < len(tokens):
             text, line, word_notes = tokens[k]
@@ -243,7 +244,7 @@ class _Shell:
                 notes.append(f"line {line}: {text}: not a key=value override; ignored")
             else:
                 overrides.append((key.lstrip("+"), value, line))
-        return VerlCommand(module, overrides, notes)
+        return VerlCommand(module, overrides, notes, launcher)
 
     def _note(self, line: int, text: str) -> None:
         """Record that something on `line` was not evaluated."""

@@ -189,7 +189,7 @@ def test_a_whole_verl_command_is_read_in_one_pass_and_every_refusal_comes_in_one
     a = cfg.algorithm
     assert (a.kl_reward_coef, a.kl_loss_coef, a.kl_on, a.mini_batches, a.kl_type) == (0.0, 0.0, False, 8, "k3")
     assert cfg.reward.fn == "recipe/retool/retool.py:compute_score" and (cfg.trainer.save_every, cfg.eval.every) == (0, 0)
-    assert (cfg.trainer.total_epochs, cfg.data.max_prompt_tokens, cfg.data.truncation) == (2, 2048, "drop")
+    assert (cfg.trainer.total_epochs, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts) == (2, 2048, "drop")
     on = load_config(None, ["algorithm.use_kl_in_reward=True", f"{AR}.actor.use_kl_loss=True", f"{AR}.actor.kl_loss_coef=0.01"])
     assert (on.algorithm.kl_reward_coef, on.algorithm.kl_loss_coef) == (0.001, 0.01)  # verl's default kl_ctrl.kl_coef
     with pytest.raises(ConfigError) as err:

@@ -37,6 +37,7 @@ class PromptRow(msgspec.Struct, kw_only=True):
     agent_name: str | None = None
     tools: list[dict] | None = None
     extra_info: dict = {}
+    ground_truth_json: bool = False  # the data set's ground truth was a list or an object (verl's may be), held as its JSON text: verl reward fns get the object
     origin: str = ""  # where it was read ('FILE row N (0-based)'), for errors that name the row; not written back
 
 
@@ -50,6 +51,7 @@ def rows_to_table(rows: list[PromptRow]):
         "agent_name": pa.array([r.agent_name for r in rows], pa.string()),
         "tools": pa.array([json.dumps(r.tools) if r.tools is not None else None for r in rows], pa.string()),
         "extra_info": [json.dumps(r.extra_info, sort_keys=True, default=str) for r in rows],
+        "ground_truth_json": [r.ground_truth_json for r in rows],
     })
 
 
@@ -89,6 +91,7 @@ def _row(raw, origin: str = "") -> PromptRow:
     return PromptRow(
         prompt=messages, ground_truth=_text(raw["ground_truth"]), data_source=str(raw["data_source"]),
         agent_name=raw.get("agent_name") or None, tools=tools, extra_info=extra, origin=origin,
+        ground_truth_json=isinstance(raw["ground_truth"], (list, dict)) or bool(raw.get("ground_truth_json")),
     )
 
 
@@ -119,21 +122,21 @@ def with_system_prompt(messages: list[Message], system_prompt: str | None) -> li
 
 
 def drop_too_long(rows: list[PromptRow], prompt_tokens: Callable[[PromptRow], int], context: int, response_budget: int,
-                  what: str, max_prompt: int | None = None, truncation: str = "drop") -> tuple[list[PromptRow], str]:
+                  what: str, max_prompt: int | None = None, overlong: str = "drop") -> tuple[list[PromptRow], str]:
     """The rows whose prompt (`prompt_tokens(row)`: its length as the agent renders it) is at most
     `max_prompt` tokens (data.max_prompt_tokens; None: no such limit) and leaves room for
     `response_budget` tokens within the engine's `context` -> (those rows, one warning line naming
-    the others, or "" when none was dropped). With truncation "error" the first such row raises
+    the others, or "" when none was dropped). With `overlong` "error" the first such row raises
     DataError naming it. A prompt that cannot fit would be rejected by the engine on every try;
     left in, it would cost a group's rollouts each time it is drawn."""
     kept, dropped = [], []
     for i, row in enumerate(rows):
         n = prompt_tokens(row)
         over = n + response_budget > context or (max_prompt is not None and n > max_prompt)
-        if over and truncation == "error":
+        if over and overlong == "error":
             limit = (f"data.max_prompt_tokens={max_prompt}" if max_prompt is not None and n > max_prompt else
                      f"the engine's context of {context} tokens (rollout.max_model_len) with agent.max_response_tokens={response_budget} after it")
-            raise DataError(f"{what}: {row.origin or f'row {i}'}: a prompt of {n} tokens is over {limit} (data.truncation=error; "
+            raise DataError(f"{what}: {row.origin or f'row {i}'}: a prompt of {n} tokens is over {limit} (data.overlong_prompts=error; "
                             "drop leaves such prompts out)")
         (dropped if over else kept).append((i, n, row))
     if not dropped:

@@ -20,6 +20,7 @@ other values (verl's free-form extras) are left out.
 from __future__ import annotations
 
 import inspect
+import json
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -123,7 +124,8 @@ def as_verl_reward(fn: Callable, accepted: set[str]) -> RewardFn:
     def score(view: dict, ground_truth: str, extra: dict) -> float | dict:
         extra_info = {**(extra.get("extra_info") or {}), "num_turns": view["verl_num_turns"], "rollout_reward_scores": {},
                       "tool_calls": view["tool_calls"], "tool_errors": view["tool_errors"]}
-        arguments = {"data_source": extra.get("data_source"), "solution_str": view["solution_str"], "ground_truth": ground_truth,
+        truth = json.loads(ground_truth) if extra.get("ground_truth_json") else ground_truth  # a list or dict as verl passes it
+        arguments = {"data_source": extra.get("data_source"), "solution_str": view["solution_str"], "ground_truth": truth,
                      "extra_info": extra_info}
         value = fn(**{k: v for k, v in arguments.items() if k in accepted})
         if isinstance(value, dict):  # verl's dicts may carry text (a prediction, a reason): metrics are numbers
