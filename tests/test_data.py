@@ -1,3 +1,5 @@
+import pytest
+
 from raytool.config import load_config
 from raytool.data import PromptLoader, make_splits
 from raytool.data.task import load_task
@@ -75,6 +77,32 @@ def test_prompts_that_cannot_fit_the_context_with_the_response_budget_are_left_o
     assert line == ("training data: 2 of 4 prompts left out: a prompt with agent.max_response_tokens=256 after it does not fit the engine's "
                     "context of 512 tokens (rollout.max_model_len); rows 1 (500 tokens), 3 (900 tokens)")
     assert drop_too_long(rows[:1], lambda row: 10, 1024, 256, "x") == (rows[:1], "")
+
+
+def test_a_prompt_over_max_prompt_tokens_is_left_out_or_with_overlong_prompts_error_stops_the_run_naming_its_row():
+    from raytool.data.prompts import PromptRow, drop_too_long
+    from raytool.data.rows import DataError
+    from raytool.types import Message
+
+    rows = [PromptRow(prompt=[Message("user", "x " * n)], ground_truth="1", data_source="d", origin=f"train.parquet row {i} (0-based)")
+            for i, n in enumerate((10, 300, 20))]
+    kept, line = drop_too_long(rows, lambda row: len(row.prompt[0].content) // 2, 4096, 256, "training data", max_prompt=100)
+    assert kept == [rows[0], rows[2]] and "over data.max_prompt_tokens=100" in line and "rows 1 (300 tokens)" in line
+    with pytest.raises(DataError, match=r"^training data: train.parquet row 1 \(0-based\): a prompt of 300 tokens is over "
+                                        r"data.max_prompt_tokens=100 \(data.overlong_prompts=error"):
+        drop_too_long(rows, lambda row: len(row.prompt[0].content) // 2, 4096, 256, "training data", max_prompt=100, overlong="error")
+
+
+def test_verls_epochs_are_whole_batches_of_the_usable_prompts_and_the_turn_limit_follows_the_response_budget():
+    from raytool.config import load_config
+    from raytool.resolve import with_epochs
+
+    cfg = with_epochs(load_config(None, ["trainer.total_epochs=3", "data.prompts_per_step=4"]), 10)
+    assert (cfg.trainer.total_steps, cfg.trainer.total_epochs) == (6, None)  # 2 whole batches a pass; the last 2 prompts wait
+    assert with_epochs(load_config(None, []), 10).trainer.total_steps == 12  # no epochs: unchanged
+    assert load_config(None, ["data.max_response_length=16384"]).rollout.max_tokens_per_turn == 16384
+    assert load_config(None, ["agent.max_response_tokens=500", "rollout.max_tokens_per_turn=50"]).rollout.max_tokens_per_turn == 50
+    assert load_config(None, []).rollout.max_tokens_per_turn == 96
 
 
 def _verl_rows(path):

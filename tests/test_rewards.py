@@ -251,6 +251,25 @@ def test_a_verl_reward_fn_is_called_by_keyword_with_the_decoded_response_and_ver
     assert make_reward_fn(RewardConfig(fn=f"{f}:gsm8k_style"))(view, "44", extra) == (0.0, {})
 
 
+def test_a_list_or_dict_ground_truth_reaches_a_verl_reward_fn_as_the_object_it_is(tmp_path, tokenizer):
+    """verl passes reward_model.ground_truth as the data set holds it; raytool held a list as JSON text."""
+    from raytool.data.prompts import load_prompt_rows, write_prompt_rows
+
+    f = tmp_path / "verl_reward.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return float(isinstance(ground_truth, list) and '43' in ground_truth)\n")
+    rows_file = tmp_path / "rows.jsonl"
+    rows_file.write_text('{"data_source": "d", "prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": ["43", "43.0"]}}\n')
+    (row,), _ = load_prompt_rows(rows_file)
+    assert row.ground_truth == '["43", "43.0"]' and row.ground_truth_json
+    (again,), _ = load_prompt_rows(write_prompt_rows(tmp_path / "rows.parquet", [row]))  # raytool's own files keep it
+    assert again.ground_truth_json
+    reward = make_reward_fn(RewardConfig(fn=f"{f}:compute_score"))
+    view = _verl_trajectory(tokenizer)
+    assert reward(view, row.ground_truth, {"data_source": "d", "extra_info": {}, "ground_truth_json": row.ground_truth_json})[0] == 1.0
+    assert reward(view, "43", {"data_source": "d", "extra_info": {}})[0] == 0.0  # a plain string stays a string
+
+
 def test_the_shipped_verl_tool_bonus_reward_pays_tool_rounds_on_wrong_answers_up_to_a_cap(tokenizer):
     from pathlib import Path
 
