@@ -22,7 +22,7 @@ from raytool.data.task import load_task
 from raytool.evaluation import EvalSample, summarize
 from raytool.models import load_tokenizer, resolve_model
 from raytool.rewards import check_judge, extract_answer, normalize_answer, validate_reward_fn
-from raytool.types import Trajectory
+from raytool.types import Trajectory, accuracy
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ def evaluate(graph: Graph, rows: list[PromptRow], ecfg: EvalConfig, prefix: str 
     for i, (row, group) in enumerate(zip(rows, groups)):
         for t in group:
             answer = extract_answer(reward_view(t)["response"], row.data_source)  # majority votes count answers the same up to normalization
+            acc, from_score = accuracy(t.reward, t.reward_extra)
             samples.append(EvalSample(
-                data_source=row.data_source, prompt=i, acc=t.reward_extra.get("acc", float(t.reward > 0)), reward=t.reward,
+                data_source=row.data_source, prompt=i, acc=acc, acc_from_score=from_score, reward=t.reward,
                 answer=normalize_answer(answer) if answer is not None else None, num_turns=t.num_turns, tool_calls=t.tool_calls,
                 tool_errors=t.tool_errors, response_length=len(t.response_ids),
             ))

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from raytool.evaluation import source_name
+from raytool.types import ACC_THRESHOLD
 
 OWN_LOGGERS = ("raytool", "actors", "__main__")
 VERBOSE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -131,6 +132,8 @@ def summary(run_dir: Path, wall_s: float, final_hf: str | None = None) -> list[s
                 lines.append(f"held-out accuracy ({source_name(source)}, mean@{n}): {_fmt(a)} at step {after['step']}")
             else:
                 lines.append(f"held-out accuracy ({source_name(source)}, mean@{n}): {_fmt(b)} at step {before['step']} -> {_fmt(a)} at step {after['step']}")
+        if after.get("val-aux/acc_from_score") or before.get("val-aux/acc_from_score"):
+            lines.append(f"(accuracy: score >= {ACC_THRESHOLD:g} where the reward gives no `acc` of its own)")
         calls = [r.get("val-aux/tool/calls_per_traj") for r in (before, after)]
         if any(c is not None for c in calls):
             lines.append(f"tool calls per held-out trajectory: {_fmt(calls[0])} -> {_fmt(calls[1])}" if before is not after

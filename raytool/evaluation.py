@@ -41,6 +41,7 @@ class EvalSample(msgspec.Struct):
     tool_calls: int
     tool_errors: int
     response_length: int
+    acc_from_score: bool = False  # the reward fn gave no `acc`: acc is score >= raytool.types.ACC_THRESHOLD
 
 
 def _aux(samples: list[EvalSample], prefix: str) -> dict[str, float]:
@@ -87,6 +88,7 @@ def summarize(samples: list[EvalSample], k: int) -> dict[str, float]:
         metrics[f"val-aux/{source}/prompts"] = float(len(prompts))
         metrics.update(_aux(group, f"val-aux/{source}/"))
     metrics.update(_aux(samples, "val-aux/"))
+    metrics["val-aux/acc_from_score"] = sum(s.acc_from_score for s in samples) / len(samples)
     return metrics
 
 

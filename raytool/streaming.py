@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from raytool.errors import RaytoolError
-from raytool.types import Trajectory, generated_versions, trained
+from raytool.types import Trajectory, accuracy, generated_versions, trained
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class TrajectoryStats(msgspec.Struct, frozen=True):
 def trajectory_stats(t: Trajectory) -> TrajectoryStats:
     counts = dict(Counter(generated_versions(t)))
     return TrajectoryStats(
-        reward=float(t.reward), acc=float(t.reward_extra.get("acc", t.reward > 0)), response_length=len(t.response_ids),
+        reward=float(t.reward), acc=accuracy(t.reward, t.reward_extra)[0], response_length=len(t.response_ids),
         generated_tokens=sum(t.response_mask), num_turns=t.num_turns, tool_calls=t.tool_calls, tool_errors=t.tool_errors,
         tool_error_kinds=dict(t.tool_error_kinds), tool_repaired=t.tool_repaired, tool_cut_in_fence=t.tool_cut_in_fence,
         finish_reason=t.finish_reason, verify_timeout=float(t.reward_extra.get("verify_timeout", 0.0)), infra_failure=t.infra_failure,

@@ -145,6 +145,17 @@ class Trajectory(msgspec.Struct):
 TIME_LIMIT = "time_limit"
 
 
+ACC_THRESHOLD = 1.0  # a reward without its own `acc`: correct when its score reaches this (a correct answer's score in verl's and raytool's math rewards)
+
+
+def accuracy(reward: float, extra: dict) -> tuple[float, bool]:
+    """A trajectory's accuracy -> (1.0 or 0.0, whether it came from the score): the reward fn's
+    own `acc` where it gives one, else score >= ACC_THRESHOLD."""
+    if "acc" in extra:
+        return float(extra["acc"]), False
+    return float(reward >= ACC_THRESHOLD), True
+
+
 def trained(finish_reason: str) -> bool:
     """Whether a trajectory that finished so takes part in the policy update (`TIME_LIMIT`: not)."""
     return finish_reason != TIME_LIMIT

@@ -51,3 +51,20 @@ def test_a_data_source_with_slashes_is_one_segment_of_its_metric_names(tmp_path)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, **m}) + "\n")
     lines = summary(tmp_path, 1.0)
     assert "held-out accuracy (openai/gsm8k, mean@2): 0.50 at step 0" in lines
+
+
+def test_accuracy_is_the_rewards_own_acc_else_a_score_of_at_least_one_and_the_summary_says_which(tmp_path):
+    """A constant 0.5 reward gave a random model "held-out accuracy 0.75" when accuracy was score > 0."""
+    import json
+
+    from raytool.console import summary
+    from raytool.types import ACC_THRESHOLD, accuracy
+
+    assert ACC_THRESHOLD == 1.0 and accuracy(0.5, {}) == (0.0, True) and accuracy(1.0, {}) == (1.0, True)
+    assert accuracy(-1.0, {"acc": 1.0}) == (1.0, False)  # the reward's own word wins
+    samples = [EvalSample(data_source="aime", prompt=0, acc=accuracy(0.5, {})[0], acc_from_score=True, reward=0.5, answer="1", num_turns=1,
+                          tool_calls=0, tool_errors=0, response_length=5)]
+    m = summarize(samples, 1)
+    assert m["val-core/aime/acc/mean@1"] == 0.0 and m["val-aux/acc_from_score"] == 1.0
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, **m}) + "\n")
+    assert "(accuracy: score >= 1 where the reward gives no `acc` of its own)" in summary(tmp_path, 1.0)
