@@ -463,6 +463,19 @@ def test_probe_is_quiet_on_prefix_stable_templates(tokenizers):
             assert ChatRenderer(tokenizers[name], tools=tools).template_report == [], (name, tools)
 
 
+def test_a_template_that_ignores_the_tools_is_said_once_with_a_warning(tokenizer, caplog, fresh_probes):
+    """SmolLM2's own template writes no tools: their descriptions vanished without a word."""
+    import logging
+
+    from raytool.tools.code_interpreter import SCHEMA
+
+    with caplog.at_level(logging.INFO):
+        renderer = ChatRenderer(tokenizer, tools=[SCHEMA])
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "does not list the tools in the prompt" in warning.getMessage() and "code_interpreter" in warning.getMessage()
+    assert renderer.template_report and ChatRenderer(tokenizer).template_report == []  # no tools: nothing to say
+
+
 def test_probe_names_qwen3s_rewrites(tokenizers, caplog, fresh_probes):
     with caplog.at_level("INFO", logger="raytool.agent.render"):
         report = ChatRenderer(tokenizers["qwen3"]).template_report

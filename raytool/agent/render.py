@@ -398,12 +398,26 @@ class ChatRenderer:
 
     # --- the start-up probe ----------------------------------------------------------------------
 
+    def _ignores_tools(self) -> bool:
+        """Whether the template renders a prompt the same with the tools as without them (SmolLM2's does)."""
+        messages = [template_dict(Message("user", "x"), self.fmt)]
+        try:
+            with_tools = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+            without = self.tokenizer.apply_chat_template(messages, tools=None, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+        except Exception:  # a template that needs tools (Hermes-3's tool_use) renders them
+            return False
+        return with_tools == without
+
     def probe(self) -> list[tuple[str, bool]]:
         """What this template does to a tool-calling conversation (`_PROBE`): one (finding, severe)
-        per place, naming it and what raytool does about it; severe where trajectories will end
-        with render_error. [] for a prefix-stable template."""
+        per place, naming it and what raytool does about it; severe (a warning) where trajectories
+        will end with render_error, or where the model cannot see the tools. [] for a prefix-stable template."""
         probe = _probe_in_parts(self.fmt in ("kimi_k2", "gpt_oss"), self.fmt == "gpt_oss") if self.fmt in STRUCTURED else _PROBE
         findings: list[tuple[str, bool]] = []
+        if self.tools and self._ignores_tools():
+            findings.append(("it does not list the tools in the prompt: the model never sees their names or descriptions "
+                             f"({', '.join(t.get('function', t).get('name', '?') for t in self.tools)}); describe them in "
+                             "agent.system_prompt, or use a chat template that takes tools", True))
         text, pieces, split, diverged, at = "", [], None, False, 0
         try:
             for kind, i, value in self._walk(probe):
