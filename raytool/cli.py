@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -124,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trajectories", type=int, help="load only: the big round's trajectories, a multiple of 40 (default 1000); "
                                                          "the small round has a quarter")
     return parser
+
+
+def _resume_hint(args) -> str:
+    """What continues a stopped run: its last checkpoint, resumed exactly."""
+    if args.command not in ("train", "sft"):
+        return "nothing was saved"
+    where = f" {args.run_dir}" if getattr(args, "run_dir", None) else ""
+    return f"the steps after the last checkpoint are lost; continue with: raytool {args.command} --resume{where or ''}" + (
+        "" if where else "   (the latest run)")
 
 
 def _convert_verl(args) -> int:
@@ -406,6 +416,14 @@ def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
             sys.modules["ray"].shutdown()  # stops Ray's forwarding of the actors' logs: the reason stays the last line
         print(f"raytool: {exc}{where}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C; SIGTERM is Ray's sys.exit(15) once it started
+        if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
+            raise
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
+        name = "SIGTERM" if isinstance(exc, SystemExit) else "SIGINT (Ctrl-C)"
+        print(f"raytool: stopped by {name}; {_resume_hint(args)}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(exc, SystemExit) else signal.SIGINT)
     except Exception as exc:
         if not getattr(exc, "run_log", None):  # not from inside a run: Python's own report
             raise

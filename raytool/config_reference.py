@@ -124,7 +124,17 @@ def reference() -> str:
 def explain(key: str) -> str:
     """One knob, for `raytool config --explain KEY`; an unknown key is a ConfigError naming the closest."""
     found = {k.key: k for k in knobs()}
+    if key not in found and key in ALIASES:  # a verl key: its raytool knob, said so
+        return f"{key} (verl) is raytool's {ALIASES[key]}\n" + explain(ALIASES[key])
     if key not in found:
+        from raytool.verl_keys import ALWAYS, DERIVED, NOT_APPLICABLE
+
+        for table, how in ((DERIVED, "raytool derives its own from it"), (NOT_APPLICABLE, "raytool cannot honour it")):
+            if key in table:
+                return f"{key} (verl): {how}: {table[key]}"
+        if key in ALWAYS:
+            values, does = ALWAYS[key]
+            return f"{key} (verl): accepted{'' if values is None else ' as ' + ', '.join(map(repr, values))}: {does}"
         raise ConfigError(f"unknown config key '{key}'{did_you_mean(key, list(found))}")
     k = found[key]
     rows = [f"{k.key}: {k.type}", f"  default: {k.default}"]

@@ -33,3 +33,10 @@ def test_explain_prints_one_knob_and_names_the_closest_to_a_typo(capsys):
     assert "did you mean 'rollout.temperature'?" in capsys.readouterr().err
     with pytest.raises(Exception, match="unknown config key"):
         explain("nope.nothing")
+
+
+def test_explain_takes_verl_key_names_too():
+    assert explain("actor_rollout_ref.rollout.n").startswith("actor_rollout_ref.rollout.n (verl) is raytool's rollout.n\nrollout.n: int")
+    assert explain("actor_rollout_ref.actor.ppo_mini_batch_size").startswith(
+        "actor_rollout_ref.actor.ppo_mini_batch_size (verl): raytool derives its own from it: algorithm.mini_batches")
+    assert "accepted as True" in explain("data.return_raw_chat") and "raytool cannot honour it" in explain("trainer.val_only")

@@ -6,6 +6,8 @@ import json
 import logging
 import warnings
 
+import pytest
+
 from raytool import console
 from raytool.config import load_config
 
@@ -132,3 +134,18 @@ def test_a_run_that_fails_of_anything_ends_on_one_line_naming_its_log(monkeypatc
     assert main(["train", "model.path=tiny-random", "--run-dir", str(tmp_path / "run")]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"raytool: the run failed: KeyError: 'policy_version' (traceback in {tmp_path / 'run.log'})"]
+
+
+@pytest.mark.parametrize("signal_exc, code, name", [(KeyboardInterrupt(), 130, "SIGINT (Ctrl-C)"), (SystemExit(15), 143, "SIGTERM")])
+def test_a_signal_ends_a_run_in_one_line_with_its_resume_command(monkeypatch, capsys, tmp_path, signal_exc, code, name):
+    """Ctrl-C printed a 35-line traceback, and SIGTERM (Ray's handler: sys.exit(15)) a stack dump."""
+    from actors import pipeline
+    from raytool.cli import main
+
+    def stopped(*args, **kwargs):
+        raise signal_exc
+
+    monkeypatch.setattr(pipeline, "run", stopped)
+    assert main(["train", "model.path=tiny-random", "--run-dir", str(tmp_path / "run")]) == code
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"raytool: stopped by {name}; the steps after the last checkpoint are lost; continue with: raytool train --resume {tmp_path / 'run'}"]
