@@ -325,6 +325,16 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState
     return metrics, batch
 
 
+def traced(batch: RolloutBatch, count: int) -> list:
+    """The batch's first `count` trajectories, over as many groups as they take (logging.trace_samples)."""
+    out = []
+    for ref in batch.refs:
+        if len(out) >= count:
+            break
+        out += ray.get(ref)[: count - len(out)]
+    return out
+
+
 def _origin(row, key: str) -> str:
     """Where a group's prompt came from, for a line that names it."""
     origin = getattr(row, "origin", "") or f"group {key}"
@@ -385,7 +395,7 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             tracker.log(metrics)
             ledger.record(step, **outcomes)
             if cfg.logging.trace_samples:
-                tracker.trace(step, ray.get(batch.refs[0])[: cfg.logging.trace_samples], tokenizer.decode)
+                tracker.trace(step, traced(batch, cfg.logging.trace_samples), tokenizer.decode)
             redo, waiting = stream.unfinished()
             state.step, state.loader, state.redo = step, loader.state_dict(), redo
             every = cfg.trainer.save_every

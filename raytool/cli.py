@@ -127,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_run_flags(args) -> None:
+    """--resume with --overwrite, or a --run-dir that is a file: one line, before anything starts."""
+    if getattr(args, "overwrite", False) and getattr(args, "resume", None):
+        raise ConfigError("--resume continues a run and --overwrite replaces it: give one of them")
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir and Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file, not a directory")
+
+
 def _resume_hint(args) -> str:
     """What continues a stopped run: its last checkpoint, resumed exactly."""
     if args.command not in ("train", "sft"):
@@ -341,6 +350,7 @@ def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
             return 2
         return 0
     try:
+        _check_run_flags(args)
         resume = _resume_path(args)
         cfg = load_config(_config_path(args, resume), args.overrides)
     except (ConfigError, OSError, RaytoolError) as exc:

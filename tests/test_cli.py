@@ -189,3 +189,12 @@ def test_a_resume_without_run_dir_continues_the_run_directory_its_checkpoint_nam
     with caplog.at_level(logging.WARNING, logger="actors.checkpoint"):
         assert resumed_run_dir(str(checkpoint)) == Path("runs") / "rl"
     assert "its run directory /elsewhere/runs/rl is not on this machine" in caplog.text
+
+
+def test_contradicting_run_flags_and_a_run_dir_that_is_a_file_are_one_line(capsys, tmp_path):
+    """`--resume --overwrite` used to ignore --overwrite, and a --run-dir naming a file was a traceback."""
+    assert main(["train", "--resume", str(tmp_path), "--overwrite"]) == 2
+    assert capsys.readouterr().err.strip() == "raytool: --resume continues a run and --overwrite replaces it: give one of them"
+    (tmp_path / "file").write_text("x")
+    assert main(["train", "--run-dir", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err.strip() == f"raytool: --run-dir {tmp_path / 'file'} is a file, not a directory"
