@@ -149,3 +149,14 @@ def test_a_signal_ends_a_run_in_one_line_with_its_resume_command(monkeypatch, ca
     assert main(["train", "model.path=tiny-random", "--run-dir", str(tmp_path / "run")]) == code
     assert capsys.readouterr().err.strip().splitlines() == [
         f"raytool: stopped by {name}; the steps after the last checkpoint are lost; continue with: raytool train --resume {tmp_path / 'run'}"]
+
+
+def test_trace_samples_are_taken_from_as_many_groups_as_they_need(monkeypatch):
+    """logging.trace_samples=5 with groups of 2 wrote 2 trajectories: the first group's."""
+    from actors import pipeline
+    from raytool.streaming import RolloutBatch, RolloutGroup
+
+    monkeypatch.setattr(pipeline.ray, "get", lambda ref: ref)  # each group's "ref" is its trajectories here
+    groups = [RolloutGroup(f"g{i}", i, None, [f"t{i}a", f"t{i}b"], [], 0) for i in range(4)]
+    assert pipeline.traced(RolloutBatch(groups, 0), 5) == ["t0a", "t0b", "t1a", "t1b", "t2a"]
+    assert pipeline.traced(RolloutBatch(groups, 0), 1) == ["t0a"]
