@@ -19,6 +19,7 @@ from raytool.types import ACC_THRESHOLD
 OWN_LOGGERS = ("raytool", "actors", "__main__")
 VERBOSE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger(__name__)  # the console's own lines: `show`
+CONSOLE = {"console": True}  # `log.info(..., extra=CONSOLE)`: an information line of another module the console shows too
 
 
 def show(lines: list[str]) -> None:
@@ -28,10 +29,10 @@ def show(lines: list[str]) -> None:
 
 
 class OwnLines(logging.Filter):
-    """The console's lines (`show`), raytool's warnings, and anyone's error."""
+    """The console's lines (`show`, or a record logged with extra=CONSOLE), raytool's warnings, and anyone's error."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR or record.name == __name__:
+        if record.levelno >= logging.ERROR or record.name == __name__ or getattr(record, "console", False):
             return True
         return record.levelno >= logging.WARNING and record.name.split(".")[0] in OWN_LOGGERS
 

@@ -22,6 +22,9 @@ def test_the_console_shows_its_own_lines_raytools_warnings_and_every_error_only(
     assert keep(_record("actors.pipeline", logging.WARNING)) and keep(_record("raytool.streaming", logging.WARNING))
     assert keep(_record("vllm.engine", logging.ERROR))
     assert not keep(_record("raytool.resolve", logging.INFO))  # raytool's other information: run.log
+    counted = _record("raytool.data.rows", logging.INFO, "train.parquet: 3 rows used, 1 skipped")
+    counted.console = True  # logged with extra=console.CONSOLE: each data file's count, which the docs promise at start
+    assert keep(counted)
     assert not keep(_record("py.warnings", logging.WARNING)) and not keep(_record("ray", logging.WARNING))
     assert not keep(_record("vllm.platforms", logging.WARNING))
     fmt = console.ConsoleFormat()

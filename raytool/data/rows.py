@@ -133,7 +133,7 @@ def convert_rows(path: Path, rows: list[tuple[str, object]], convert, what: str)
     if not items:
         why = f"first problem: {problems[0]}" if problems else "the file has no rows"
         raise DataError(f"{path}: no {what} in {len(rows)} rows; {why}")
-    log.info("%s: %d rows used, %d skipped", path, len(items), len(problems))
+    log.info("%s: %d rows used, %d skipped", path, len(items), len(problems), extra={"console": True})  # raytool.console.CONSOLE
     return items, problems
 
 
