@@ -543,7 +543,7 @@ def translate(raw: dict, given: set[str] = frozenset()) -> dict:
                            + "\n  ".join(r.refused))
     if r.moved or r.accepted:
         log.info("verl keys: %d read as raytool's, %d accepted as what raytool does:\n  %s", len(r.moved), len(r.accepted),
-                 "\n  ".join(describe(r)))
+                 "\n  ".join(describe(r)), extra={"console": True})  # raytool.console.CONSOLE: the start shows it
     return r.raw
 
 
