@@ -528,6 +528,10 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
                     "making progress (rollout.stall_timeout_s=%g), not when a request is long", source, cfg.rollout.stall_timeout_s)
     if cfg.agent.observation_style == "in_turn" and cfg.agent.format != "retool":
         raise ConfigError(f"{source}: config key 'agent.observation_style': in_turn needs agent.format=retool (hermes observations are tool messages)")
+    r = cfg.rollout
+    if r.engine == "vllm" and r.tensor_parallel_size > 1 and not r.num_gpus:
+        raise ConfigError(f"{source}: config keys 'rollout.tensor_parallel_size' ({r.tensor_parallel_size}) and 'rollout.num_gpus' (0): "
+                          "a server sharded over accelerators needs them: set rollout.num_gpus to the tensor-parallel size")
     if cfg.trainer.cpu_offload and not cfg.trainer.num_gpus:
         raise ConfigError(f"{source}: config key 'trainer.cpu_offload': offloading moves accelerator memory to the host; give the trainer GPUs (trainer.num_gpus) or set it false")
     validate_4bit(cfg, source)

@@ -306,10 +306,10 @@ def split_gpus(total: int, tp: int, sp: int) -> tuple[int, int, bool]:
     servers = (total - trainers) // tp
     if servers >= 1 and trainers <= total:
         return trainers, servers, False
-    if total % sp or total % tp:
+    if total % sp or total % tp or tp > 1:
         raise VerlKeyError(f"'trainer.nnodes x trainer.n_gpus_per_node' ({total} GPUs) is not a multiple of both the sequence-parallel "
                            f"size ({sp}, actor.ulysses_sequence_parallel_size) and the rollout's tensor-parallel size "
-                           f"({tp}, rollout.tensor_model_parallel_size)")
+                           f"({tp}, rollout.tensor_model_parallel_size), or too few to give servers of {tp} GPUs their own beside the trainer's")
     return total, total // tp, True
 
 

@@ -235,3 +235,9 @@ def test_verls_gpus_are_split_into_trainer_ranks_and_rollout_servers():
     assert (cfg.trainer.num_workers, cfg.rollout.num_servers, cfg.rollout.num_gpus, cfg.cluster.nodes) == (8, 2, 4.0, 2)
     with pytest.raises(ConfigError, match=r"\(2 GPUs\) is not a multiple of both the sequence-parallel size \(4"):
         load_config(None, ["trainer.n_gpus_per_node=2", "trainer.nnodes=1", f"{AR}.actor.ulysses_sequence_parallel_size=4"])
+
+
+def test_a_tensor_parallel_rollout_without_accelerators_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match=r"config keys 'rollout.tensor_parallel_size' \(2\) and 'rollout.num_gpus' \(0\)"):
+        load_config(None, ["rollout.tensor_parallel_size=2"])
+    assert load_config(None, ["rollout.tensor_parallel_size=2", "rollout.num_gpus=2"]).rollout.num_gpus == 2
