@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 # while the other worker still has tests to fill those cores; the files that keep both cores busy
 # (the asynchronous runs, the chaos run, the benches) run after it has finished, when they have the
 # host to themselves. The rest keep their order, after these.
-CLUSTER_FILES_FIRST = ("test_vllm_engine.py", "test_engine_crash.py", "test_eval.py", "test_end_to_end.py",
+CLUSTER_FILES_FIRST = ("test_vllm_engine.py", "test_engine_crash.py", "test_eval.py", "test_faults.py", "test_end_to_end.py",
                        "test_judge_run.py", "test_gateway_actor.py", "test_sft_to_rl.py", "test_placement.py", "test_llm_manager.py",
                        "test_metrics.py")
 
@@ -56,24 +56,20 @@ CLUSTER_FILES_FIRST = ("test_vllm_engine.py", "test_engine_crash.py", "test_eval
 def _cluster_files_waiting_first(items) -> None:
     """Reorder the cluster unit's tests in the places they hold (every other test keeps its place,
     so the unit still starts first), files whole (their module-scoped engines start once)."""
-    slots = [i for i, item in enumerate(items) if _work_unit(item.nodeid) == "ray-cluster"]  # the first unit's order
+    slots = [i for i, item in enumerate(items) if _work_unit(item.nodeid) == "ray-cluster"]
     rank = {name: k for k, name in enumerate(CLUSTER_FILES_FIRST)}
     ordered = sorted((items[i] for i in slots), key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order holds
     for i, item in zip(slots, ordered):
         items[i] = item
 
 
-# Two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml), in these kinds of work unit:
-# - every test of the files that use the session's Ray cluster, in one worker: one cluster for the
-#   unit and one set of its module-scoped engines (a test may take a module's engine by name, as
-#   test_vllm_engine's parametrized ones do);
-# - the files of SECOND_CLUSTER_FILES, which use the session's cluster too, in a second cluster
-#   unit that the other worker takes (`FileGroups`), with a cluster of its own: the first unit was
-#   the run's critical path (on a 2-core AVX2 host, 2,205-2,346 s of a 2,205-2,346 s run) while the
-#   other worker idled after its own work. These files run in-process or give their subprocesses
-#   the cluster's address: no `ray job submit` and no address auto-detection (Ray's
-#   /tmp/ray/ray_current_cluster is one machine-wide file; a job's runtime_env package went missing
-#   when all files were split over two clusters on 2026-11-27);
+# Two pytest-xdist workers (`-n 2 --dist loadgroup`, pyproject.toml), in three kinds of work unit:
+# - every test of the files that use the session's Ray cluster, in one worker: one cluster in the
+#   run and one set of its module-scoped engines (a test may take a module's engine by name, as
+#   test_vllm_engine's parametrized ones do). Two clusters (a second unit for the other worker)
+#   were tried on 2026-11-27: a worker died mid-run with its cluster, and a job's runtime_env
+#   package went missing; Ray's address auto-detection (/tmp/ray/ray_current_cluster) is one
+#   machine-wide file;
 # - the other integration files (their own Ray instance, engine or server process), one at a time
 #   in one unit, so that at most one of them starts beside the cluster;
 # - the sandbox security tests in one unit: they find the processes their cells leave behind by
@@ -93,27 +89,15 @@ def _uses_cluster(path: str) -> bool:
         return False
 
 
-SECOND_CLUSTER_FILES = ("test_faults.py", "test_async.py", "test_chaos_run.py")
-
-
 def _work_unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     if _uses_cluster(path):
-        return "ray-cluster-2" if Path(path).name in SECOND_CLUSTER_FILES else "ray-cluster"
+        return "ray-cluster"
     if path.startswith("tests/integration/"):
         return "own-processes"
     if path.startswith("tests/sandbox_security/"):
         return "sandbox-security"
     return nodeid
-
-
-def _other_cluster_last(held, workqueue) -> None:
-    """A worker that holds one cluster unit (`held`: its units) takes any other unit of the
-    `workqueue` (an OrderedDict, next first) before the other cluster's: one cluster a worker."""
-    if any(scope.startswith("ray-cluster") for scope in held):
-        other = next((scope for scope in workqueue if not scope.startswith("ray-cluster")), None)
-        if other is not None:
-            workqueue.move_to_end(other, last=False)
 
 
 @pytest.hookimpl(optionalhook=True)  # without xdist (`-p no:xdist`) the hook is unknown
@@ -125,10 +109,6 @@ def pytest_xdist_make_scheduler(config, log):
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return _work_unit(nodeid)
-
-        def _assign_work_unit(self, node) -> None:
-            _other_cluster_last(self.assigned_work.get(node, {}), self.workqueue)
-            super()._assign_work_unit(node)
 
     return FileGroups(config, log)
 
@@ -198,7 +178,7 @@ def _claim_cluster_unit(config, nodeid: str, claims: Path | None = None) -> Path
     if worker is None:
         return None
     path, unit = nodeid.split("::", 1)[0], _work_unit(nodeid)
-    if not unit.startswith("ray-cluster"):
+    if unit != "ray-cluster":
         raise RuntimeError(f"{path} uses ray_cluster but is not in the cluster's work unit (tests/conftest.py: _work_unit): "
                            "its worker would start a second Ray cluster beside another's")
     claims = claims or Path(tempfile.gettempdir()) / f"raytool-tests-{worker['testrunuid']}"

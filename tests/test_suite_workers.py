@@ -23,9 +23,6 @@ def test_files_on_the_ray_cluster_share_a_unit_and_the_other_integration_files_a
     assert unit("tests/integration/test_vllm_engine.py::test_abort_ends_a_running_request[abort_server]") == "ray-cluster"
     assert unit("tests/integration/test_end_to_end.py::test_readme_composition_example_runs") == "ray-cluster"
     assert unit("tests/integration/test_resume.py::test_resume_at_an_epoch_boundary_trains_the_next_epoch_and_at_the_last_step_trains_nothing") == "ray-cluster"
-    # the second cluster unit, on the other worker: in-process runs and subprocesses given the address
-    assert unit("tests/integration/test_faults.py::test_a_killed_sft_trainer_is_re_formed_from_its_last_checkpoint") == "ray-cluster-2"
-    assert unit("tests/integration/test_async.py::test_a_driver_killed_mid_run_resumes_and_trains_every_group_once") == "ray-cluster-2"
     assert unit("tests/integration/test_ray_up.py::test_ray_up_job_submit_ray_down") == "own-processes"
     assert unit("tests/integration/test_driver_reaper.py::test_a_killed_driver_takes_its_local_ray_instance_with_it") == "own-processes"
     # their own Ray instances: off the cluster's worker, the critical path
@@ -40,12 +37,12 @@ def test_files_on_the_ray_cluster_share_a_unit_and_the_other_integration_files_a
 
 def test_the_cluster_files_that_wait_run_first_and_every_other_test_keeps_its_place(conftest):
     repo = Path(__file__).resolve().parents[1]
-    order = ["tests/integration/test_resume.py::a", "tests/test_config.py::x", "tests/integration/test_end_to_end.py::b",
-             "tests/integration/test_resume.py::c", "tests/integration/test_vllm_engine.py::d", "tests/test_config.py::y"]
+    order = ["tests/integration/test_async.py::a", "tests/test_config.py::x", "tests/integration/test_faults.py::b",
+             "tests/integration/test_async.py::c", "tests/integration/test_vllm_engine.py::d", "tests/test_config.py::y"]
     items = [SimpleNamespace(nodeid=nodeid, path=repo / nodeid.split("::")[0]) for nodeid in order]
     conftest._cluster_files_waiting_first(items)
-    assert [item.nodeid for item in items] == ["tests/integration/test_vllm_engine.py::d", "tests/test_config.py::x", "tests/integration/test_end_to_end.py::b",
-                                               "tests/integration/test_resume.py::a", "tests/integration/test_resume.py::c", "tests/test_config.py::y"]
+    assert [item.nodeid for item in items] == ["tests/integration/test_vllm_engine.py::d", "tests/test_config.py::x", "tests/integration/test_faults.py::b",
+                                               "tests/integration/test_async.py::a", "tests/integration/test_async.py::c", "tests/test_config.py::y"]
     for name in conftest.CLUSTER_FILES_FIRST:  # a renamed file would silently lose its place
         assert conftest._work_unit(f"tests/integration/{name}::t") == "ray-cluster", name
 
@@ -70,16 +67,3 @@ def test_a_second_worker_on_the_cluster_unit_fails_naming_the_file_and_both_work
     with pytest.raises(RuntimeError, match=r"tests/sandbox_security/test_hostile_cells.py uses ray_cluster but is not in the cluster's work unit"):
         conftest._claim_cluster_unit(_worker("gw1"), "tests/sandbox_security/test_hostile_cells.py::test_x", tmp_path)
     assert conftest._claim_cluster_unit(SimpleNamespace(), on_cluster, tmp_path) is None  # no xdist: one process, one cluster
-
-
-def test_a_worker_holding_one_cluster_unit_takes_any_other_unit_before_the_second_cluster(conftest):
-    from collections import OrderedDict
-
-    queue = OrderedDict.fromkeys(["ray-cluster-2", "own-processes", "tests/test_config.py::x"])
-    conftest._other_cluster_last({"ray-cluster": {}}, queue)
-    assert next(iter(queue)) == "own-processes"  # the cluster's worker does not start a second cluster
-    conftest._other_cluster_last({"own-processes": {}}, queue)
-    assert next(iter(queue)) == "own-processes"  # the other worker: the queue as it was
-    only = OrderedDict.fromkeys(["ray-cluster-2"])
-    conftest._other_cluster_last({"ray-cluster": {}}, only)
-    assert list(only) == ["ray-cluster-2"]  # nothing else left: it takes it, on the cluster it has
