@@ -69,7 +69,10 @@ def _cluster_files_waiting_first(items) -> None:
 #   test_vllm_engine's parametrized ones do). Two clusters (a second unit for the other worker)
 #   were tried on 2026-11-27: a worker died mid-run with its cluster, and a job's runtime_env
 #   package went missing; Ray's address auto-detection (/tmp/ray/ray_current_cluster) is one
-#   machine-wide file;
+#   machine-wide file. Tried again on 2026-11-29 for three in-process files only (the faults, the
+#   asynchronous runs, the chaos run) on a second cluster: the run took 2,767 s instead of
+#   2,205-2,346 s (every test slower beside the other cluster: the SmolLM2 run 347 s against 146-166)
+#   and test_train_as_a_ray_job's runtime_env package went missing again;
 # - the other integration files (their own Ray instance, engine or server process), one at a time
 #   in one unit, so that at most one of them starts beside the cluster;
 # - the sandbox security tests in one unit: they find the processes their cells leave behind by
