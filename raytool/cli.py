@@ -137,12 +137,12 @@ def _check_run_flags(args) -> None:
 
 
 def _resume_hint(args) -> str:
-    """What continues a stopped run: its last checkpoint, resumed exactly."""
+    """What continues a stopped run (its last checkpoint, resumed exactly); "" for a command that is no run."""
     if args.command not in ("train", "sft"):
-        return "nothing was saved"
+        return ""
     where = f" {args.run_dir}" if getattr(args, "run_dir", None) else ""
-    return f"the steps after the last checkpoint are lost; continue with: raytool {args.command} --resume{where or ''}" + (
-        "" if where else "   (the latest run)")
+    return (f"; the steps after the last checkpoint are lost; continue with: raytool {args.command} --resume{where}"
+            + ("" if where else "   (the latest run)"))
 
 
 def _convert_verl(args) -> int:
@@ -432,7 +432,7 @@ def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             sys.modules["ray"].shutdown()
         name = "SIGTERM" if isinstance(exc, SystemExit) else "SIGINT (Ctrl-C)"
-        print(f"raytool: stopped by {name}; {_resume_hint(args)}", file=sys.stderr)
+        print(f"raytool: stopped by {name}{_resume_hint(args)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(exc, SystemExit) else signal.SIGINT)
     except Exception as exc:
         if not getattr(exc, "run_log", None):  # not from inside a run: Python's own report
