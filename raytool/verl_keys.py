@@ -496,13 +496,13 @@ def read(raw: dict, given: set[str] = frozenset(), sft: bool = False) -> Reading
     set; `sft`: the keys are verl's SFT trainer's): verl's keys moved to raytool's in `raw`, what was
     accepted, what is refused."""
     present = dict(leaves(raw))
-    mine = raytool_keys()
     known = verl_keys()
     r = Reading(raw, {k.lstrip("+") for k in given})
     if sft:
         _read_sft(r)
     elif not any(k in known or _always(k, ALWAYS) or k.split(".")[0] in VERL_ONLY_SECTIONS for k in present):
-        return r
+        return r  # raytool's own keys alone: nothing to read
+    mine = raytool_keys()
     _gpus(r)
     derive(r)
     for path, value in list(leaves(raw)):
