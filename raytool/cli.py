@@ -365,6 +365,35 @@ def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
         return 0
     if args.command == "plan":
         return _plan(cfg, args)
+    return _run_command(cfg, args, resume)
+
+
+
+def _bench(cfg, args) -> int:
+    """`raytool bench NAME`: its table, and with --json its result as the last line."""
+    if args.link_mbit is not None:
+        if args.name != "weight-sync":
+            raise ConfigError(f"--link-mbit is for `raytool bench weight-sync`, not {args.name}")
+        from raytool.bench.weight_sync import linked_bench
+
+        table, result = linked_bench(cfg, args.link_mbit)
+    elif args.trajectories is not None:
+        if args.name != "load":
+            raise ConfigError(f"--trajectories is for `raytool bench load`, not {args.name}")
+        from actors.bench_load import bench as load_bench
+
+        table, result = load_bench(cfg, args.trajectories)
+    else:
+        table, result = BENCHES[args.name](cfg)
+    print(table)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _run_command(cfg, args, resume) -> int:
+    """A command that runs something (serve, bench, eval, chaos, sft, train) on the loaded config:
+    its failure or a signal that stops it ends in one line."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -377,24 +406,7 @@ def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
             serve(args.host, args.port, sandbox_backend_options(local), max_concurrency=cfg.sandbox.max_concurrency)
             return 0
         if args.command == "bench":
-            if args.link_mbit is not None:
-                if args.name != "weight-sync":
-                    raise ConfigError(f"--link-mbit is for `raytool bench weight-sync`, not {args.name}")
-                from raytool.bench.weight_sync import linked_bench
-
-                table, result = linked_bench(cfg, args.link_mbit)
-            elif args.trajectories is not None:
-                if args.name != "load":
-                    raise ConfigError(f"--trajectories is for `raytool bench load`, not {args.name}")
-                from actors.bench_load import bench as load_bench
-
-                table, result = load_bench(cfg, args.trajectories)
-            else:
-                table, result = BENCHES[args.name](cfg)
-            print(table)
-            if args.json:
-                print(json.dumps(result))
-            return 0
+            return _bench(cfg, args)
         if args.command == "eval":
             return _eval(cfg, args)
         if args.command == "serve":

@@ -9,6 +9,7 @@ Unknown keys and wrong types fail with one line naming the key and the expected 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect
 import yaml
 
 log = logging.getLogger(__name__)
@@ -482,7 +484,7 @@ def _checked(raw: dict, source: str, given: set[str] = frozenset()) -> RunConfig
     from raytool.verl_keys import VerlKeyError, translate
 
     try:
-        raw = translate(raw, given)
+        raw = translate(raw, given, config_keys())
     except VerlKeyError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     _turns_follow_the_budget(raw)
@@ -500,6 +502,22 @@ def _turns_follow_the_budget(raw: dict) -> None:
         return
     raw.setdefault("rollout", {})["max_tokens_per_turn"] = budget
     log.info("rollout.max_tokens_per_turn follows agent.max_response_tokens (%s): set it to limit one turn", budget)
+
+
+@functools.cache
+def config_keys() -> frozenset[str]:
+    """Every dotted key of RunConfig (a dict-valued key counts as one): what verl's keys are told apart from."""
+    keys: set[str] = set()
+
+    def walk(struct, prefix: str) -> None:
+        for f in struct.fields:
+            if isinstance(f.type, msgspec.inspect.StructType):
+                walk(f.type, f"{prefix}{f.encode_name}.")
+            else:
+                keys.add(f"{prefix}{f.encode_name}")
+
+    walk(msgspec.inspect.type_info(RunConfig), "")
+    return frozenset(keys)
 
 
 def _valid(raw: dict, source: str) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from raytool.config import ConfigError, apply_overrides, from_dict, validate_rules
+from raytool.config import ConfigError, apply_overrides, config_keys, from_dict, validate_rules
 from raytool.verl_keys import leaves, read
 from raytool.verl_script import read_verl_script
 
@@ -37,7 +37,7 @@ def convert(script: str | Path, args: list[str] = (), env: dict[str, str] | None
     raw = apply_overrides({}, [f"{key.lstrip('+')}={value}" for key, value, _ in command.overrides])
     given = dict(leaves(raw))  # the script's values, before raytool's replace them
     sft = command.module.endswith("sft_trainer")
-    reading = read(raw, set(lines), sft=sft)
+    reading = read(raw, set(lines), config_keys(), sft=sft)
     if sft:
         _sft_ranks(reading, command.launcher)
     sources: dict[str, list[str]] = {}

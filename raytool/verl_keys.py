@@ -268,25 +268,6 @@ def _put(raw: dict, path: str, value) -> None:
     node[path.split(".")[-1]] = value
 
 
-def raytool_keys() -> set[str]:
-    """Every dotted key of RunConfig (a section's dict-valued key counts as one)."""
-    import msgspec
-
-    from raytool.config import RunConfig
-
-    keys: set[str] = set()
-
-    def walk(struct, prefix: str) -> None:
-        for f in struct.fields:
-            if isinstance(f.type, msgspec.inspect.StructType):
-                walk(f.type, f"{prefix}{f.encode_name}.")
-            else:
-                keys.add(f"{prefix}{f.encode_name}")
-
-    walk(msgspec.inspect.type_info(RunConfig), "")
-    return keys
-
-
 def verl_keys() -> set[str]:
     """The verl keys raytool knows (every table's)."""
     return set(ALIASES) | set(ALWAYS) | {k for k in DERIVED if " " not in k} | set(NOT_APPLICABLE)
@@ -491,10 +472,10 @@ def _read_sft(r: Reading) -> None:
             _accept(r, path, value, _always(path, SFT_ALWAYS))
 
 
-def read(raw: dict, given: set[str] = frozenset(), sft: bool = False) -> Reading:
+def read(raw: dict, given: set[str], mine: set[str], sft: bool = False) -> Reading:
     """One pass over `raw` (a parsed config, overrides applied; `given`: the keys the command line
-    set; `sft`: the keys are verl's SFT trainer's): verl's keys moved to raytool's in `raw`, what was
-    accepted, what is refused."""
+    set; `mine`: raytool's own keys, raytool.config.config_keys; `sft`: the keys are verl's SFT
+    trainer's): verl's keys moved to raytool's in `raw`, what was accepted, what is refused."""
     present = dict(leaves(raw))
     known = verl_keys()
     r = Reading(raw, {k.lstrip("+") for k in given})
@@ -502,7 +483,6 @@ def read(raw: dict, given: set[str] = frozenset(), sft: bool = False) -> Reading
         _read_sft(r)
     elif not any(k in known or _always(k, ALWAYS) or k.split(".")[0] in VERL_ONLY_SECTIONS for k in present):
         return r  # raytool's own keys alone: nothing to read
-    mine = raytool_keys()
     _gpus(r)
     derive(r)
     for path, value in list(leaves(raw)):
@@ -534,10 +514,10 @@ def describe(r: Reading) -> list[str]:
             + [f"accepted: {a}" for a in r.accepted])
 
 
-def translate(raw: dict, given: set[str] = frozenset()) -> dict:
+def translate(raw: dict, given: set[str], mine: set[str]) -> dict:
     """`raw` with verl's keys read as raytool's, in one pass (`read`), the notice block logged.
     Raises VerlKeyError with every key it cannot take."""
-    r = read(raw, given)
+    r = read(raw, given, mine)
     if r.refused:
         raise VerlKeyError(f"{len(r.refused)} verl key{'s' if len(r.refused) > 1 else ''} raytool cannot take (docs/verl.md):\n  "
                            + "\n  ".join(r.refused))

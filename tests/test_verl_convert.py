@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from raytool.config import apply_overrides, load_config
+from raytool.config import apply_overrides, config_keys, load_config
 from raytool.planner import Cluster, plan
 from raytool.verl_convert import convert
-from raytool.verl_keys import describe, leaves, raytool_keys, read
+from raytool.verl_keys import describe, leaves, read
 from raytool.verl_script import read_verl_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,11 +40,11 @@ def overrides_of(script: str, model: str) -> list[str]:
 def test_verls_own_grpo_commands_pass_config_and_plan_on_the_first_try(script):
     overrides = overrides_of(script, GRPO[script])
     cfg = load_config(None, overrides)  # raises on any refusal
-    reading = read(apply_overrides({}, overrides), {o.partition("=")[0] for o in overrides})
+    reading = read(apply_overrides({}, overrides), {o.partition("=")[0] for o in overrides}, config_keys())
     said = "\n".join(describe(reading))
     for item in overrides:  # every key is read as raytool's, accepted or derived, and named in the notice
         key = item.partition("=")[0]
-        assert key in said or (key in dict(leaves(reading.raw)) and key in raytool_keys()), key
+        assert key in said or (key in dict(leaves(reading.raw)) and key in config_keys()), key
     nodes, per_node = cfg.cluster.nodes, cfg.cluster.gpus_per_node
     result = plan(cfg, Cluster(nodes, per_node, 80.0, 1024.0))
     assert result.roles and cfg.trainer.num_gpus > 0 and cfg.rollout.num_gpus > 0
