@@ -22,6 +22,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from raytool.console import CONSOLE
+
 log = logging.getLogger(__name__)
 
 AR = "actor_rollout_ref"
@@ -523,7 +525,7 @@ def translate(raw: dict, given: set[str], mine: set[str]) -> dict:
                            + "\n  ".join(r.refused))
     if r.moved or r.accepted:
         log.info("verl keys: %d read as raytool's, %d accepted as what raytool does:\n  %s", len(r.moved), len(r.accepted),
-                 "\n  ".join(describe(r)), extra={"console": True})  # raytool.console.CONSOLE: the start shows it
+                 "\n  ".join(describe(r)), extra=CONSOLE)  # the start shows it
     return r.raw
 
 

@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+from raytool.console import CONSOLE
 from raytool.errors import RaytoolError, one_line
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def convert_rows(path: Path, rows: list[tuple[str, object]], convert, what: str)
     if not items:
         why = f"first problem: {problems[0]}" if problems else "the file has no rows"
         raise DataError(f"{path}: no {what} in {len(rows)} rows; {why}")
-    log.info("%s: %d rows used, %d skipped", path, len(items), len(problems), extra={"console": True})  # raytool.console.CONSOLE
+    log.info("%s: %d rows used, %d skipped", path, len(items), len(problems), extra=CONSOLE)
     return items, problems
 
 
