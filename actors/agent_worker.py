@@ -2,9 +2,12 @@
 
 Failures around a trajectory are recorded on it, not raised: a sandbox pool that died (the call
 raises; Ray restarts the pool) or lost the trajectory's session is a `sandbox_error` the loop turns
-into `infra_failed`; a scoring call that raises or outlives `reward.call_timeout_s` is tried on
-the next reward worker, `reward.retries` times, and then marks the trajectory infra-failed with
-the cause. The driver rolls such a group out again (`rollout.max_group_retries`).
+into `infra_failed`; a scoring call that raises or scores longer than `reward.call_timeout_s` (its
+time queued behind other calls aside) is tried on the next reward worker after a backoff,
+`reward.retries` times, and then marks the trajectory infra-failed with the cause. The driver
+rolls such a group out again (`rollout.max_group_retries`), and this worker waits a backoff before
+a retry's rollout (raytool.overload). Each trajectory records, per stage, the seconds its calls
+queued and were served (`Trajectory.timings`: reward_queue_s, reward_s, sandbox_queue_s, sandbox_s).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig, RunConfig
 from raytool.errors import one_line
 from raytool.models import load_tokenizer
+from raytool.overload import backoff_s
 from raytool.streaming import trajectory_stats
 from raytool.tools.code_interpreter import CodeInterpreterTool
 from raytool.tools.registry import ToolSet, load_tool_config
@@ -64,6 +68,7 @@ class AgentLoopWorker:
         self.nonce = uuid.uuid4().hex[:8]
         self.sessions: dict[str, str] = {}  # trajectory id -> its sandbox session
         self.started: set[str] = set()  # sessions that have run a cell
+        self.sandbox_times: dict[str, list[float]] = {}  # trajectory id -> [seconds its cells queued, seconds they ran]
         self.tokenizer = load_tokenizer(model_path)
         self.toolset = build_toolset(cfg.agent, self.tokenizer, self._execute)
         self.renderers: dict[tuple, ChatRenderer] = {}  # one per distinct tool set of the rows (hermes lists it in the prompt)
@@ -88,28 +93,34 @@ class AgentLoopWorker:
         self.started.add(session)
         pool = self._pool(session)
         try:
-            return await pool.execute.remote(code, session, continuing)
+            result = await pool.execute.remote(code, session, continuing)
         except ray.exceptions.RayActorError:
             # The pool died: Ray restarts it. A session's first cell runs again there; a later cell's
             # interpreter state is gone, which the tool answers as a sandbox error (infra-failed).
             if continuing or not await until_alive(pool):
                 raise
-            return await pool.execute.remote(code, session, False)
+            result = await pool.execute.remote(code, session, False)
+        times = self.sandbox_times.setdefault(uid, [0.0, 0.0])
+        times[0] += result.queue_s
+        times[1] += result.duration_s
+        return result
 
     async def _score(self, traj: Trajectory, ground_truth: str, extra: dict) -> None:
-        """Score `traj` on the next reward worker; a call that raises or outlives reward.call_timeout_s
-        is tried again on the next one, up to reward.retries times, then the trajectory is infra-failed."""
+        """Score `traj` on the next reward worker; a call that raises or scores longer than
+        reward.call_timeout_s (the worker times the scoring, not the wait for its slot) is tried
+        again on the next one after a backoff, up to reward.retries times, then the trajectory is
+        infra-failed. A worker that hangs whole is the watchdog's (actors.watchdog): it is killed
+        and the call raises."""
         r = self.cfg.reward
         view = reward_view(traj, self.cfg.agent.max_response_tokens, partial(self.tokenizer.decode, skip_special_tokens=True))
         for attempt in range(r.retries + 1):
+            if attempt:
+                await asyncio.sleep(backoff_s(attempt))
             worker = next(self.reward_workers)
-            call = worker.score.remote(view, ground_truth, extra)
             try:
-                traj.reward, traj.reward_extra = await asyncio.wait_for(call, r.call_timeout_s)
+                traj.reward, traj.reward_extra, (waited, served) = await worker.score.remote(view, ground_truth, extra, r.call_timeout_s)
+                traj.timings = {**traj.timings, "reward_queue_s": waited, "reward_s": served}
                 return
-            except asyncio.TimeoutError:
-                ray.cancel(call)
-                cause = f"no reward within reward.call_timeout_s={r.call_timeout_s:g}s"
             except ray.exceptions.RayActorError as exc:  # the worker died: Ray restarts it
                 cause = one_line(exc)
                 await until_alive(worker)
@@ -137,10 +148,13 @@ class AgentLoopWorker:
             finally:  # whatever happened, the trajectory's interpreter and routing state are released
                 self.plane.end_session(uid)
                 del self.sessions[uid]
+                cells = self.sandbox_times.pop(uid, None)
                 if session in self.started:
                     self.started.discard(session)
                     self._pool(session).close_session.remote(session)
         traj.agent_name = agent_name
+        if cells is not None:
+            traj.timings = {**traj.timings, "sandbox_queue_s": cells[0], "sandbox_s": cells[1]}
         scored_by_loop = hasattr(loop, "score_group") or getattr(loop, "scored_by_environment", False)
         # Score now, while sibling trajectories are still rolling out; one stopped by its wall-clock
         # limit is truncated, not answered: it is not scored (nor trained: raytool.types.trained).
@@ -160,6 +174,7 @@ class AgentLoopWorker:
         rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
         loop_class = get_agent_loop(name)
         uids = [f"{group_id}/{i}" for i in range(n)]
+        await asyncio.sleep(backoff_s(attempt))  # a retry after an infrastructure failure does not come back at once
         try:
             trajs = await asyncio.gather(*(self._one(messages, ground_truth, uid, group_id, name, extra, rollout, attempt) for uid in uids))
             if hasattr(loop_class, "score_group"):  # a loop whose environment scores its groups together (verifiers' rubric)

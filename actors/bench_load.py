@@ -205,3 +205,111 @@ def bench(cfg: RunConfig, trajectories: int = TRAJECTORIES) -> tuple[str, dict]:
     lines.append(f"{ratio} {result[ratio]:.2f} (growth over idle, goal <= 4.5); "
                  f"LLM manager CPU per request {result['manager_cpu_ms_per_request']:.2f} ms")
     return "\n".join(lines), result
+
+
+# -- a slow stage (`raytool bench load --slow-stage judge|sandbox`) ----------------------------------
+
+SLOW_FACTOR = 10  # the slow stage's call takes this many times a trajectory's generation (its three scripted turns)
+SLOW_GROUP = 4  # samples per prompt: 64 prompts make the held-out evaluation's burst of 256 trajectories
+SLOW_TRAJECTORIES = 256
+
+
+def _with_slow_stage(cfg: RunConfig, stage: str, judge_url: str | None, latency_s: float) -> RunConfig:
+    """The bench's settings with one stage SLOW_FACTOR times slower than generation, one call at a
+    time per actor, and timeouts shorter than the queue the burst builds in front of it: a timeout
+    that counted the wait would fail most calls."""
+    cfg = _with_bench_settings(cfg, SLOW_TRAJECTORIES)
+    cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, n=SLOW_GROUP))
+    if stage == "judge":
+        judge = msgspec.structs.replace(cfg.reward.judge, base_url=judge_url, concurrency=1, timeout_s=3 * latency_s, max_score=10.0)
+        return msgspec.structs.replace(cfg, reward=msgspec.structs.replace(cfg.reward, fn="judge", num_workers=2, call_timeout_s=3 * latency_s, judge=judge))
+    s = msgspec.structs.replace(cfg.sandbox, num_pools=2, max_concurrency=1, added_latency_median_s=latency_s, added_latency_p95_s=latency_s)
+    return msgspec.structs.replace(cfg, sandbox=s)
+
+
+def _verdict(prompt: str) -> str:
+    """The scripted judge: the script's answer is 43."""
+    return "Score: 10" if "\\boxed{43}" in prompt else "Score: 0"
+
+
+def slow_stage_bench(cfg: RunConfig, stage: str, trajectories: int = SLOW_TRAJECTORIES) -> tuple[str, dict]:
+    """Every trajectory of `trajectories` / SLOW_GROUP groups submitted at once (as a held-out
+    evaluation does) through `Graph.rollout`, with `stage` (judge or sandbox) SLOW_FACTOR times
+    slower than generation: throughput against the slow stage's capacity (its slots over its
+    measured service time per call), groups lost, retries, and the admission window."""
+    from raytool.bench.judge_server import JudgeServer
+    from raytool.config import ConfigError
+    from raytool.models import load_tokenizer, resolve_model
+    from raytool.overload import AdmissionWindow
+    from raytool.streaming import GroupRetries
+
+    if stage not in ("judge", "sandbox"):
+        raise ConfigError(f"--slow-stage {stage}: judge or sandbox")
+    if trajectories < SLOW_GROUP or trajectories % SLOW_GROUP:
+        raise ConfigError(f"--trajectories {trajectories}: a multiple of {SLOW_GROUP} with --slow-stage")
+    model = resolve_model(cfg.model.path)
+    generation_s = len(SCRIPT) * cfg.rollout.scripted_delay_s
+    latency_s = SLOW_FACTOR * generation_s
+    judge = JudgeServer(load_tokenizer(model), _verdict, delay_s=latency_s) if stage == "judge" else None
+    judge_url = judge.__enter__() if judge is not None else None
+    try:
+        cfg = _with_slow_stage(cfg, stage, judge_url, latency_s)
+        connect(cfg.cluster.address)
+        graph = build(cfg, model, with_trainer=False)
+        try:
+            rows = [prompt_row(p, cfg.agent.system_prompt) for p in make_splits(trajectories // SLOW_GROUP, 1, cfg.data.seed)[0]]
+            graph.rollout(rows[:1], prefix="warm-up")
+            cap = graph.admission_window().cap
+            window, retries = AdmissionWindow(cap), GroupRetries(cfg.rollout.max_group_retries, cfg.rollout.retry_budget)
+            with _Sampler(_actor_pids(graph)) as sampler:
+                start = time.perf_counter()
+                stats, _ = graph.rollout(rows, prefix="slow", window=window, retries=retries)
+                elapsed = time.perf_counter() - start
+        finally:
+            graph.shutdown()
+    finally:
+        if judge is not None:
+            judge.__exit__(None, None, None)
+    used = [s.stages[stage if stage == "sandbox" else "reward"] for s in stats if s.stages]
+    queue_s, service_s = [q for q, _ in used], [t for _, t in used]
+    calls = len(SCRIPT) - 1 if stage == "sandbox" else 1  # the stage's calls per trajectory
+    slots = cfg.sandbox.num_pools * cfg.sandbox.max_concurrency if stage == "sandbox" else cfg.reward.num_workers * cfg.reward.judge.concurrency
+    per_call_s = sum(service_s) / max(1, len(service_s)) / calls
+    capacity = slots / per_call_s / calls  # trajectories per second the stage can take
+    timeout_s = cfg.reward.call_timeout_s if stage == "judge" else None
+    result = {
+        "stage": stage,
+        "trajectories": trajectories,
+        "completed": len(stats),
+        "lost": trajectories - len(stats),
+        "right": sum(s.reward == 1.0 for s in stats),
+        "infra_failed": sum(bool(s.infra_failure) for s in stats),
+        "retries": retries.spent,
+        "seconds": elapsed,
+        "trajectories_per_s": len(stats) / elapsed,
+        "capacity_per_s": capacity,
+        "throughput_vs_capacity": len(stats) / elapsed / capacity,
+        "stage_latency_s": latency_s,
+        "generation_s": generation_s,
+        "service_s_per_call": per_call_s,
+        "queue_s_mean": sum(queue_s) / max(1, len(queue_s)),
+        "queue_s_max": max(queue_s, default=0.0),
+        "queued_past_the_timeout": sum(q > timeout_s for q in queue_s) if timeout_s else None,
+        "window_start": cap,
+        "window_end": window.limit,
+        "window_cuts": window.cuts,
+        "groups_in_flight_peak": window.peak,
+        "object_store_peak_mb": sampler.store_peak / 2**20,
+        "rss_peak_mb": {k: v / 2**20 for k, v in sampler.peak.items()},
+    }
+    lines = [
+        f"slow-stage load bench: {stage} at {latency_s:g} s per call ({SLOW_FACTOR}x a trajectory's generation, {generation_s:g} s), "
+        f"{slots} slots; {trajectories} trajectories ({trajectories // SLOW_GROUP} groups of {SLOW_GROUP}) submitted at once",
+        f"{'done':>6}{'lost':>6}{'right':>7}{'retries':>9}{'infra':>7}{'traj/s':>8}{'capacity/s':>12}{'ratio':>7}{'queue s (mean/max)':>21}{'window':>14}",
+        f"{result['completed']:>6}{result['lost']:>6}{result['right']:>7}{result['retries']:>9}{result['infra_failed']:>7}"
+        f"{result['trajectories_per_s']:>8.2f}{capacity:>12.2f}{result['throughput_vs_capacity']:>7.2f}"
+        f"{result['queue_s_mean']:>11.1f}/{result['queue_s_max']:<9.1f}{f'{cap}->{window.limit} (peak {window.peak})':>14}",
+        "goals: ratio >= 0.8 (the slow stage kept busy), 0 lost, 0 retries"
+        + (f"; {result['queued_past_the_timeout']} calls queued longer than reward.call_timeout_s={timeout_s:g}s, none timed out for it" if timeout_s else ""),
+    ]
+    return "\n".join(lines), result

@@ -39,6 +39,7 @@ from raytool import placement
 from raytool.device import torch_threads
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
+from raytool.overload import AdmissionWindow, congested
 from raytool.resolve import resolve
 from raytool.streaming import GroupFailed, GroupRetries, TrajectoryStats
 from raytool.weightsync import ServerSyncFailure, WeightSyncError, chain_culprits
@@ -96,38 +97,57 @@ class Graph:
                 wait_until_alive(worker)
             return GroupFailed(one_line(exc))
 
-    def rollout(self, rows: list[PromptRow], prefix: str = "g", progress: str | None = None,
-                n: int | None = None, sampling: dict | None = None) -> tuple[list[TrajectoryStats], list]:
+    def rollout(self, rows: list[PromptRow], prefix: str = "g", progress: str | None = None, n: int | None = None,
+                sampling: dict | None = None, window: AdmissionWindow | None = None,
+                retries: GroupRetries | None = None) -> tuple[list[TrajectoryStats], list]:
         """Roll out every prompt row n times (rollout.n by default); returns (per-trajectory stats,
         with the index of their group, and one trajectories ref per row). The trajectories stay in
         the object store until someone asks. `progress`: the label of a progress bar on stderr (None: no bar).
         A group hit by an infrastructure failure (its agent worker died, a sandbox or engine failed)
         is rolled out again with the same seeds, up to rollout.max_group_retries times; a group
         whose worker still dies is an error naming it, one whose infrastructure still fails is kept
-        (the retry policy is the training stream's: raytool.streaming.GroupRetries)."""
-        refs = [self.submit_group(row, f"{prefix}{i}", n, sampling) for i, row in enumerate(rows)]
+        (the retry policy and its budget are the training stream's: raytool.streaming.GroupRetries).
+        Groups start as the admission window has room (back-pressure from a slow stage), not all at once.
+        `window`, `retries`: the caller's own, to read afterwards (benches); else the run's."""
         n = n or self.cfg.rollout.n
-        retries = GroupRetries(self.cfg.rollout.max_group_retries)
+        window = window or self.admission_window(n)
+        retries = retries or GroupRetries(self.cfg.rollout.max_group_retries, self.cfg.rollout.retry_budget)
+        retries.started += len(rows)
+        refs: list = [None] * len(rows)
         stats: list = [None] * len(rows)
         attempts = [0] * len(rows)
-        pending = {stats_ref: i for i, (_, stats_ref) in enumerate(refs)}
-        with tqdm(total=len(refs) * n, desc=progress, unit="traj", disable=progress is None, leave=False) as bar:
-            while pending:
+        pending: dict = {}  # stats ref -> row index
+        waiting = list(range(len(rows)))  # rows not yet started (back-pressure: raytool.overload.AdmissionWindow)
+
+        def start(i: int) -> None:
+            refs[i] = self.submit_group(rows[i], f"{prefix}{i}", n, sampling, attempt=attempts[i])
+            pending[refs[i][1]] = i
+
+        with tqdm(total=len(rows) * n, desc=progress, unit="traj", disable=progress is None, leave=False) as bar:
+            while pending or waiting:
+                for _ in range(window.admit(len(pending), len(waiting))):
+                    start(waiting.pop(0))
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 i = pending.pop(ready[0])
                 result = self.group_result(ready[0])
+                window.finished("" if isinstance(result, GroupFailed) else congested(s.stages for s in result))
                 verdict, cause = retries.verdict(attempts[i], result)
                 if verdict == "retry":
                     retries.log_retry(f"{prefix}{i}", attempts[i], cause)
                     attempts[i] += 1
-                    refs[i] = self.submit_group(rows[i], f"{prefix}{i}", n, sampling, attempt=attempts[i])
-                    pending[refs[i][1]] = i
+                    waiting.insert(0, i)
                     continue
                 if isinstance(result, GroupFailed):
                     raise RaytoolError(f"group {prefix}{i} failed {attempts[i] + 1} times (rollout.max_group_retries={retries.max_retries}): {cause}")
                 stats[i] = result
                 bar.update(n)
         return [msgspec.structs.replace(x, group=g) for g, group in enumerate(stats) for x in group], [t for t, _ in refs]
+
+    def admission_window(self, n: int | None = None) -> AdmissionWindow:
+        """The groups of `n` samples (rollout.n) that may be in flight at once: at most what the agent
+        workers run at once, fewer while a stage downstream holds groups up (raytool.overload)."""
+        slots = len(self.agent_workers) * self.cfg.agent.max_concurrent_trajectories
+        return AdmissionWindow(max(1, slots // (n or self.cfg.rollout.n)))
 
     def ask_manager(self, method: str, *args):
         """Call the LLM manager and wait for the answer; a manager that died is waited for while Ray
@@ -439,4 +459,5 @@ def engine_options(cfg: RunConfig, seed: int) -> dict:
         "partial_rollout": cfg.async_.partial_rollout, "start_timeout_s": r.engine_start_timeout_s, "delay_s": r.scripted_delay_s,
         "crash_with": r.scripted_crash, "seeded_requests": r.seed is not None,
         "record_routes": cfg.trainer.router_replay == "r3",
+        "priority_scheduling": cfg.reward.judges_itself,  # the judge's calls do not wait behind the rollouts
     }

@@ -275,7 +275,7 @@ def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: 
     a = cfg.algorithm
     stream = RolloutStream(cfg.data.prompts_per_step, cfg.async_.max_staleness, loader.next_batch, submit, wait,
                            dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, version=version,
-                           max_retries=cfg.rollout.max_group_retries)
+                           max_retries=cfg.rollout.max_group_retries, retry_budget=cfg.rollout.retry_budget, window=graph.admission_window())
     return stream
 
 

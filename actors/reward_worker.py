@@ -9,7 +9,8 @@ import ray
 
 from actors.metrics import RewardMetrics
 from raytool.config import RewardConfig
-from raytool.rewards import make_reward_fn
+from raytool.overload import queued
+from raytool.rewards import RewardError, make_reward_fn
 
 
 @ray.remote
@@ -29,10 +30,19 @@ class RewardWorker:
         gateway = ray.get_actor("gateway", namespace=self.namespace)
         return ray.get(gateway.start.remote(), timeout=60) + "/v1"
 
-    async def score(self, view: dict, ground_truth: str, extra: dict) -> tuple[float, dict]:
-        """-> (score, metrics); a failing fn raises a one-line RewardError naming it and the data source."""
-        async with self.one_at_a_time:
-            start = time.perf_counter()
-            out = await asyncio.to_thread(self.reward, view, ground_truth, extra)
-        self.metrics.scored(time.perf_counter() - start)
-        return out
+    async def score(self, view: dict, ground_truth: str, extra: dict, timeout_s: float) -> tuple[float, dict, tuple[float, float]]:
+        """-> (score, metrics, (seconds queued for a slot, seconds scoring)); a failing fn raises a
+        one-line RewardError naming it and the data source. `timeout_s` (reward.call_timeout_s)
+        bounds the scoring alone, from when the call holds a slot: a call queued behind others is
+        not timed out for waiting (raytool.overload)."""
+        waited = await queued(self.one_at_a_time)
+        start = time.perf_counter()
+        try:
+            out = await asyncio.wait_for(asyncio.to_thread(self.reward, view, ground_truth, extra), timeout_s)
+        except asyncio.TimeoutError:
+            raise RewardError(f"no reward within reward.call_timeout_s={timeout_s:g}s of scoring (after {waited:.1f}s queued for a slot)") from None
+        finally:
+            self.one_at_a_time.release()
+        served = time.perf_counter() - start
+        self.metrics.scored(served)
+        return out[0], out[1], (waited, served)

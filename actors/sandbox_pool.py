@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import ray
@@ -10,17 +9,20 @@ import ray
 from actors.metrics import SandboxMetrics
 from raytool.errors import RaytoolError
 from raytool.sandbox import make_backend
-from raytool.sandbox.pool import LognormalDelay, PooledBackend
+from raytool.sandbox.pool import Delayed, LognormalDelay, PooledBackend
 from raytool.types import ExecResult
 
 
 @ray.remote
 class SandboxPool:
     def __init__(self, name: str, backend: str, backend_options: dict, added_latency: tuple[float, float] = (0.0, 0.0), seed: int = 0, **limits):
-        """`added_latency`: (median, p95) seconds of a lognormal delay added to every cell (0: none)."""
+        """`added_latency`: (median, p95) seconds of a lognormal delay added to every cell, while it
+        holds its slot (0: none)."""
         self.name = name
-        self.added_latency = LognormalDelay(*added_latency, seed=seed) if added_latency[0] > 0 else None
-        self.pool = PooledBackend(make_backend(backend, **backend_options), name=name, **limits)
+        backend_ = make_backend(backend, **backend_options)
+        if added_latency[0] > 0:
+            backend_ = Delayed(backend_, LognormalDelay(*added_latency, seed=seed))
+        self.pool = PooledBackend(backend_, name=name, **limits)
         self.backend_name = backend
         self.metrics = SandboxMetrics(name, self.pool)
 
@@ -34,8 +36,6 @@ class SandboxPool:
 
     async def execute(self, code: str, session: str | None = None, continuing: bool = False) -> ExecResult:
         start = time.perf_counter()
-        if self.added_latency is not None:
-            await asyncio.sleep(self.added_latency.sample())
         result = await self.pool.execute(code, session, continuing)
         self.metrics.cell_done(result.status, time.perf_counter() - start)
         return result

@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--link-mbit", type=float, help="weight-sync only: the sender and 4 receivers on simulated nodes (network "
                                                         "namespaces, as root), each behind one link of this many Mbit/s")
     bench.add_argument("--trajectories", type=int, help="load only: the big round's trajectories, a multiple of 40 (default 1000); "
-                                                         "the small round has a quarter")
+                                                         "the small round has a quarter (with --slow-stage: all of them, a multiple of 4, default 256)")
+    bench.add_argument("--slow-stage", choices=("judge", "sandbox"), help="load only: one burst of trajectories through a judge (or sandbox) "
+                                                                         "ten times slower than generation, one call at a time per actor")
     return parser
 
 
@@ -377,12 +379,16 @@ def _bench(cfg, args) -> int:
         from raytool.bench.weight_sync import linked_bench
 
         table, result = linked_bench(cfg, args.link_mbit)
-    elif args.trajectories is not None:
+    elif args.trajectories is not None or args.slow_stage is not None:
         if args.name != "load":
-            raise ConfigError(f"--trajectories is for `raytool bench load`, not {args.name}")
+            raise ConfigError(f"--{'slow-stage' if args.slow_stage else 'trajectories'} is for `raytool bench load`, not {args.name}")
         from actors.bench_load import bench as load_bench
+        from actors.bench_load import slow_stage_bench
 
-        table, result = load_bench(cfg, args.trajectories)
+        if args.slow_stage:
+            table, result = slow_stage_bench(cfg, args.slow_stage, *([args.trajectories] if args.trajectories else []))
+        else:
+            table, result = load_bench(cfg, args.trajectories)
     else:
         table, result = BENCHES[args.name](cfg)
     print(table)

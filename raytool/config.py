@@ -124,6 +124,7 @@ class RolloutConfig(_Section):
     request_timeout_s: float | None = None  # deprecated: the total-time limit stall_timeout_s replaced (it ejected slow but healthy servers); ignored, with a warning
     affinity_slack: Count = 8  # GRPO siblings share a server unless it has more than this many requests in flight beyond the least busy
     max_restarts: Restarts = 10  # Ray restarts of a server whose process died (then re-synced and re-admitted; -1: no limit); one that dies after them stops the run in one line
+    retry_budget: NonNegative = 1.0  # groups rolled out again per step, as a fraction of the groups the step started (never fewer than 4): past it a failing group has failed, so retries cannot multiply the load on a stage failing under it (0: the floor alone)
     max_group_retries: Count = 2  # a GRPO group hit by an infrastructure failure (sandbox, engine, reward fn or a worker that died) is rolled out again this many times, same seeds; then it is left out of the loss and recorded as failed
     health_probe_interval_s: PositiveNumber = 5.0  # how often the manager probes ejected servers for re-admission
     scripted_delay_s: NonNegative = 0.5  # engine=scripted: seconds each request takes
@@ -179,7 +180,7 @@ class SandboxConfig(_Section):
     e2b_template: str = "code-interpreter-v1"  # e2b: sandbox template
     e2b_sandbox_timeout_s: Positive = 300  # e2b: a sandbox's lifetime from its creation
     e2b_request_timeout_s: PositiveNumber = 30.0  # e2b: each API call
-    added_latency_median_s: NonNegative = 0.0  # every cell waits a further lognormal delay with this median (benchmarks: a remote sandbox's latency on the local backend; 0: none)
+    added_latency_median_s: NonNegative = 0.0  # every cell waits a further lognormal delay with this median while it holds its slot (benchmarks: a remote sandbox's round trip on the local backend; 0: none)
     added_latency_p95_s: NonNegative = 0.0  # ... and this 95th percentile (>= the median)
 
 

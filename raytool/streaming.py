@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 
 from raytool.errors import RaytoolError
+from raytool.overload import STAGES, AdmissionWindow, congested, stage_times
 from raytool.types import Trajectory, accuracy, generated_versions, trained
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class TrajectoryStats(msgspec.Struct, frozen=True):
     version_counts: dict[int, int]  # generated tokens per policy version
     group: int = -1  # the index of its group, in a batch or a rollout's rows (-1: not placed yet)
     scores: dict[str, float] = {}  # the reward fn's other numbers (reward_extra: each verifiers reward function's value, the judge's score)
+    stages: dict[str, tuple[float, float]] = {}  # per stage it used (raytool.overload.STAGES): (seconds queued, seconds served)
 
 
 def trajectory_stats(t: Trajectory) -> TrajectoryStats:
@@ -75,6 +77,7 @@ def trajectory_stats(t: Trajectory) -> TrajectoryStats:
         finish_reason=t.finish_reason, verify_timeout=float(t.reward_extra.get("verify_timeout", 0.0)), infra_failure=t.infra_failure,
         min_version=min(counts, default=t.policy_version), max_version=max(counts, default=t.policy_version), version_counts=counts,
         scores={k: float(v) for k, v in t.reward_extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("acc", "verify_timeout")},
+        stages=stage_times(t.timings),
     )
 
 
@@ -104,6 +107,11 @@ def rollout_metrics(stats: list[TrajectoryStats]) -> dict:
         metrics[f"reward/fn/{name}"] = sum(scored) / len(scored)
     for reason in sorted({s.finish_reason for s in stats}):
         metrics[f"finish/{reason}"] = sum(s.finish_reason == reason for s in stats) / n
+    for stage in STAGES:  # time queued for the stage apart from time served (raytool.overload)
+        used = [s.stages[stage] for s in stats if stage in s.stages]
+        if used:
+            metrics[f"stage/{stage}/queue_s"] = sum(q for q, _ in used) / len(used)
+            metrics[f"stage/{stage}/service_s"] = sum(t for _, t in used) / len(used)
     return metrics
 
 
@@ -209,7 +217,17 @@ def group_failure(stats: list[TrajectoryStats] | GroupFailed) -> str:
     return next((s.infra_failure for s in stats if s.infra_failure), "")
 
 
-@dataclass(frozen=True)
+RETRY_BUDGET_FLOOR = 4  # retries a step may always spend, however few its groups
+
+
+def stage_of(cause: str) -> str:
+    """The stage an infrastructure failure's cause names: its prefix (`reward`, `sandbox`,
+    `generate`, `agent worker`), or `other`."""
+    head, sep, _ = cause.partition(":")
+    return head.strip() if sep and head.strip() else "other"
+
+
+@dataclass
 class GroupRetries:
     """The one retry policy for GRPO groups, used by the training stream and by Graph.rollout
     (validation, `raytool eval`, benches): a group whose infrastructure failed (a trajectory
@@ -217,16 +235,49 @@ class GroupRetries:
     so with the same sampling seeds, until it has been rolled out 1 + `max_retries` times
     (`rollout.max_group_retries`). What a group still failing then means is the caller's: training
     leaves it out of the loss; a rollout that must return every group keeps its infra-failed
-    trajectories as they are, and stops with the cause when it has none (its worker kept dying)."""
+    trajectories as they are, and stops with the cause when it has none (its worker kept dying).
+
+    Retries spend a budget, so that they cannot multiply the load on a stage that is failing
+    because it is overloaded: within one period (a training step; one `Graph.rollout`) at most
+    `budget` x the groups started in it (`rollout.retry_budget`, never fewer than RETRY_BUDGET_FLOOR)
+    are rolled out again; past that a failing group has failed. The agent workers wait before a
+    retry's rollout (raytool.overload.backoff_s)."""
 
     max_retries: int
+    budget: float = 1.0
+    started: int = 0  # groups started in this period (retries aside)
+    spent: int = 0  # retries started in this period
+    refused: int = 0  # retries the budget refused in this period
+    seen: int = 0  # rollouts that came back in this period
+    failures: Counter = field(default_factory=Counter)  # of those, infra-failed, by stage (stage_of)
+
+    def new_period(self) -> None:
+        self.started = self.spent = self.refused = self.seen = 0
+        self.failures = Counter()
+
+    @property
+    def allowed(self) -> int:
+        return max(RETRY_BUDGET_FLOOR, int(self.budget * self.started))
 
     def verdict(self, attempt: int, result: list[TrajectoryStats] | GroupFailed) -> tuple[str, str]:
         """(`ok` | `retry` | `failed`, the cause) for a group's `attempt`-th rollout (0: the first)."""
+        self.seen += 1
         cause = group_failure(result)
         if not cause:
             return "ok", ""
-        return ("retry" if attempt < self.max_retries else "failed"), cause
+        self.failures[stage_of(cause)] += 1
+        if attempt >= self.max_retries:
+            return "failed", cause
+        if self.spent >= self.allowed:
+            self.refused += 1
+            return "failed", f"{cause} (not rolled out again: this step's retry budget, rollout.retry_budget={self.budget:g}, is spent: {self.spent} retries)"
+        self.spent += 1
+        return "retry", cause
+
+    def error_rate(self, cause: str) -> str:
+        """The failing stage of `cause` and how often it failed in this period, in words."""
+        stage = stage_of(cause)
+        return f"the {stage} stage failed {self.failures[stage]} of {self.seen} rollouts that came back in this step"
 
     def log_retry(self, key: str, attempt: int, cause: str) -> None:
         log.warning("group %s: %s; rolling it out again (retry %d of %d)", key, cause, attempt + 1, self.max_retries)
@@ -278,11 +329,14 @@ class RolloutStream:
     `also`). `draw()` returns the next P prompt rows."""
 
     def __init__(self, per_step: int, max_staleness: int, draw: Callable[[], list], submit: Callable, wait: Callable,
-                 dynamic_sampling: bool = False, max_rounds: int = 1, version: int = 0, max_retries: int = 2):
+                 dynamic_sampling: bool = False, max_rounds: int = 1, version: int = 0, max_retries: int = 2,
+                 retry_budget: float = 1.0, window: AdmissionWindow | None = None):
         self.per_step, self.k = per_step, max_staleness
         self.draw, self.submit, self.wait = draw, submit, wait
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
-        self.retries = GroupRetries(max_retries)
+        self.retries = GroupRetries(max_retries, retry_budget)
+        self.window = window or AdmissionWindow(1 << 30)  # groups in flight at once (raytool.overload): unbounded by default
+        self.queued: list[_Running] = []  # admitted, waiting for room in the window
         self.failed_in_a_row = 0  # groups failed for good since one succeeded
         self.failed_unreplaced = 0  # groups failed for good since the last batch was taken: the batch goes without them
         self.version = version  # the trainer's policy version (what new groups start on)
@@ -305,11 +359,12 @@ class RolloutStream:
         self.retried = 0  # rollouts started again after an infrastructure failure
         self.failed = 0  # groups failed for good
         self.trajs_infra_failed = 0  # infra-failed trajectories among the groups that came back
+        self.retries.new_period()
 
     # -- admission ----------------------------------------------------------------------------
 
     def _ahead(self) -> int:
-        return len(self.running) + len(self.done) + (self.per_step if self.training else 0)
+        return len(self.running) + len(self.queued) + len(self.done) + (self.per_step if self.training else 0)
 
     def _start_wave(self) -> None:
         self.waves += 1
@@ -318,13 +373,19 @@ class RolloutStream:
             rows = [(f"s{self.step}r{self.waves}g{i}", row) for i, row in enumerate(self.draw())]
             self.outcomes["drawn"] += [key for key, _ in rows]
         for key, row in rows:
-            self._submit(_Running(key, self.seq, row, None, self.version))
+            self.queued.append(_Running(key, self.seq, row, None, self.version))
             self.seq += 1
+        self.retries.started += len(rows)
+        self._pump()
         self.clock.mark(True)
 
-    def _submit(self, group: _Running) -> None:
-        group.ref, stats_ref = self.submit(group.row, group.key, group.attempt)
-        self.running[stats_ref] = group
+    def _pump(self) -> None:
+        """Start the admitted groups the admission window has room for, oldest first."""
+        for _ in range(self.window.admit(len(self.running), len(self.queued))):
+            group = self.queued.pop(0)
+            group.version = self.version  # what it starts on
+            group.ref, stats_ref = self.submit(group.row, group.key, group.attempt)
+            self.running[stats_ref] = group
 
     def _needed(self) -> int:
         """Groups the next batch waits for: P, less those that failed for good since the last batch."""
@@ -334,7 +395,7 @@ class RolloutStream:
         """Start every wave admission allows now; `waiting`: the trainer is waiting for groups."""
         while self._ahead() + self.per_step <= (self.k + 1) * self.per_step and self._may_start():
             self._start_wave()
-        if waiting and not self.running and len(self.done) < self._needed() and self._may_start():
+        if waiting and not self.running and not self.queued and len(self.done) < self._needed() and self._may_start():
             self._start_wave()
 
     def _may_start(self) -> bool:
@@ -347,6 +408,7 @@ class RolloutStream:
         finished, ready = self.wait(list(self.running), list(also))
         for ref, stats in finished.items():
             r = self.running.pop(ref)
+            self.window.finished("" if isinstance(stats, GroupFailed) else congested(s.stages for s in stats))
             verdict, cause = self.retries.verdict(r.attempt, stats)
             if verdict != "ok":
                 self._failed(r, verdict, cause, stats)
@@ -361,6 +423,7 @@ class RolloutStream:
                 self._dropped("zero_variance", [group])
             else:
                 self.done.append(group)
+        self._pump()
         self.clock.mark(bool(self.running))
         return set(ready)
 
@@ -372,7 +435,7 @@ class RolloutStream:
         if verdict == "retry":
             self.retried += 1
             self.retries.log_retry(r.key, r.attempt, cause)
-            self._submit(_Running(r.key, r.seq, r.row, None, self.version, r.attempt + 1))
+            self.queued.insert(0, _Running(r.key, r.seq, r.row, None, self.version, r.attempt + 1))
             return
         log.warning("group %s failed after %d rollouts, left out of the loss: %s", r.key, r.attempt + 1, cause)
         self.failed += 1
@@ -380,8 +443,8 @@ class RolloutStream:
         self.failed_in_a_row += 1
         self.outcomes["failed"][r.key] = cause
         if self.failed_in_a_row >= 2 * self.per_step:
-            raise RaytoolError(f"raytool: {self.failed_in_a_row} prompt groups in a row failed for infrastructure reasons, each rolled out "
-                               f"{self.retries.max_retries + 1} times (rollout.max_group_retries={self.retries.max_retries}); the last: {cause}")
+            raise RaytoolError(f"raytool: {self.failed_in_a_row} prompt groups in a row failed for infrastructure reasons "
+                               f"(rollout.max_group_retries={self.retries.max_retries}); {self.retries.error_rate(cause)}; the last: {cause}")
 
     def _drop_stale(self) -> None:
         stale = [g for g in self.done if self.version - g.min_version > self.k]
@@ -438,7 +501,9 @@ class RolloutStream:
         metrics.update(RolloutBatch(taken, self.version).staleness_metrics())
         metrics.update({"rollout/groups_dropped_stale": self.dropped_stale, "rollout/buffer_depth": len(self.done),
                         "rollout/groups_in_flight": len(self.running), "rollout/groups_retried": self.retried,
-                        "rollout/groups_failed": self.failed, "rollout/trajs_infra_failed": self.trajs_infra_failed})
+                        "rollout/groups_failed": self.failed, "rollout/trajs_infra_failed": self.trajs_infra_failed,
+                        "rollout/retries_refused": self.retries.refused, "rollout/groups_queued": len(self.queued),
+                        "rollout/admission_window": self.window.limit})
         return metrics
 
     def train_while_rolling(self, training: list) -> None:
@@ -457,6 +522,7 @@ class RolloutStream:
 
     def drain(self) -> list[RolloutGroup]:
         """Wait for every running group to finish -> everything finished and not trained."""
+        self._pump()
         while self.running:
             self._collect()
         return sorted(self.done, key=lambda g: g.seq)
@@ -471,7 +537,7 @@ class RolloutStream:
 
     def unfinished(self) -> tuple[list[tuple[str, Any]], list[RolloutGroup]]:
         """((key, row) of every group still running or waiting to be redone, finished groups not yet trained)."""
-        running = sorted(self.running.values(), key=lambda r: r.seq)
+        running = sorted([*self.running.values(), *self.queued], key=lambda r: r.seq)
         return [*self.redo, *[(r.key, r.row) for r in running]], sorted(self.done, key=lambda g: g.seq)
 
     def restore(self, redo: list[tuple[str, Any]], done: list[RolloutGroup]) -> None:

@@ -18,6 +18,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    priority: int = 0  # the engine's scheduling priority, lower first (vLLM with priority scheduling; other engines ignore it): a run's judge calls to its own servers go first
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -101,6 +102,7 @@ class ExecResult(msgspec.Struct):
     exit_code: int | None = None
     duration_s: float = 0.0
     truncated: bool = False
+    queue_s: float = 0.0  # seconds the cell waited for a slot of its sandbox pool before it ran (raytool.overload)
 
 
 class Trajectory(msgspec.Struct):

@@ -259,3 +259,60 @@ def test_one_retry_policy_for_groups_retries_infrastructure_failures_then_calls_
     assert policy.verdict(2, sandbox) == ("failed", "sandbox: pool died")
     assert policy.verdict(2, died) == ("failed", "agent worker: RayActorError: the actor died unexpectedly")
     assert GroupRetries(max_retries=0).verdict(0, died)[0] == "failed"
+
+
+def test_a_stage_that_holds_groups_up_shrinks_the_groups_in_flight_and_loses_none():
+    """Back-pressure (raytool.overload): every group's scoring queued ten times longer than it
+    scored, so the admission window halves while the first step's wave drains, and the next step's
+    groups start a few at a time; each step still trains on all its groups, none rolled out again,
+    and the stage's queue and service time are in the step's metrics."""
+    from raytool.overload import AdmissionWindow
+
+    class Slow(_Rollouts):
+        in_flight: list[int] = []
+
+        def _finish(self, chosen):
+            self.in_flight.append(len(self.stream.running))
+            out = super()._finish(chosen)
+            return {ref: [msgspec.structs.replace(s, stages={"reward": (5.0, 0.5)}) for s in stats] for ref, stats in out.items()}
+
+    r = Slow(per_wait=1)
+    loader = PromptLoader([f"p{i}" for i in range(100)], 8, seed=0)
+    r.stream = stream = RolloutStream(8, 0, loader.next_batch, r.submit, r.wait, window=AdmissionWindow(8))
+    batch, metrics = stream.next_batch(1)
+    assert len(batch.groups) == 8 and metrics["rollout/groups_retried"] == 0 and metrics["rollout/groups_failed"] == 0
+    assert r.in_flight == [8, 7, 6, 5, 4, 3, 2, 1]  # the wave had started whole: it drains
+    assert stream.window.limit == 1 and stream.window.bottleneck == "reward" and metrics["rollout/admission_window"] == 1
+    assert metrics["stage/reward/queue_s"] == 5.0 and metrics["stage/reward/service_s"] == 0.5
+    stream.trained(1)
+    r.in_flight.clear()
+    batch, metrics = stream.next_batch(2)
+    assert len(batch.groups) == 8 and r.in_flight == [1] * 8 and metrics["rollout/groups_retried"] == 0  # one at a time now
+    assert [k for k, _ in r.attempts] == [f"s{s}r1g{i}" for s in (1, 2) for i in range(8)]  # each started once, in order
+
+
+def test_retries_past_the_steps_budget_fail_the_group_instead_of_adding_load():
+    """Eight groups whose scoring fails: the budget (rollout.retry_budget x groups started, at least
+    4) lets 4 roll out again; the others are failed at once, with the budget in their cause."""
+    r = _Rollouts(failures={f"s1r1g{i}": ["reward: RewardError: judge overloaded", ""] for i in range(8)})
+    loader = PromptLoader([f"p{i}" for i in range(100)], 8, seed=0)
+    r.stream = stream = RolloutStream(8, 0, loader.next_batch, r.submit, r.wait, max_retries=2, retry_budget=0.25)
+    batch, metrics = stream.next_batch(1)
+    assert metrics["rollout/groups_retried"] == 4 and metrics["rollout/retries_refused"] == 4 and metrics["rollout/groups_failed"] == 4
+    assert len(batch.groups) == 4 and len(r.started) == 12
+    failed = stream.take_outcomes()["failed"]
+    assert len(failed) == 4 and all("retry budget, rollout.retry_budget=0.25, is spent" in c for c in failed.values())
+    stream.trained(1)
+    _, metrics = stream.next_batch(2)  # a new step, a new budget
+    assert metrics["rollout/retries_refused"] == 0
+
+
+def test_a_stage_that_keeps_failing_stops_the_run_naming_it_and_its_error_rate():
+    import pytest
+
+    from raytool.errors import RaytoolError
+
+    r = _Rollouts(failures={f"s1r{w}g{g}": ["sandbox: backend down"] * 2 for w in range(1, 5) for g in range(2)})
+    stream = _stream(r, k=0, retries=1)
+    with pytest.raises(RaytoolError, match=r"the sandbox stage failed 8 of 8 rollouts that came back in this step; the last: sandbox: backend down"):
+        stream.next_batch(1)

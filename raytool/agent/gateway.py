@@ -108,6 +108,7 @@ class _Request:
     sampling: dict
     n: int
     seed: int | None
+    priority: int = 0  # vLLM's extension field: lower is scheduled first (a run's own judge asks for it)
 
 
 def parse_request(body, model_name: str) -> _Request:
@@ -167,7 +168,10 @@ def parse_request(body, model_name: str) -> _Request:
     seed = body.get("seed")
     if seed is not None and not isinstance(seed, int):
         raise _bad("'seed' must be an integer", "seed")
-    return _Request(out, tools, sampling, n, seed)
+    priority = body.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise _bad("'priority' must be an integer", "priority")
+    return _Request(out, tools, sampling, n, seed, priority)
 
 
 @dataclass
@@ -272,6 +276,7 @@ class Gateway:
             stop_token_ids=self.stop_ids,
             stop=request.sampling.get("stop", ()),
             seed=request_seed(seed, f"{session}/{choice}", call),
+            priority=request.priority if traj is None else 0,  # a trajectory's calls are the rollouts themselves
         )
 
     async def complete(self, body, key: str | None = None) -> dict:

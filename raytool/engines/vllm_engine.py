@@ -115,6 +115,7 @@ class VLLMEngine:
         partial_rollout: Literal["continue", "abort", "wait"] = "continue",
         start_timeout_s: int = 600,
         record_routes: bool = False,
+        priority_scheduling: bool = False,
         **_ignored,
     ):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -195,7 +196,9 @@ class VLLMEngine:
             enable_sleep_mode=self.supports_sleep(),
             disable_log_stats=False,
             enable_return_routed_experts=record_routes,  # r3: each request's routed experts, [tokens, layers, k]
+            scheduling_policy="priority" if priority_scheduling else "fcfs",  # SamplingParams.priority: a run's own judge first
         )
+        self.priority_scheduling = priority_scheduling
         self._reaper = start_reaper()  # before the engine core exists: a server killed while its engine starts leaves none either
         try:
             self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.stats)])
@@ -297,7 +300,8 @@ class VLLMEngine:
 
         submitted = self.policy_version
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(sampling), part_id):
+        priority = sampling.priority if self.priority_scheduling else 0  # vLLM refuses a priority under first-come-first-served
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(sampling), part_id, priority=priority):
             final = out
             self.stats.progressed()
         if final is None or not final.outputs:

@@ -91,6 +91,7 @@ def parse_score(reply: str, pattern: str) -> float:
 
 
 SELF = "self"  # reward.judge.base_url: the run's own rollout servers, through its gateway
+JUDGE_PRIORITY = -1  # a self-judge's calls, on its servers' engines: scheduled before the rollouts (vLLM: lower first)
 
 
 class Judge:
@@ -148,8 +149,10 @@ class Judge:
         if raw is not None:
             return self._scored(raw, cached=True)
         try:
+            # The run's own servers, through its gateway: ahead of the rollouts, which wait for its verdicts.
+            extra = {"extra_body": {"priority": JUDGE_PRIORITY}} if self.cfg.base_url == SELF else {}
             reply = self.client.chat.completions.create(model=self.served_model(), messages=[{"role": "user", "content": text}],
-                                                        temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens)
+                                                        temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens, **extra)
         except JudgeError:
             raise
         except Exception as exc:  # the openai client's errors, a connection refused, a timeout

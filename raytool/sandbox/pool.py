@@ -25,6 +25,7 @@ import random
 import time
 from collections import Counter
 
+from raytool.overload import backoff_s, queued
 from raytool.types import ExecResult
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class PooledBackend:
                 f"{self.name}: the sandbox pool is full ({self.running} cells running, {self.waiting} queued); try again later")))
         self.waiting += 1
         try:
-            await self.slots.acquire()
+            waited = await queued(self.slots)
         finally:
             self.waiting -= 1
         self.running += 1
@@ -121,7 +122,7 @@ class PooledBackend:
             for attempt in range(self.retries + 1):
                 if attempt:
                     self.counts["retried"] += 1
-                    await asyncio.sleep(self.retry_backoff_s * attempt)
+                    await asyncio.sleep(backoff_s(attempt, self.retry_backoff_s))
                 result = await self.backend.run(code, session=session, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
                 if result.status != "infra_error":
                     break
@@ -129,6 +130,7 @@ class PooledBackend:
             self.running -= 1
             self.slots.release()
         self.breaker.record(result.status != "infra_error", result.stderr.strip()[-300:])
+        result.queue_s = waited
         return self._finish(start, result)
 
     async def _breaker_allows(self) -> bool:
@@ -193,3 +195,22 @@ class LognormalDelay:
 
     def sample(self) -> float:
         return self.rng.lognormvariate(self.mu, self.sigma)
+
+
+class Delayed:
+    """A backend whose every cell first waits a LognormalDelay, inside the pool's slot, as a remote
+    sandbox's round trip holds its connection: so the latency is service time, and a pool with few
+    slots and a long delay is a slow stage (`raytool bench load --slow-stage sandbox`)."""
+
+    def __init__(self, backend, delay: LognormalDelay):
+        self.backend, self.delay = backend, delay
+
+    async def run(self, code: str, **kwargs) -> ExecResult:
+        waited = self.delay.sample()
+        await asyncio.sleep(waited)
+        result = await self.backend.run(code, **kwargs)
+        result.duration_s += waited
+        return result
+
+    def __getattr__(self, name: str):  # start, close_session, aclose: the backend's own
+        return getattr(self.backend, name)

@@ -1,44 +1,10 @@
-"""An OpenAI-compatible judge for tests: raytool's gateway (raytool.agent.gateway) on a thread's
-event loop, whose scripted engine plays the judge model."""
+"""The judge tests' scripted judge (raytool.bench.judge_server) and a verdict that checks the answer."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
+from raytool.bench.judge_server import JudgeServer
 
-from raytool.agent.gateway import Gateway
-from raytool.agent.render import ChatRenderer
-from raytool.types import SamplingParams, TokenOutput
-
-JUDGE_MODEL = "judge-model"
-
-
-class JudgeServer:
-    """raytool's gateway on a thread's event loop, with a scripted engine as the judge model:
-    `verdict(prompt_text) -> reply text`; counts the calls it answers."""
-
-    def __init__(self, tokenizer, verdict, delay_s: float = 0.0):
-        self.renderer = ChatRenderer(tokenizer)
-        self.verdict, self.delay_s, self.calls = verdict, delay_s, 0
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    async def generate(self, prompt_ids, sampling, request_id, session=None):
-        self.calls += 1
-        await asyncio.sleep(self.delay_s)
-        ids = self.renderer.encode(self.verdict(self.renderer.tokenizer.decode(prompt_ids))) + [self.renderer.eos_id]
-        return TokenOutput(ids, [-0.1] * len(ids), "stop", policy_version=0)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        self.gateway = Gateway(self.renderer, self.generate, model_name=JUDGE_MODEL, defaults=SamplingParams(max_tokens=64))
-        return asyncio.run_coroutine_threadsafe(self.gateway.start(), self.loop).result(10) + "/v1"
-
-    def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self.gateway.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
+__all__ = ["JudgeServer", "grade"]
 
 
 def grade(prompt: str) -> str:

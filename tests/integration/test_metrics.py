@@ -88,8 +88,8 @@ def test_actor_metrics_reach_the_heads_prometheus_endpoint(ray_cluster, tiny_mod
         cells = ["print(6 * 7)", "x = 1", "print('ok')", "1 / 0", "while True: pass"]
         statuses = [r.status for r in ray.get([pool.execute.remote(code) for code in cells])]
         assert statuses == ["ok", "ok", "ok", "error", "timeout"]
-        scores = ray.get([reward.score.remote({"response": f"so \\boxed{{{a}}}"}, "4", {}) for a in (4, 4, 5)])
-        assert [s for s, _ in scores] == [1.0, 1.0, 0.0]
+        scores = ray.get([reward.score.remote({"response": f"so \\boxed{{{a}}}"}, "4", {}, 30.0) for a in (4, 4, 5)])
+        assert [s for s, _, _ in scores] == [1.0, 1.0, 0.0]
         outs = ray.get([manager.generate.remote([1, 2, 3, 4], SamplingParams(max_tokens=8, seed=i), f"m-{i}") for i in range(3)])
         tokens = sum(len(o.token_ids) for o in outs)
         assert tokens > 0

@@ -63,8 +63,9 @@ def server(ray_cluster, tiny_model_path):
 @pytest.fixture(scope="module")
 def abort_server(ray_cluster, tiny_model_path):
     """partial_rollout=abort: requests in flight at a weight load are aborted and submitted again.
-    Compiled too: eager, this tiny model's 160 tokens were all done before the load mid-request."""
-    actor, addresses = _start_server("rollout-test-abort", tiny_model_path, partial_rollout="abort", enforce_eager=False)
+    Compiled too: eager, this tiny model's 160 tokens were all done before the load mid-request.
+    With priority scheduling, as a run whose policy judges itself starts its engines."""
+    actor, addresses = _start_server("rollout-test-abort", tiny_model_path, partial_rollout="abort", enforce_eager=False, priority_scheduling=True)
     yield actor, addresses
     _stop_server(actor)
 
@@ -257,6 +258,17 @@ def test_a_paused_engine_holds_requests_and_resumes_them(server):
     stats = ray.get(actor.stats.remote())
     assert stats["requests"] >= 1 and stats["generated_tokens"] > 0 and stats["tokens_per_s"] > 0
     assert stats["prefix_cache_hit_rate"] is not None
+
+
+def test_a_judge_calls_priority_is_taken_by_a_priority_engine_and_dropped_by_a_first_come_one(server, abort_server):
+    """SamplingParams.priority reaches vLLM where the engine schedules by priority (a run that
+    judges itself); vLLM would refuse it under first-come-first-served, where it is not passed."""
+    import ray
+
+    for actor in (abort_server[0], server[0]):
+        outs = ray.get([actor.generate.remote(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, priority=p), f"prio-{p}-{id(actor)}")
+                        for p in (0, -1)])
+        assert [len(o.token_ids) for o in outs] == [4, 4] and outs[0].token_ids == outs[1].token_ids
 
 
 def test_a_stop_string_ends_a_request_at_the_token_that_completes_it(server, tiny_model_path):
