@@ -39,7 +39,7 @@ from raytool import placement
 from raytool.device import torch_threads
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
 from raytool.models import resolve_model
-from raytool.overload import AdmissionWindow, congested
+from raytool.overload import AdmissionWindow
 from raytool.resolve import resolve
 from raytool.streaming import GroupFailed, GroupRetries, TrajectoryStats
 from raytool.weightsync import ServerSyncFailure, WeightSyncError, chain_culprits
@@ -130,7 +130,7 @@ class Graph:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 i = pending.pop(ready[0])
                 result = self.group_result(ready[0])
-                window.finished("" if isinstance(result, GroupFailed) else congested(s.stages for s in result))
+                window.finished([] if isinstance(result, GroupFailed) else [s.stages for s in result], len(pending))
                 verdict, cause = retries.verdict(attempts[i], result)
                 if verdict == "retry":
                     retries.log_retry(f"{prefix}{i}", attempts[i], cause)

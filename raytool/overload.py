@@ -17,9 +17,12 @@ Three rules, each in one place:
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
 
 # The stages whose queue and service time a trajectory records: `<stage>_queue_s` and `<stage>_s` in
 # Trajectory.timings, summed over its calls to the stage.
@@ -27,6 +30,7 @@ STAGES = ("reward", "sandbox")
 
 CONGESTED_RATIO = 2.0  # a stage queued calls this many times longer than it served them: it is the bottleneck
 CONGESTED_MIN_S = 0.5  # ... and a trajectory waited this long for it on average (a burst of quick calls is no signal)
+KNOBS = {"reward": "reward.num_workers, or a judge's reward.judge.concurrency", "sandbox": "sandbox.num_pools or sandbox.max_concurrency"}
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 
@@ -52,10 +56,10 @@ def stage_times(timings: dict) -> dict[str, tuple[float, float]]:
     return {s: (timings.get(f"{s}_queue_s", 0.0), timings[f"{s}_s"]) for s in STAGES if f"{s}_s" in timings}
 
 
-def congested(per_trajectory: Iterable[dict[str, tuple[float, float]]]) -> str:
-    """The stage that held a finished group up ("": none): one where its trajectories, together,
-    waited in the queue more than CONGESTED_RATIO times as long as they were served, and each at
-    least CONGESTED_MIN_S on average."""
+def congested(per_trajectory: Iterable[dict[str, tuple[float, float]]]) -> tuple[str, float, float]:
+    """The stage that held a finished group up, with its calls' mean seconds queued and served per
+    trajectory (("", 0, 0): none): one where its trajectories, together, waited in the queue more
+    than CONGESTED_RATIO times as long as they were served, and each at least CONGESTED_MIN_S on average."""
     total: dict[str, list[float]] = {}
     for times in per_trajectory:
         for stage, (q, s) in times.items():
@@ -63,14 +67,15 @@ def congested(per_trajectory: Iterable[dict[str, tuple[float, float]]]) -> str:
             acc[0] += q
             acc[1] += s
             acc[2] += 1
-    return next((stage for stage, (q, s, n) in sorted(total.items()) if q >= CONGESTED_MIN_S * n and q > CONGESTED_RATIO * s), "")
+    return next(((stage, q / n, s / n) for stage, (q, s, n) in sorted(total.items()) if q >= CONGESTED_MIN_S * n and q > CONGESTED_RATIO * s),
+                ("", 0.0, 0.0))
 
 
 class AdmissionWindow:
     """How many groups may be in flight at once: `start` at first (what the agent workers run at
-    once), halved when a finished group was held up by a stage downstream (at most once per
-    window's worth of finished groups, so that one burst counts once), one more per group that was
-    not, never below 1 nor above `cap`."""
+    once), cut to half the groups in flight when a finished group was held up by a stage downstream
+    (at most once per window's worth of finished groups, so that one burst counts once), one more
+    per group that was not, never below 1 nor above `cap`."""
 
     def __init__(self, start: int, cap: int | None = None):
         self.cap = max(1, cap if cap is not None else start)
@@ -79,6 +84,7 @@ class AdmissionWindow:
         self.cuts = 0
         self.bottleneck = ""  # the stage that cut it last
         self.peak = 0  # the most groups in flight at once
+        self.said: set[str] = set()  # stages whose hold-up was logged
 
     def admit(self, in_flight: int, waiting: int) -> int:
         """How many of `waiting` groups to start now, with `in_flight` running."""
@@ -86,11 +92,20 @@ class AdmissionWindow:
         self.peak = max(self.peak, in_flight + k)
         return k
 
-    def finished(self, held_up_by: str) -> None:
-        """A group finished; `held_up_by`: the stage that queued it too long ("": none)."""
+    def finished(self, stages: list[dict[str, tuple[float, float]]], in_flight: int) -> None:
+        """A group finished, `in_flight` still running; `stages`: each of its trajectories' stage
+        times (TrajectoryStats.stages; []: none came back). A cut halves what is in flight (a limit
+        far above it would hold nothing back); the first cut by a stage is said once, with its figures."""
         self.since_cut += 1
+        held_up_by, queue_s, service_s = congested(stages)
         if held_up_by and self.since_cut >= self.limit:
-            self.limit, self.since_cut, self.bottleneck = max(1, self.limit // 2), 0, held_up_by
+            self.limit, self.since_cut = max(1, min(self.limit, in_flight + 1) // 2), 0
             self.cuts += 1
+            if held_up_by not in self.said:
+                self.said.add(held_up_by)
+                log.warning("the %s stage holds groups up: their calls queued %.1f s for %.1f s of service per trajectory; groups in flight "
+                            "cut to %d. It paces the run: more of it (%s) would let more groups run", held_up_by, queue_s, service_s,
+                            self.limit, KNOBS.get(held_up_by, "its concurrency"))
+            self.bottleneck = held_up_by
         elif not held_up_by:
             self.limit = min(self.cap, self.limit + 1)

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from raytool.errors import RaytoolError
-from raytool.overload import STAGES, AdmissionWindow, congested, stage_times
+from raytool.overload import STAGES, AdmissionWindow, stage_times
 from raytool.types import Trajectory, accuracy, generated_versions, trained
 
 log = logging.getLogger(__name__)
@@ -408,7 +408,7 @@ class RolloutStream:
         finished, ready = self.wait(list(self.running), list(also))
         for ref, stats in finished.items():
             r = self.running.pop(ref)
-            self.window.finished("" if isinstance(stats, GroupFailed) else congested(s.stages for s in stats))
+            self.window.finished([] if isinstance(stats, GroupFailed) else [s.stages for s in stats], len(self.running))
             verdict, cause = self.retries.verdict(r.attempt, stats)
             if verdict != "ok":
                 self._failed(r, verdict, cause, stats)

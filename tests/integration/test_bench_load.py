@@ -27,3 +27,20 @@ def test_load_bench_completes_every_trajectory_once_and_memory_grows_at_most_lin
     # smaller leave the allocators' fixed-size noise a larger share (CI measured 4.52 once)
     assert 0 < result["memory_400_vs_100"] <= 6
     assert set(result["actors"]) == {"rollout-server", "llm-manager", "agent-worker", "sandbox-pool", "reward-worker"}
+
+
+def test_a_judge_ten_times_slower_than_generation_is_kept_busy_with_no_retry_and_no_group_lost(ray_cluster, capsys):
+    """`raytool bench load --slow-stage judge`, short: 40 trajectories at once through a scripted
+    judge behind the real OpenAI API, one call at a time per reward worker, each call 10x a
+    trajectory's generation; reward.call_timeout_s is 3 calls' time, far less than the queue the
+    burst builds: no call times out for waiting, no group is retried or lost, and the judge's
+    throughput is its capacity (within 20%) while the admission window holds groups back."""
+    from raytool.cli import main
+
+    assert main(["bench", "load", "--json", "--slow-stage", "judge", "--trajectories", "40", "model.path=tiny-random",
+                 "rollout.scripted_delay_s=0.01", "trainer.num_cpus=0"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (r["completed"], r["lost"], r["retries"], r["infra_failed"], r["right"]) == (40, 0, 0, 0, 40), r
+    assert r["queued_past_the_timeout"] > 0, r  # what a timeout that counted the wait would have failed
+    assert r["throughput_vs_capacity"] >= 0.8, r
+    assert r["window_cuts"] >= 1 and r["window_end"] < r["window_start"], r  # back-pressure: fewer groups in flight
