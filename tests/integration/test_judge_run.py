@@ -46,14 +46,15 @@ def test_the_judge_example_trains_on_the_judges_scores(ray_cluster, tmp_path, to
 
 
 def test_a_run_judged_by_its_own_servers_through_its_gateway(ray_cluster, tmp_path):
-    """On the scripted engine, which answers any prompt, the judge's rubric too, with a turn of its
-    script: each trajectory's judge call goes through the run's gateway (started for it) to the
-    run's rollout server, and its reply's last number is the score."""
+    """The example as it is (base_url: self), on the scripted engine, which answers any prompt, the
+    judge's rubric too, with a turn of its script: each trajectory's judge call goes through the
+    run's gateway (started for it) to the run's rollout server, and its reply's last number is the score."""
     from actors.pipeline import run
 
     cfg = load_config(REPO / "examples" / "judge_tiny.yaml", [
         *TINY, "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "agent.format=retool", "rollout.max_tokens_per_turn=64",
-        "agent.max_response_tokens=256", "reward.judge.base_url=self", r"reward.judge.score_pattern=(\d+)", "reward.judge.max_score=null"])
+        "agent.max_response_tokens=256", r"reward.judge.score_pattern=(\d+)", "reward.judge.max_score=null"])
+    assert cfg.reward.judges_itself
     run_dir = run(cfg, tmp_path / "self-judged")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2] and all(m["rollout/trajectories"] == 4 for m in steps)
