@@ -48,6 +48,7 @@ PLOTS = [
     Plot("tool_errors", "Tool errors per call, by kind", "grpo", ("tool/error_rate",), ("tool/errors/",), zero_where="tool/error_rate"),
     Plot("lengths", "Lengths (tokens per trajectory)", "grpo", ("response_length/mean", "generated_tokens/mean")),
     Plot("timings", "Step timings (s)", "grpo", prefixes=("timing_s/",), exclude=("timing_s/update_weights",)),  # that one: weight_sync
+    Plot("stages", "Slow stages: seconds queued and served per trajectory", "grpo", prefixes=("stage/",)),  # raytool.overload
     Plot("weight_sync", "Weight sync", "grpo", ("timing_s/update_weights", "weight_sync/bytes", "weight_sync/failed_servers"), panels=True),
     Plot("policy", "Policy update", "grpo", ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac"), panels=True),
     Plot("moe", "Mixture of experts: expert load and router replay", "grpo", prefixes=("moe/", "router/"), panels=True),

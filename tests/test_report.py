@@ -45,7 +45,7 @@ def run_dir(tmp_path_factory) -> Path:
                      "tool/error_rate": 0.5 if step == 2 else 0.0, **({"tool/errors/timeout": 0.5} if step == 2 else {}),
                      "response_length/mean": 50.0 + step, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0,
                      "timing/step_s": 3.0, "timing/rollout_s": 2.0, "timing/train_s": 0.7, "timing/weight_sync_s": 0.3,
-                     "weight_sync/bytes": 2**21, "weight_sync/failed_servers": 0,
+                     "weight_sync/bytes": 2**21, "weight_sync/failed_servers": 0, "stage/reward/queue_s": 4.0 / step, "stage/reward/service_s": 1.0,
                      **({"val-core/tool_arith/acc/mean@4": 0.5} if step == 3 else {})})
         tracker.trace(step, [_trajectory(f"s{step}-a", f"print(6 * 7)  # step {step}", "42", 1.0),
                              _trajectory(f"s{step}-b", f"while True: pass  # step {step}", "Error (timeout): the cell ran past 5 s", 0.0, ok=False)],
@@ -74,7 +74,7 @@ def small_run(tmp_path) -> Path:
 def test_report_writes_the_page_and_one_png_per_curve(report):
     assert report.problems == []
     assert {p.name for p in report.pngs} == {"reward.png", "validation.png", "turns_tools.png", "tool_errors.png", "lengths.png",
-                                              "timings.png", "weight_sync.png", "policy.png", "sft.png"}
+                                              "timings.png", "stages.png", "weight_sync.png", "policy.png", "sft.png"}
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report.pngs)
     page = report.html.read_text()
     assert page.count("data:image/png;base64,") == len(report.pngs)
