@@ -40,7 +40,7 @@ def test_a_judge_ten_times_slower_than_generation_is_kept_busy_with_no_retry_and
     assert main(["bench", "load", "--json", "--slow-stage", "judge", "--trajectories", "40", "model.path=tiny-random",
                  "rollout.scripted_delay_s=0.01", "trainer.num_cpus=0"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (r["completed"], r["lost"], r["retries"], r["infra_failed"], r["right"]) == (40, 0, 0, 0, 40), r
+    assert (r["completed"], r["lost"], r["retries"], r["infra_failed"], r["answered"], r["judged_right"]) == (40, 0, 0, 0, 40, 40), r
     assert r["queued_past_the_timeout"] > 0, r  # what a timeout that counted the wait would have failed
     assert r["throughput_vs_capacity"] >= 0.8, r
     assert r["window_cuts"] >= 1 and r["window_end"] < r["window_start"], r  # back-pressure: fewer groups in flight
