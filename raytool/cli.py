@@ -203,8 +203,7 @@ def _eval(cfg, args) -> int:
 
 
 def _parse_tools(args) -> int:
-    from raytool.agent.families import describe, describe_table
-    from raytool.agent.parsers import get_parser
+    from raytool.agent.families import describe, describe_table, get_parser
 
     try:
         fmt = args.format

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from raytool.agent import families
-from raytool.agent.families import FORMATS, describe, detect, split_reasoning
-from raytool.agent.parsers import ToolError, get_parser
+from raytool.agent.families import FORMATS, describe, detect, get_parser, split_reasoning
+from raytool.agent.parsers import ToolError
 from raytool.tools.base import ERROR_KINDS
 from raytool.types import ToolCall
 

@@ -5,11 +5,11 @@ import time
 
 import pytest
 
+from raytool.agent.families import get_parser
 from raytool.agent.parsers import (
     ParseResult,
     ToolError,
     check_arguments,
-    get_parser,
     parse_hermes,
     parse_retool,
 )

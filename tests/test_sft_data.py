@@ -113,8 +113,7 @@ def test_a_json_array_file_is_read_by_item(tmp_path):
 
 
 def test_structured_tool_calls_are_kept_in_parts_and_written_as_the_formats_model_writes_them():
-    from raytool.agent.families import FORMATS
-    from raytool.agent.parsers import get_parser
+    from raytool.agent.families import FORMATS, get_parser
     from raytool.agent.turns import turn_text
 
     convs, _ = load_conversations(FIXTURE)

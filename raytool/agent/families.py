@@ -33,7 +33,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from raytool.agent.parsers import ParseResult, ToolError, _cut, _error, _json_type, _loads, _strip_fence, _tagged_bodies, tool_call_bodies
+from raytool.agent.parsers import (PARSERS, ParseResult, ToolError, call_error, json_type, loads_json, shorten, strip_fence, tagged_bodies,
+                                   tool_call_bodies)
 from raytool.types import ToolCall
 
 log = logging.getLogger(__name__)
@@ -45,35 +46,35 @@ def _object_call(name: str, raw: str, fmt: str, hint: str) -> tuple[ToolCall | T
     """A call to `name` whose arguments are the JSON object `raw` (repaired as Hermes bodies are)."""
     name = name.strip()
     if not name:
-        return _error("malformed_call", f"a {fmt} call has no tool name. {hint}"), False
+        return call_error("malformed_call", f"a {fmt} call has no tool name. {hint}"), False
     if not raw.strip():
         return ToolCall(name=name, arguments={}), False
-    inner, fenced = _strip_fence(raw)
-    value, repaired, problem = _loads(inner)
+    inner, fenced = strip_fence(raw)
+    value, repaired, problem = loads_json(inner)
     if problem:
-        return _error("invalid_json", f"the arguments of the call to '{_cut(name)}' are not valid JSON ({problem}). {hint}"), False
+        return call_error("invalid_json", f"the arguments of the call to '{shorten(name)}' are not valid JSON ({problem}). {hint}"), False
     if not isinstance(value, dict):
-        return _error("wrong_argument_type", f"the arguments of the call to '{_cut(name)}' must be a JSON object, got "
-                      f"{_json_type(value)}. {hint}"), False
+        return call_error("wrong_argument_type", f"the arguments of the call to '{shorten(name)}' must be a JSON object, got "
+                      f"{json_type(value)}. {hint}"), False
     return ToolCall(name=name, arguments=value), repaired or fenced
 
 
 def _named_object(obj, fmt: str, hint: str, args_keys: tuple[str, ...]) -> tuple[ToolCall | ToolError, bool]:
     """{"name": ..., <one of args_keys>: {...}} as a call."""
     if not isinstance(obj, dict):
-        return _error("invalid_json", f"a {fmt} call must be a JSON object, got {_json_type(obj)}. {hint}"), False
+        return call_error("invalid_json", f"a {fmt} call must be a JSON object, got {json_type(obj)}. {hint}"), False
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
-        return _error("invalid_json", f'the call has no "name" string naming the tool. {hint}'), False
+        return call_error("invalid_json", f'the call has no "name" string naming the tool. {hint}'), False
     key = next((k for k in args_keys if k in obj), None)
     args = obj.get(key, {}) if key else {}
     repaired = False
     if isinstance(args, str):
-        decoded, _, problem = _loads(args) if args.strip() else ({}, False, None)
+        decoded, _, problem = loads_json(args) if args.strip() else ({}, False, None)
         if problem is None and isinstance(decoded, dict):
             args, repaired = decoded, True
     if not isinstance(args, dict):
-        return _error("wrong_argument_type", f'"{key}" of the call to \'{_cut(name)}\' must be a JSON object, got {_json_type(args)}. {hint}'), False
+        return call_error("wrong_argument_type", f'"{key}" of the call to \'{shorten(name)}\' must be a JSON object, got {json_type(args)}. {hint}'), False
     return ToolCall(name=name, arguments=args), repaired
 
 
@@ -90,7 +91,7 @@ def _json_sequence(text: str, separators: str) -> tuple[list, str | None]:
             value, pos = decoder.raw_decode(text, pos)
         except (ValueError, RecursionError):
             rest = text[pos:]
-            value, _, problem = _loads(rest)  # the repairs, or a message that says where it fails
+            value, _, problem = loads_json(rest)  # the repairs, or a message that says where it fails
             if problem is not None:
                 return values, problem
             values.append(value)
@@ -106,7 +107,7 @@ def _guarded(fmt: str, parse: Callable[[str, Schemas | None], ParseResult]) -> C
         except Exception as exc:
             log.warning("%s parser: the turn could not be parsed: %s: %s", fmt, type(exc).__name__, exc)
             result = ParseResult()
-            result.add(_error("malformed_call", f"the tool calls could not be read ({type(exc).__name__}: {_cut(str(exc), 60)})."))
+            result.add(call_error("malformed_call", f"the tool calls could not be read ({type(exc).__name__}: {shorten(str(exc), 60)})."))
             return result
     guarded.__name__ = f"parse_{fmt}"
     guarded.__doc__ = parse.__doc__
@@ -142,7 +143,7 @@ def _parse_llama3_json(text: str, schemas: Schemas | None) -> ParseResult:
     body = body.removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         if tagged and body:
-            result.add(_error("invalid_json", f"after <|python_tag|> comes a JSON call. {_LLAMA_HINT}"))
+            result.add(call_error("invalid_json", f"after <|python_tag|> comes a JSON call. {_LLAMA_HINT}"))
         return result
     values, problem = _json_sequence(body, ";")
     for value in values:
@@ -150,7 +151,7 @@ def _parse_llama3_json(text: str, schemas: Schemas | None) -> ParseResult:
         result.add(item)
         result.repaired += repaired
     if problem is not None:
-        result.add(_error("invalid_json", f"the call is not valid JSON ({problem}). {_LLAMA_HINT}"))
+        result.add(call_error("invalid_json", f"the call is not valid JSON ({problem}). {_LLAMA_HINT}"))
     return result
 
 
@@ -166,11 +167,11 @@ def _parse_mistral(text: str, schemas: Schemas | None) -> ParseResult:
     for part in parts[1:]:
         part = part.strip()
         if not part:
-            result.add(_error("empty_call", f"[TOOL_CALLS] is followed by no call. {_MISTRAL_HINT}"))
+            result.add(call_error("empty_call", f"[TOOL_CALLS] is followed by no call. {_MISTRAL_HINT}"))
         elif part.startswith("["):
-            calls, repaired, problem = _loads(_first_json(part))  # the array, without the end-of-turn token after it
+            calls, repaired, problem = loads_json(_first_json(part))  # the array, without the end-of-turn token after it
             if problem is not None:
-                result.add(_error("invalid_json", f"the calls are not valid JSON ({problem}). {_MISTRAL_HINT}"))
+                result.add(call_error("invalid_json", f"the calls are not valid JSON ({problem}). {_MISTRAL_HINT}"))
                 continue
             for value in calls if isinstance(calls, list) else [calls]:
                 item, fixed = _named_object(value, "Mistral", _MISTRAL_HINT, ("arguments", "parameters"))
@@ -179,7 +180,7 @@ def _parse_mistral(text: str, schemas: Schemas | None) -> ParseResult:
         else:
             head, sep, args = part.partition("[ARGS]")
             if not sep:
-                result.add(_error("malformed_call", f"the call to '{_cut(head)}' has no [ARGS]. Write [TOOL_CALLS]NAME[ARGS]{{...}}."))
+                result.add(call_error("malformed_call", f"the call to '{shorten(head)}' has no [ARGS]. Write [TOOL_CALLS]NAME[ARGS]{{...}}."))
                 continue
             item, repaired = _object_call(head.split("[CALL_ID]")[0], _first_json(args), "Mistral", "Write [TOOL_CALLS]NAME[ARGS]{...}.")
             result.add(item)
@@ -224,7 +225,7 @@ def _typed(value: str, spec: dict | None):
         if kind == "null" and stripped.lower() in ("null", "none"):
             return None
         if kind in ("object", "array"):
-            decoded, _, problem = _loads(stripped)
+            decoded, _, problem = loads_json(stripped)
             if problem is None and isinstance(decoded, dict if kind == "object" else list):
                 return decoded
     return value
@@ -274,14 +275,14 @@ def _xml_pairs(body: str, open_key: str, close_key: str, open_value: str | None,
 
 def _xml_call(name: str, pairs: list[tuple[str, str | None]], schemas: Schemas | None, fmt: str, hint: str) -> ToolCall | ToolError:
     if not name:
-        return _error("malformed_call", f"a {fmt} call names no tool. {hint}")
+        return call_error("malformed_call", f"a {fmt} call names no tool. {hint}")
     properties = _properties(schemas, name)
     arguments = {}
     for key, value in pairs:
         if not key:
-            return _error("malformed_call", f"an argument of the call to '{_cut(name)}' has no name. {hint}")
+            return call_error("malformed_call", f"an argument of the call to '{shorten(name)}' has no name. {hint}")
         if value is None:
-            return _error("malformed_call", f"argument '{_cut(key)}' of the call to '{_cut(name)}' has no value. {hint}")
+            return call_error("malformed_call", f"argument '{shorten(key)}' of the call to '{shorten(name)}' has no value. {hint}")
         arguments[key] = _typed(value, properties.get(key))
     return ToolCall(name=name, arguments=arguments)
 
@@ -295,19 +296,19 @@ def _parse_qwen3_coder(text: str, schemas: Schemas | None) -> ParseResult:
     for body in tool_call_bodies(text, result, _QWEN_HINT):
         i = body.find("<function=")
         if i < 0:
-            result.add(_error("malformed_call", f"the <tool_call> has no <function=NAME>. {_QWEN_HINT}"))
+            result.add(call_error("malformed_call", f"the <tool_call> has no <function=NAME>. {_QWEN_HINT}"))
         while i >= 0:
             start = i + len("<function=")
             end_name = body.find(">", start)
             if end_name < 0:
-                result.add(_error("malformed_call", f"<function= is not closed by '>'. {_QWEN_HINT}"))
+                result.add(call_error("malformed_call", f"<function= is not closed by '>'. {_QWEN_HINT}"))
                 break
             nxt = body.find("<function=", end_name)
             end = body.find("</function>", end_name)
             stop = min(x for x in (end, nxt, len(body)) if x >= 0)
             name = body[start:end_name].strip()
             if "<" in name or "\n" in name:  # <function=NAME without its '>': the next tag's '>' closed it
-                result.add(_error("malformed_call", f"<function={_cut(name.split(chr(10))[0])} is not closed by '>'. {_QWEN_HINT}"))
+                result.add(call_error("malformed_call", f"<function={shorten(name.split(chr(10))[0])} is not closed by '>'. {_QWEN_HINT}"))
             else:
                 pairs = _xml_pairs(body[end_name + 1:stop], "<parameter=", ">", None, "</parameter>")
                 result.add(_xml_call(name, pairs, schemas, "Qwen3-Coder", _QWEN_HINT))
@@ -337,13 +338,13 @@ _KIMI_HINT = "Write <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begi
 def _parse_kimi_k2(text: str, schemas: Schemas | None) -> ParseResult:
     """Each <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>."""
     result = ParseResult()
-    for body in _tagged_bodies(text, "<|tool_call_begin|>", "<|tool_call_end|>"):
+    for body in tagged_bodies(text, "<|tool_call_begin|>", "<|tool_call_end|>"):
         if body is None:
-            result.add(_error("unterminated_tag", f"<|tool_call_begin|> was opened but never closed. {_KIMI_HINT}"))
+            result.add(call_error("unterminated_tag", f"<|tool_call_begin|> was opened but never closed. {_KIMI_HINT}"))
             continue
         head, sep, raw = body.partition("<|tool_call_argument_begin|>")
         if not sep:
-            result.add(_error("malformed_call", f"the call has no <|tool_call_argument_begin|>. {_KIMI_HINT}"))
+            result.add(call_error("malformed_call", f"the call has no <|tool_call_argument_begin|>. {_KIMI_HINT}"))
             continue
         name = head.strip().removeprefix("functions.")
         name = name.rsplit(":", 1)[0] if re.fullmatch(r".*:\d+", name) else name
@@ -362,17 +363,17 @@ def _parse_deepseek(text: str, schemas: Schemas | None) -> ParseResult:
     """Each <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜> (V3.1), or V3/R1's
     <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>."""
     result = ParseResult()
-    for body in _tagged_bodies(text, DS_CALL_BEGIN, DS_CALL_END):
+    for body in tagged_bodies(text, DS_CALL_BEGIN, DS_CALL_END):
         if body is None:
-            result.add(_error("unterminated_tag", f"{DS_CALL_BEGIN} was opened but never closed. {_DS_HINT}"))
+            result.add(call_error("unterminated_tag", f"{DS_CALL_BEGIN} was opened but never closed. {_DS_HINT}"))
             continue
         head, sep, rest = body.partition(DS_CALL_SEP)
         if not sep:
-            result.add(_error("malformed_call", f"the call has no {DS_CALL_SEP}. {_DS_HINT}"))
+            result.add(call_error("malformed_call", f"the call has no {DS_CALL_SEP}. {_DS_HINT}"))
             continue
         if head.strip() == "function" and not rest.lstrip().startswith("{"):  # V3 / R1: the JSON in a fence, by format (no repair)
             name, _, raw = rest.partition("\n")
-            raw = _strip_fence(raw)[0]
+            raw = strip_fence(raw)[0]
         else:
             name, raw = head, rest
         item, repaired = _object_call(name, raw, "DeepSeek", _DS_HINT)
@@ -416,7 +417,7 @@ def _parse_gpt_oss(text: str, schemas: Schemas | None) -> ParseResult:
             continue
         item, repaired = _object_call(recipient.group(1), body, "harmony", _HARMONY_HINT)
         if not ended and isinstance(item, ToolError):  # cut short (a call whose <|call|> the engine kept out of the text still reads)
-            item = _error("unterminated_tag", f"the call to '{_cut(recipient.group(1))}' never ended with <|call|>. {_HARMONY_HINT}")
+            item = call_error("unterminated_tag", f"the call to '{shorten(recipient.group(1))}' never ended with <|call|>. {_HARMONY_HINT}")
         result.add(item)
         result.repaired += repaired
     # A header addressed to a function whose message never began (the turn was cut there).
@@ -424,7 +425,7 @@ def _parse_gpt_oss(text: str, schemas: Schemas | None) -> ParseResult:
     ended = max(text.rfind(token) for token in ("<|call|>", "<|end|>", "<|return|>"))
     tail = text[ended:] if ended > last else ("" if last >= 0 else text)
     if (cut := _RECIPIENT.search(tail)) is not None:
-        result.add(_error("unterminated_tag", f"the call to '{_cut(cut.group(1))}' has no <|message|>. {_HARMONY_HINT}"))
+        result.add(call_error("unterminated_tag", f"the call to '{shorten(cut.group(1))}' has no <|message|>. {_HARMONY_HINT}"))
     return result
 
 
@@ -468,6 +469,17 @@ def stop_token_ids(fmt: str, tokenizer) -> tuple[int, ...]:
     return tuple(i for token, i in zip(tokens, ids) if i is not None and tokenizer.convert_ids_to_tokens(i) == token)
 
 
+def get_parser(name: str, schemas: Schemas | None = None) -> Callable[[str], ParseResult]:
+    """The parser of format `name` (retool, hermes: raytool.agent.parsers; or a family above);
+    `schemas` types the arguments of the XML formats."""
+    if name in PARSERS:
+        return PARSERS[name]
+    if name in FORMATS:
+        parse = FORMATS[name].parse
+        return lambda text: parse(text, schemas)
+    raise ValueError(f"unknown tool parser '{name}'; expected one of {sorted([*PARSERS, *FORMATS])}")
+
+
 def detect(chat_template: str | None) -> str | None:
     """The tool-call format `chat_template` writes (a key of FORMATS, or hermes), None when nothing
     in it says."""
@@ -496,8 +508,6 @@ def split_reasoning(text: str) -> tuple[str, str]:
 def describe(text: str, fmt: str, schemas: Schemas | None = None) -> dict:
     """What raytool reads in one model output under format `fmt`: its calls, typed errors, how many
     calls needed a repair, the reasoning and the rest (`raytool parse-tools`)."""
-    from raytool.agent.parsers import get_parser
-
     parsed = get_parser(fmt, schemas)(text)
     reasoning, rest = split_reasoning(text)
     items = [{"call": {"name": i.name, "arguments": i.arguments}} if isinstance(i, ToolCall) else {"error": {"kind": i.kind, "message": i.message}}
@@ -515,5 +525,5 @@ def describe_table(found: dict) -> str:
         else:
             lines.append(f"{n:>3}  error  {item['error']['kind']}: {item['error']['message']}")
     if found["reasoning"]:
-        lines.append("reasoning: " + _cut(" ".join(found["reasoning"].split()), 200))
+        lines.append("reasoning: " + shorten(" ".join(found["reasoning"].split()), 200))
     return "\n".join(lines)

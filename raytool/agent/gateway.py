@@ -42,8 +42,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from raytool.agent.loop import Generate, request_seed
-from raytool.agent.families import FORMATS, split_reasoning, stop_token_ids
-from raytool.agent.parsers import get_parser
+from raytool.agent.families import FORMATS, get_parser, split_reasoning, stop_token_ids
 from raytool.agent.recorder import TokenRecorder, render_chat
 from raytool.agent.render import ChatRenderer
 from raytool.errors import one_line

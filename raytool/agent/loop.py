@@ -32,8 +32,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from raytool.agent.families import SPECIAL_MARKERS, split_reasoning, stop_token_ids
-from raytool.agent.parsers import ParseResult, ToolError, check_arguments, get_parser
+from raytool.agent.families import SPECIAL_MARKERS, get_parser, split_reasoning, stop_token_ids
+from raytool.agent.parsers import ParseResult, ToolError, check_arguments
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer, RenderError
 from raytool.agent.turns import STRUCTURED, call_id, structured_turn

@@ -142,6 +142,11 @@ class OpenEnvAgentLoop:
     row_extra = True  # run() is given the row's extra (its extra_info.reset: the reset's arguments)
     scored_by_environment = True  # the environment's step rewards are the reward: reward.fn is not called
 
+    @staticmethod
+    def check_environment(agent: AgentConfig) -> None:
+        """Before any actor starts (raytool.agent.registry.check_agents): its app imports, or its server answers."""
+        check_environment(agent.environment)
+
     def __init__(self, renderer: ChatRenderer, tools: dict, generate, agent: AgentConfig, rollout: RolloutConfig):
         args = dict(agent.environment_args)
         self.action_field = args.pop("action_field", ACTION_FIELD)

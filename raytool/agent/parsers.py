@@ -71,18 +71,18 @@ class ToolError:
         return self.message
 
 
-def _error(kind: str, text: str) -> ToolError:
+def call_error(kind: str, text: str) -> ToolError:
     return ToolError(kind, f"Error ({kind}): {text}")
 
 
-def _cut(text: str, limit: int = 40) -> str:
+def shorten(text: str, limit: int = 40) -> str:
     """`text` cut to `limit` characters, to quote the model's words inside a message."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _quote(value, limit: int = 30) -> str:
     """`value` as JSON, cut to `limit` characters."""
-    return _cut(json.dumps(value, ensure_ascii=False, default=str), limit)
+    return shorten(json.dumps(value, ensure_ascii=False, default=str), limit)
 
 
 @dataclass
@@ -124,7 +124,7 @@ class ParseResult:
         return [next(calls) if kind == "call" else next(errors) for kind in self.order]
 
 
-def _tagged_bodies(text: str, open_tag: str, close_tag: str) -> Iterator[str | None]:
+def tagged_bodies(text: str, open_tag: str, close_tag: str) -> Iterator[str | None]:
     """The body of each `open_tag` in text order, or None where it is never closed: no
     `close_tag` follows it before the next `open_tag`. Linear: each find resumes where it stopped."""
     i = text.find(open_tag)
@@ -201,7 +201,7 @@ def _code_blocks(text: str) -> Iterator[tuple[str | None, bool]]:
             i = nxt
 
 
-def _strip_fence(body: str) -> tuple[str, bool]:
+def strip_fence(body: str) -> tuple[str, bool]:
     """The text inside a ``` fence (with or without a language name, closed or not), and whether
     there was one. Text after the closing fence is dropped."""
     s = body.strip()
@@ -288,7 +288,7 @@ def _where(s: str, anchors: list[tuple[int, int]], pos: int) -> str:
     return f"line {line} column {column}"
 
 
-def _loads(s: str):
+def loads_json(s: str):
     """(value, repaired, None) or (None, False, 'what is wrong and where')."""
     fixed, anchors = _repair_json(s)
     try:
@@ -298,7 +298,7 @@ def _loads(s: str):
     except RecursionError:
         return None, False, "nested too deeply"
     except ValueError as exc:  # e.g. an integer of more than 4,300 digits (Python's int conversion limit)
-        return None, False, _cut(str(exc).split(";")[0], 80)
+        return None, False, shorten(str(exc).split(";")[0], 80)
     try:  # a lone surrogate (\ud800) decodes to a str that can never be sent on as UTF-8
         json.dumps(value, ensure_ascii=False).encode()
     except UnicodeEncodeError:
@@ -311,7 +311,7 @@ def _loads(s: str):
 _JSON_TYPE = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
 
 
-def _json_type(value) -> str:
+def json_type(value) -> str:
     return "null" if value is None else _JSON_TYPE.get(type(value), type(value).__name__)
 
 
@@ -320,19 +320,19 @@ def _json_type(value) -> str:
 
 def _hermes_call(body: str) -> tuple[ToolCall | ToolError, bool]:
     """One <tool_call> body as a call (and whether it needed a repair) or an error."""
-    inner, fenced = _strip_fence(body)
-    obj, repaired, problem = _loads(inner)
+    inner, fenced = strip_fence(body)
+    obj, repaired, problem = loads_json(inner)
     if problem:
-        return _error("invalid_json", f"the <tool_call> body is not valid JSON ({problem}). {_HERMES_FORMAT}"), False
+        return call_error("invalid_json", f"the <tool_call> body is not valid JSON ({problem}). {_HERMES_FORMAT}"), False
     if not isinstance(obj, dict):
-        return _error(
+        return call_error(
             "invalid_json",
-            f"the <tool_call> body must be one JSON object, got {_json_type(obj)}. {_HERMES_FORMAT[:-1]}, "
+            f"the <tool_call> body must be one JSON object, got {json_type(obj)}. {_HERMES_FORMAT[:-1]}, "
             "one per <tool_call>.",
         ), False
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
-        return _error("invalid_json", f'the call has no "name" string naming the tool. {_HERMES_FORMAT}'), False
+        return call_error("invalid_json", f'the call has no "name" string naming the tool. {_HERMES_FORMAT}'), False
     if "arguments" in obj:
         args = obj["arguments"]
     elif "parameters" in obj:
@@ -340,13 +340,13 @@ def _hermes_call(body: str) -> tuple[ToolCall | ToolError, bool]:
     else:
         args = {}
     if isinstance(args, str):
-        decoded, _, problem = _loads(args) if args.strip() else ({}, False, None)
+        decoded, _, problem = loads_json(args) if args.strip() else ({}, False, None)
         if problem is None and isinstance(decoded, dict):
             args, repaired = decoded, True
     if not isinstance(args, dict):
-        return _error(
+        return call_error(
             "wrong_argument_type",
-            f"\"arguments\" of the call to '{_cut(name)}' must be a JSON object, got {_json_type(args)}. "
+            f"\"arguments\" of the call to '{shorten(name)}' must be a JSON object, got {json_type(args)}. "
             + _HERMES_FORMAT,
         ), False
     return ToolCall(name=name, arguments=args), repaired or fenced
@@ -360,14 +360,14 @@ def tool_call_bodies(text: str, result: ParseResult, hint: str) -> Iterator[str]
     reasoning, sep, rest = text.partition("</think>")
     if sep:
         for _ in range(reasoning.count("<tool_call>")):
-            result.add(_error("malformed_call", "a <tool_call> inside the reasoning (before </think>) is not run. "
+            result.add(call_error("malformed_call", "a <tool_call> inside the reasoning (before </think>) is not run. "
                                                 "Finish the reasoning with </think>, then write the call."))
         text = rest
-    for body in _tagged_bodies(text, "<tool_call>", "</tool_call>"):
+    for body in tagged_bodies(text, "<tool_call>", "</tool_call>"):
         if body is None:
-            result.add(_error("unterminated_tag", "<tool_call> was opened but never closed. End each call with </tool_call>."))
+            result.add(call_error("unterminated_tag", "<tool_call> was opened but never closed. End each call with </tool_call>."))
         elif not body.strip():
-            result.add(_error("empty_call", f"the <tool_call> is empty. {hint}"))
+            result.add(call_error("empty_call", f"the <tool_call> is empty. {hint}"))
         else:
             yield body
 
@@ -387,7 +387,7 @@ def parse_hermes(text: str) -> ParseResult:
 
 
 def _undecodable(exc: Exception) -> ToolError:
-    return _error("invalid_json", f"the call could not be decoded ({type(exc).__name__}: {_cut(str(exc), 60)}). "
+    return call_error("invalid_json", f"the call could not be decoded ({type(exc).__name__}: {shorten(str(exc), 60)}). "
                   + _HERMES_FORMAT)
 
 
@@ -399,15 +399,15 @@ def parse_retool(text: str) -> ParseResult:
     for body, cut in _code_blocks(text):
         if body is None:
             result.add(
-                _error("unterminated_tag", "<code> was opened but never closed. Write <code>```python ... ```</code>.")
+                call_error("unterminated_tag", "<code> was opened but never closed. Write <code>```python ... ```</code>.")
             )
             continue
         result.cut_in_fence += cut
-        code = textwrap.dedent(_strip_fence(body)[0]).strip("\n").rstrip()
+        code = textwrap.dedent(strip_fence(body)[0]).strip("\n").rstrip()
         code = code.encode("utf-8", "replace").decode()  # a lone surrogate (never in decoded tokens) becomes "?"
         if not code.strip():
             result.add(
-                _error("empty_call", "the <code> block is empty. Put Python in it: <code>```python ... ```</code>.")
+                call_error("empty_call", "the <code> block is empty. Put Python in it: <code>```python ... ```</code>.")
             )
         else:
             result.add(ToolCall(name="code_interpreter", arguments={"code": code}))
@@ -440,7 +440,7 @@ def _expected_arguments(params: dict, limit: int) -> str:
     while len(listing) > limit and len(parts) > 1:  # drop whole entries from the end
         parts.pop()
         listing = ", ".join(parts) + ", ..."
-    return _cut(listing, limit)
+    return shorten(listing, limit)
 
 
 def check_arguments(call: ToolCall, schema: dict) -> ToolError | None:
@@ -456,11 +456,11 @@ def check_arguments(call: ToolCall, schema: dict) -> ToolError | None:
             '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
         )
     params = function.get("parameters", {})
-    tool = _cut(call.name)
+    tool = shorten(call.name)
     for arg in params.get("required", ()):
         if arg not in call.arguments:
-            text = f"the call to '{tool}' lacks the required argument '{_cut(arg)}'. Expected arguments: "
-            return _error("missing_argument", text + _expected_arguments(params, 170 - len(text)) + ".")
+            text = f"the call to '{tool}' lacks the required argument '{shorten(arg)}'. Expected arguments: "
+            return call_error("missing_argument", text + _expected_arguments(params, 170 - len(text)) + ".")
     for arg, spec in params.get("properties", {}).items():
         if arg not in call.arguments:
             continue
@@ -475,33 +475,20 @@ def check_arguments(call: ToolCall, schema: dict) -> ToolError | None:
                     f"expected JSON type names {sorted(_TYPE_CHECKS)}"
                 )
             if not any(_TYPE_CHECKS[t](value) for t in types):
-                return _error(
+                return call_error(
                     "wrong_argument_type",
-                    f"argument '{_cut(arg)}' of '{tool}' must be {' or '.join(types)}, "
-                    f"got {_json_type(value)} ({_quote(value)}).",
+                    f"argument '{shorten(arg)}' of '{tool}' must be {' or '.join(types)}, "
+                    f"got {json_type(value)} ({_quote(value)}).",
                 )
         enum = spec.get("enum")
         if enum is not None and not any(
             value == e and isinstance(value, bool) == isinstance(e, bool) for e in enum
         ):
-            return _error(
+            return call_error(
                 "wrong_argument_type",
-                f"argument '{_cut(arg)}' of '{tool}' must be one of {_quote(enum, 60)}, got {_quote(value)}.",
+                f"argument '{shorten(arg)}' of '{tool}' must be one of {_quote(enum, 60)}, got {_quote(value)}.",
             )
     return None
 
 
 PARSERS = {"retool": parse_retool, "hermes": parse_hermes}
-
-
-def get_parser(name: str, schemas: dict[str, dict] | None = None) -> Callable[[str], ParseResult]:
-    """The parser of format `name` (retool, hermes, or a family of raytool.agent.families); `schemas`
-    (tool name -> OpenAI function schema) types the arguments of the XML formats."""
-    from raytool.agent.families import FORMATS  # it builds on this module
-
-    if name in PARSERS:
-        return PARSERS[name]
-    if name in FORMATS:
-        parse = FORMATS[name].parse
-        return lambda text: parse(text, schemas)
-    raise ValueError(f"unknown tool parser '{name}'; expected one of {sorted([*PARSERS, *FORMATS])}")

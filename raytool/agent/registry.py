@@ -82,14 +82,11 @@ def check_agents(agent: AgentConfig, rows) -> None:
     if "verifiers" in used and "openenv" in used:
         raise ConfigError("config key 'agent.environment': rows with agent_name verifiers and rows with agent_name openenv would share "
                           "the one environment it names: give one of the two kinds of rows")
-    if "verifiers" in used:  # the environment loads here once, so a missing one stops the run before any actor starts
-        from raytool.agent.verifiers_loop import load_environment
-
-        load_environment(agent.environment, dict(agent.environment_args))
-    elif "openenv" in used:  # its app imports, or its server answers, before any actor starts
-        from raytool.agent.openenv_loop import check_environment
-
-        check_environment(agent.environment)
-    elif agent.environment:
+    # A loop of an environment (verifiers, openenv) checks it now, so a missing one stops the run
+    # before any actor starts; the loops are found by name, so this module imports none of them.
+    environment_loops = [loop for loop in (get_agent_loop(name) for name in sorted(used)) if hasattr(loop, "check_environment")]
+    for loop in environment_loops:
+        loop.check_environment(agent)
+    if agent.environment and not environment_loops:
         raise ConfigError(f"config key 'agent.environment': {agent.environment!r} rolls out no row (no row has agent_name verifiers or openenv): "
                           "set data.task verifiers for a verifiers environment's own dataset, or agent.default_agent verifiers or openenv")

@@ -221,6 +221,11 @@ def last_answer(completion) -> str | None:
 class VerifiersAgentLoop:
     row_extra = True  # run() is given the row's extra (its extra_info: the environment's example_id, info, task)
 
+    @staticmethod
+    def check_environment(agent: AgentConfig) -> None:
+        """Before any actor starts (raytool.agent.registry.check_agents): the environment loads, once."""
+        load_environment(agent.environment, dict(agent.environment_args))
+
     def __init__(self, renderer: ChatRenderer, tools: dict, generate, agent: AgentConfig, rollout: RolloutConfig):
         self.env = load_environment(agent.environment, dict(agent.environment_args))
         self.renderer, self.generate, self.agent, self.rollout = renderer, generate, agent, rollout

@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
-from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
+from raytool.engines.common import INCOMPLETE, EngineStats, check_weights_complete
 from raytool.moe import RouterTap
 from raytool.types import Routes, SamplingParams, TokenOutput
 from raytool.weightsync import WeightReceiver

@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 
-from raytool.engines import EngineStats
+from raytool.engines.common import EngineStats
 from raytool.engines.crash import EngineCrash
 from raytool.models import load_tokenizer
 from raytool.types import SamplingParams, TokenOutput

@@ -57,7 +57,7 @@ import psutil
 
 from raytool import reaper
 from raytool.config import VLLM_CPU_NO_ROUTES
-from raytool.engines import INCOMPLETE, EngineStats, check_weights_complete
+from raytool.engines.common import INCOMPLETE, EngineStats, check_weights_complete
 from raytool.engines.crash import CRASH_FILE_ENV, EngineCrash, read_crash
 from raytool.moe import RouteLog
 from raytool.types import Routes, SamplingParams, TokenOutput

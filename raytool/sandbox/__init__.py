@@ -9,14 +9,6 @@ from raytool.types import ExecResult
 BACKENDS = ["local", "sandbox_fusion", "e2b"]
 
 
-def cap_output(text: str | None, limit: int) -> tuple[str, bool]:
-    """`text` cut to `limit` UTF-8 bytes (never ending on half a character), and whether it was cut."""
-    data = (text or "").encode("utf-8", "replace")
-    if len(data) <= limit:
-        return text or "", False
-    return data[:limit].decode("utf-8", "ignore"), True
-
-
 class SandboxBackend(Protocol):
     async def start(self) -> None: ...
 

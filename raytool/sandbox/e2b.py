@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from raytool.errors import RaytoolError, one_line
-from raytool.sandbox import cap_output
+from raytool.sandbox.output import cap_output
 from raytool.types import ExecResult, ExecStatus
 
 log = logging.getLogger(__name__)

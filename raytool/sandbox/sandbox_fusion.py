@@ -22,7 +22,7 @@ import time
 
 import aiohttp
 
-from raytool.sandbox import cap_output
+from raytool.sandbox.output import cap_output
 from raytool.types import ExecResult
 
 log = logging.getLogger(__name__)
