@@ -31,7 +31,7 @@ from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig, RunConfig
 from raytool.errors import one_line
 from raytool.models import load_tokenizer
-from raytool.overload import backoff_s
+from raytool.overload import backoff_s, stage_timing
 from raytool.streaming import trajectory_stats
 from raytool.tools.code_interpreter import CodeInterpreterTool
 from raytool.tools.registry import ToolSet, load_tool_config
@@ -119,7 +119,7 @@ class AgentLoopWorker:
             worker = next(self.reward_workers)
             try:
                 traj.reward, traj.reward_extra, (waited, served) = await worker.score.remote(view, ground_truth, extra, r.call_timeout_s)
-                traj.timings = {**traj.timings, "reward_queue_s": waited, "reward_s": served}
+                traj.timings = {**traj.timings, **stage_timing("reward", waited, served)}
                 return
             except ray.exceptions.RayActorError as exc:  # the worker died: Ray restarts it
                 cause = one_line(exc)
@@ -154,7 +154,7 @@ class AgentLoopWorker:
                     self._pool(session).close_session.remote(session)
         traj.agent_name = agent_name
         if cells is not None:
-            traj.timings = {**traj.timings, "sandbox_queue_s": cells[0], "sandbox_s": cells[1]}
+            traj.timings = {**traj.timings, **stage_timing("sandbox", *cells)}
         scored_by_loop = hasattr(loop, "score_group") or getattr(loop, "scored_by_environment", False)
         # Score now, while sibling trajectories are still rolling out; one stopped by its wall-clock
         # limit is truncated, not answered: it is not scored (nor trained: raytool.types.trained).

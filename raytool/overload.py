@@ -51,6 +51,11 @@ def backoff_s(attempt: int, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKO
     return full / 2 + (rng or random).uniform(0, full / 2)
 
 
+def stage_timing(stage: str, queue_s: float, service_s: float) -> dict[str, float]:
+    """The entries of Trajectory.timings that record a stage's queue and service seconds (read back by stage_times)."""
+    return {f"{stage}_queue_s": queue_s, f"{stage}_s": service_s}
+
+
 def stage_times(timings: dict) -> dict[str, tuple[float, float]]:
     """{stage: (queue seconds, service seconds)} of one trajectory's timings, for the stages it used."""
     return {s: (timings.get(f"{s}_queue_s", 0.0), timings[f"{s}_s"]) for s in STAGES if f"{s}_s" in timings}

@@ -3,7 +3,7 @@
 import asyncio
 import random
 
-from raytool.overload import AdmissionWindow, backoff_s, congested, queued, stage_times
+from raytool.overload import AdmissionWindow, backoff_s, congested, queued, stage_times, stage_timing
 
 
 def test_backoff_grows_exponentially_is_capped_and_jittered():
@@ -22,6 +22,7 @@ def test_a_stage_is_congested_when_its_calls_queue_longer_than_they_are_served()
     assert congested([stage_times({"reward_queue_s": 1.0, "reward_s": 1.0, "sandbox_queue_s": 0.0, "sandbox_s": 0.2})])[0] == ""
     assert congested([stage_times({"sandbox_queue_s": 0.3, "sandbox_s": 0.001})])[0] == ""  # a burst of quick cells: no signal
     assert congested([stage_times({"total_s": 3.0})])[0] == "" and stage_times({"reward_s": 2.0}) == {"reward": (0.0, 2.0)}
+    assert stage_times({"total_s": 3.0, **stage_timing("sandbox", 0.5, 2.0)}) == {"sandbox": (0.5, 2.0)}  # what the agent worker writes
 
 
 HELD = [{"reward": (5.0, 0.5)}]  # a trajectory that queued 5 s for 0.5 s of scoring
