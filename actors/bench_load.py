@@ -238,10 +238,11 @@ def slow_stage_bench(cfg: RunConfig, stage: str, trajectories: int = SLOW_TRAJEC
     evaluation does) through `Graph.rollout`, with `stage` (judge or sandbox) SLOW_FACTOR times
     slower than generation: throughput against the slow stage's capacity (its slots over its
     measured service time per call), groups lost, retries, and the admission window."""
+    from contextlib import nullcontext
+
     from raytool.bench.judge_server import JudgeServer
     from raytool.config import ConfigError
     from raytool.models import load_tokenizer, resolve_model
-    from raytool.overload import AdmissionWindow
     from raytool.streaming import GroupRetries
 
     if stage not in ("judge", "sandbox"):
@@ -251,26 +252,21 @@ def slow_stage_bench(cfg: RunConfig, stage: str, trajectories: int = SLOW_TRAJEC
     model = resolve_model(cfg.model.path)
     generation_s = len(SCRIPT) * cfg.rollout.scripted_delay_s
     latency_s = SLOW_FACTOR * generation_s
-    judge = JudgeServer(load_tokenizer(model), _verdict, delay_s=latency_s) if stage == "judge" else None
-    judge_url = judge.__enter__() if judge is not None else None
-    try:
+    with JudgeServer(load_tokenizer(model), _verdict, delay_s=latency_s) if stage == "judge" else nullcontext() as judge_url:
         cfg = _with_slow_stage(cfg, stage, judge_url, latency_s)
         connect(cfg.cluster.address)
         graph = build(cfg, model, with_trainer=False)
         try:
             rows = [prompt_row(p, cfg.agent.system_prompt) for p in make_splits(trajectories // SLOW_GROUP, 1, cfg.data.seed)[0]]
             graph.rollout(rows[:1], prefix="warm-up")
-            cap = graph.admission_window().cap
-            window, retries = AdmissionWindow(cap), GroupRetries(cfg.rollout.max_group_retries, cfg.rollout.retry_budget)
+            window, retries = graph.admission_window(), GroupRetries(cfg.rollout.max_group_retries, cfg.rollout.retry_budget)
+            cap = window.limit
             with _Sampler(_actor_pids(graph)) as sampler:
                 start = time.perf_counter()
                 stats, _ = graph.rollout(rows, prefix="slow", window=window, retries=retries)
                 elapsed = time.perf_counter() - start
         finally:
             graph.shutdown()
-    finally:
-        if judge is not None:
-            judge.__exit__(None, None, None)
     used = [s.stages[stage if stage == "sandbox" else "reward"] for s in stats if s.stages]
     queue_s, service_s = [q for q, _ in used], [t for _, t in used]
     calls = len(SCRIPT) - 1 if stage == "sandbox" else 1  # the stage's calls per trajectory

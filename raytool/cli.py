@@ -369,7 +369,6 @@ def _main(argv: list[str] | None, scope: contextlib.ExitStack) -> int:
     return _run_command(cfg, args, resume)
 
 
-
 def _bench(cfg, args) -> int:
     """`raytool bench NAME`: its table, and with --json its result as the last line."""
     if args.link_mbit is not None:
