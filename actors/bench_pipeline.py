@@ -24,7 +24,7 @@ import tempfile
 import msgspec
 
 from actors.compose import build
-from actors.pipeline import DriverState, connect, grpo_step, rollout_stream, run_sft_warmup, warmup_examples
+from actors.pipeline import connect, grpo_step, rollout_stream, run_sft_warmup, warmup_examples
 from raytool.config import RunConfig
 from raytool.data import PromptLoader
 from raytool.data.task import load_task
@@ -40,16 +40,15 @@ def _with_bench_settings(cfg: RunConfig) -> RunConfig:
     return msgspec.structs.replace(cfg, sandbox=s, async_=msgspec.structs.replace(cfg.async_, max_staleness=max(MODES)))
 
 
-def _segment(graph, cfg: RunConfig, loader: PromptLoader, k: int, version: int, steps: int) -> tuple[list[dict], int]:
-    stream = rollout_stream(graph, msgspec.structs.replace(cfg, async_=msgspec.structs.replace(cfg.async_, max_staleness=k)), loader, version)
-    state = DriverState(step=0, version=version, loader={})
+def _segment(graph, cfg: RunConfig, loader: PromptLoader, k: int, steps: int) -> list[dict]:
+    stream = rollout_stream(graph, msgspec.structs.replace(cfg, async_=msgspec.structs.replace(cfg.async_, max_staleness=k)), loader)
     timed = []
     for step in range(1, steps + 2):
-        metrics, _ = grpo_step(graph, stream, step, state)
+        metrics, _ = grpo_step(graph, stream, step)
         if step > 1:
             timed.append(metrics)
     stream.drain()
-    return timed, state.version
+    return timed
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -64,7 +63,6 @@ def bench(cfg: RunConfig, steps: int = 3, repeats: int = 2) -> tuple[str, dict]:
     graph = build(cfg, model_path)
     rows: dict[int, list[dict]] = {k: [] for k in MODES}
     try:
-        version = 0
         if cfg.trainer.sft_warmup_steps:
             run_sft_warmup(graph, cfg, warmup_examples(cfg, task, load_tokenizer(model_path), random.Random(cfg.trainer.seed)), None)
         with tempfile.TemporaryDirectory(prefix="raytool-bench-pipeline-") as start:
@@ -74,10 +72,9 @@ def bench(cfg: RunConfig, steps: int = 3, repeats: int = 2) -> tuple[str, dict]:
             for _ in range(repeats):
                 for k in MODES:
                     graph.trainer.load_checkpoint(start)
-                    version += 1
-                    graph.sync_weights(version)
+                    graph.publish_weights()
                     loader.load_state_dict(first)
-                    timed, version = _segment(graph, cfg, loader, k, version, steps)
+                    timed = _segment(graph, cfg, loader, k, steps)
                     rows[k] += timed
     finally:
         graph.shutdown()

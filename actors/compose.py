@@ -33,6 +33,7 @@ from actors.rollout_server import RolloutServer
 from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
 from raytool.config import RunConfig, sandbox_backend_options
+from raytool.controlplane import SyncPlan
 from raytool.data.prompts import PromptRow, with_system_prompt
 from raytool.tools.registry import row_tool_names
 from raytool import placement
@@ -62,7 +63,6 @@ class Graph:
     trainer: TrainerGroup | None
     namespace: str = ""  # the Ray namespace its named actors live in
     watchdog: object = None  # the run's actors.watchdog.Watchdog, if one watches them
-    sync_attempts: int = 0  # weight-sync passes so far: each pass's buckets carry its number
     gateway: object = None  # agent.gateway: the GatewayActor serving the OpenAI API over the manager
     gateway_url: str = ""
     _next_worker: itertools.cycle = field(init=False, repr=False)
@@ -160,49 +160,59 @@ class Graph:
                 if attempt == MANAGER_CALL_ATTEMPTS - 1 or not wait_until_alive(self.manager):
                     raise
 
-    def resync_stale(self, version: int) -> None:
-        """Load `version` (the trainer's current weights) into the servers Ray restarted (fresh engines
-        on the base weights) now, so they serve again within this step: with one server, requests
-        wait for it instead of failing. Only while the trainer is not updating."""
-        stale = self.ask_manager("expect_version", version)
-        if stale:
-            log.warning("rollout servers %s were restarted (base weights): weight sync v%d to them", stale, version)
-            self.sync_weights(version, only=stale)
+    def policy_version(self) -> int:
+        """The version of the weights the servers should hold (the control plane's: the last sync's)."""
+        return self.ask_manager("policy_version")
 
-    def sync_weights(self, version: int, timeout_s: float = 300.0, only: list[str] | None = None) -> dict:
-        """Stream the trainer's weights to every healthy rollout server (and to recovered ones that
-        wait for current weights), or to the servers in `only`; returns bytes, seconds, acks and the
-        servers that failed. A server that fails its sync is ejected by the manager; the run goes on without it.
+    def publish_weights(self, timeout_s: float = 300.0) -> dict:
+        """The trainer's new weights, as the next policy version, to every healthy rollout server
+        (and to recovered ones that wait for current weights): see `sync`."""
+        return self.sync(self.ask_manager("plan_sync"), timeout_s)
+
+    def resync_stale(self) -> None:
+        """Load the current version (the trainer's weights) into the servers Ray restarted (fresh
+        engines on the base weights) now, so they serve again within this step: with one server,
+        requests wait for it instead of failing. Only while the trainer is not updating."""
+        plan = self.ask_manager("plan_resync")
+        if plan is not None:
+            log.warning("rollout servers %s were restarted (base weights): weight sync v%d to them", sorted(plan.targets), plan.version)
+            self.sync(plan)
+
+    def sync_weights(self, version: int, timeout_s: float = 300.0) -> dict:
+        """The trainer's weights as policy version `version` (a resumed run's) to every healthy server."""
+        return self.sync(self.ask_manager("plan_sync", version), timeout_s)
+
+    def sync(self, plan: SyncPlan, timeout_s: float = 300.0) -> dict:
+        """Stream the trainer's weights to the plan's servers (the control plane's plan: version,
+        attempt, targets); returns the version, bytes, seconds, acks and the servers that failed. A
+        server that fails its sync is ejected by the control plane; the run goes on without it.
 
         The buckets travel down a relay chain of the servers' receivers, so one dead server also
         starves the servers after it. Those are synced again at once, in a chain without the
         servers that broke it (a dead actor, or an address a forwarder could not deliver to)."""
-        targets = self.ask_manager("weight_targets")
-        if only is not None:
-            targets = {name: addresses for name, addresses in targets.items() if name in only}
-        current, failed = self._receivers(targets)
-        moved = {name: addresses for name, addresses in current.items() if addresses != targets[name]}
-        if moved:  # restarted since the manager last heard of them (before serving a request, say): new ports
+        current, failed = self._receivers(plan.targets)
+        moved = {name: addresses for name, addresses in current.items() if addresses != plan.targets[name]}
+        if moved:  # restarted since the control plane last heard of them (before serving a request, say): new ports
             self.ask_manager("set_addresses", moved)
         targets = current
-        sent, acks, broken = self._send_and_ack(targets, version, timeout_s)
+        sent, acks, broken = self._send_and_ack(targets, plan.version, timeout_s, plan.attempt)
         culprits, collateral = chain_culprits(targets, broken)
         if culprits and collateral:
-            log.warning("weight sync v%d: %s broke the chain; syncing %s again without them", version, sorted(culprits), sorted(collateral))
-            sent_again, more_acks, broken_again = self._send_and_ack(collateral, version, timeout_s)
+            log.warning("weight sync v%d: %s broke the chain; syncing %s again without them", plan.version, sorted(culprits), sorted(collateral))
+            again = self.ask_manager("plan_sync", plan.version, sorted(collateral))
+            sent_again, more_acks, broken_again = self._send_and_ack(again.targets, plan.version, timeout_s, again.attempt)
             sent = sent if sent["bytes"] else sent_again
             acks += more_acks
             broken = {name: broken[name] for name in culprits} | broken_again
         failed.update({name: f.reason for name, f in broken.items()})
-        self.ask_manager("synced", version, [a["server"] for a in acks], failed)
-        return {"sent": sent, "acks": acks, "failed": failed}
+        self.ask_manager("synced", plan.version, [a["server"] for a in acks], failed)
+        return {"version": plan.version, "sent": sent, "acks": acks, "failed": failed}
 
-    def _send_and_ack(self, targets: dict, version: int, timeout_s: float) -> tuple[dict, list, dict]:
-        """One pass: every target listens, the trainer sends -> (sender stats, acks, failed server -> ServerSyncFailure)."""
+    def _send_and_ack(self, targets: dict, version: int, timeout_s: float, attempt: int) -> tuple[dict, list, dict]:
+        """One pass: every target listens, the trainer sends -> (sender stats, acks, failed server -> ServerSyncFailure).
+        `attempt`: the pass's number (a pass of a version after a failed one: receivers drop the first pass's leftovers)."""
         if not targets:  # every server is down or restarting: nothing to send to (they are synced once back)
             return {"bytes": 0, "buckets": 0, "seconds": 0.0}, [], {}
-        self.sync_attempts += 1  # a pass of this version after a failed one: receivers drop the first pass's leftovers
-        attempt = self.sync_attempts
         receiving = {name: self.servers[name].receive_weights.remote(version, timeout_s, attempt) for name in targets}
         addresses = [address for name in targets for address in targets[name]]
         acks, broken = [], {}  # server -> ServerSyncFailure

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -12,7 +13,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from raytool.config import RolloutConfig
 from raytool.dataplane import DataPlane, InvalidRequest, ServerFailed
 from raytool.errors import one_line
-from raytool.types import SamplingParams, TokenOutput
+from raytool.types import SamplingParams, ServerHealth, ServerProgress, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +21,12 @@ MEMBERSHIP_POLL_S = 30.0  # how long one long-poll for a membership change waits
 CONTROL_RETRY_S = 1.0  # between tries while the control plane cannot be reached
 
 
+_PROBE = SamplingParams(max_tokens=1, temperature=0.0)
+
+
 class RayTransport:
-    """generate/progress on RolloutServer actor handles, their failures typed for the DataPlane."""
+    """The calls to RolloutServer actor handles, their failures typed: the data plane's
+    (raytool.dataplane.Transport) and the control plane's (raytool.controlplane.Servers)."""
 
     def __init__(self, servers: dict):
         self.servers = servers  # name -> RolloutServer handle
@@ -40,11 +45,28 @@ class RayTransport:
         except RayActorError as exc:  # died, restarting, or unreachable
             raise ServerFailed(server, "died", one_line(exc)) from None
 
-    async def progress(self, server: str) -> dict:
+    async def _call(self, server: str, method: str, *args):
         try:
-            return await self.servers[server].progress.remote()
+            return await getattr(self.servers[server], method).remote(*args)
         except (RayTaskError, RayActorError) as exc:
             raise ServerFailed(server, "unreachable", one_line(exc)) from None
+
+    async def progress(self, server: str) -> ServerProgress:
+        return await self._call(server, "progress")
+
+    # The control plane's calls too (raytool.controlplane.Servers).
+
+    async def ready(self, server: str) -> list[str]:
+        return await self._call(server, "ready")
+
+    async def health(self, server: str) -> ServerHealth:
+        return await self._call(server, "health")
+
+    async def probe(self, server: str) -> None:
+        await self._call(server, "generate", [0], _PROBE, f"probe-{server}-{time.monotonic_ns()}")
+
+    def restart(self, server: str) -> None:
+        ray.kill(self.servers[server], no_restart=False)
 
 
 def data_plane(servers: dict, control, rollout: RolloutConfig, role: str) -> DataPlane:

@@ -55,12 +55,12 @@ log = logging.getLogger(__name__)
 def serving_metrics(graph: Graph, server_stats: dict) -> dict:
     """The rollout servers' side of a step: health, retries and the engines' own counters
     (`server_stats`: the manager's server_stats())."""
-    manager = graph.ask_manager("stats")
+    control = graph.ask_manager("stats")
     engines = [e for e in server_stats.values() if "error" not in e]
     hits = [e["prefix_cache_hit_rate"] for e in engines if e.get("prefix_cache_hit_rate") is not None]
     metrics = {
-        "rollout/servers_healthy": len(manager["healthy"]),
-        "rollout/retries": manager["retries"],
+        "rollout/servers_healthy": len(control.healthy),
+        "rollout/retries": control.retries,
     }
     if hits:
         metrics["rollout/prefix_cache_hit_rate"] = sum(hits) / len(hits)
@@ -147,7 +147,7 @@ class DriverState(msgspec.Struct):
     """What the driver needs to continue a run exactly, saved next to the trainer's checkpoint."""
 
     step: int  # GRPO steps done
-    version: int  # policy version the rollout servers hold
+    version: int  # the policy version at the checkpoint (the control plane's, read when saving): a resumed run syncs it
     loader: dict  # the prompt loader's position
     redo: list[tuple[str, PromptRow]] = []  # groups drawn but not finished at the checkpoint: rolled out again first, same keys and seeds
 
@@ -253,7 +253,7 @@ def fitting_prompts(cfg: RunConfig, task: Task, model_path: str, tokenizer, tool
 RESYNC_CHECK_S = 5.0  # while waiting for groups, how often the driver looks for restarted servers to re-sync
 
 
-def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: int) -> RolloutStream:
+def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader) -> RolloutStream:
     """The streaming rollout core on this run's actors (see raytool.streaming)."""
 
     def submit(row: PromptRow, key: str, attempt: int):
@@ -267,21 +267,21 @@ def rollout_stream(graph: Graph, cfg: RunConfig, loader: PromptLoader, version: 
             if stream.training:  # a stopped trainer rank: TrainerLost (the group re-forms), not a wait forever
                 graph.trainer.check_heartbeats()
             else:  # a restarted server serves again once it holds the current weights
-                graph.resync_stale(stream.version)
+                graph.resync_stale()
         ready, _ = ray.wait(everything, num_returns=len(everything), timeout=0)
         ready = set(ready)
         return {ref: graph.group_result(ref) for ref in stats_refs if ref in ready}, [ref for ref in also if ref in ready]
 
     a = cfg.algorithm
     stream = RolloutStream(cfg.data.prompts_per_step, cfg.async_.max_staleness, loader.next_batch, submit, wait,
-                           dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, version=version,
+                           dynamic_sampling=a.dynamic_sampling, max_rounds=a.max_sampling_rounds, policy_version=graph.policy_version,
                            max_retries=cfg.rollout.max_group_retries, retry_budget=cfg.rollout.retry_budget, window=graph.admission_window())
     return stream
 
 
-def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState, progress: bool = False) -> tuple[dict, RolloutBatch]:
+def grpo_step(graph: Graph, stream: RolloutStream, step: int, progress: bool = False) -> tuple[dict, RolloutBatch]:
     """One GRPO step: take a batch from the stream, train on it while the stream goes on, publish
-    the new weights (state.version + 1) -> (the step's metrics, the batch). `progress`: a bar on
+    the new weights (the next policy version) -> (the step's metrics, the batch). `progress`: a bar on
     stderr while the trainer waits for its batch."""
     step_start = time.perf_counter()
     with tqdm(total=stream.per_step * graph.cfg.rollout.n, desc=f"rollout step {step}", unit="traj", disable=not progress, leave=False) as bar:
@@ -297,9 +297,8 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState
     train_s = time.perf_counter() - train_start
 
     sync_start = time.perf_counter()
-    state.version += 1
-    sync = graph.sync_weights(state.version)
-    stream.trained(state.version)
+    sync = graph.publish_weights()
+    stream.trained()
     sync_s = time.perf_counter() - sync_start
 
     engines = graph.ask_manager("server_stats")
@@ -317,10 +316,10 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, state: DriverState
         "rollout/idle_ratio": min(1.0, rollout_idle_s / step_s),
         "weight_sync/bytes": sync["sent"]["bytes"],
         "weight_sync/failed_servers": len(sync["failed"]),
-        "policy_version": state.version,
+        "policy_version": sync["version"],
     })
     # The dashboard's view of the step (Ray metrics on the head's Prometheus endpoint).
-    record_step(step, step_s=step_s, train_s=train_s, sync_s=sync_s, rollout_s=rollout_s, trainer_version=state.version,
+    record_step(step, step_s=step_s, train_s=train_s, sync_s=sync_s, rollout_s=rollout_s, trainer_version=sync["version"],
                 server_versions={name: e["policy_version"] for name, e in engines.items() if "policy_version" in e})
     return metrics, batch
 
@@ -333,6 +332,11 @@ def traced(batch: RolloutBatch, count: int) -> list:
             break
         out += ray.get(ref)[: count - len(out)]
     return out
+
+
+def _at_version(state: DriverState, graph: Graph) -> DriverState:
+    """The driver's state to save, with the policy version the control plane holds now."""
+    return msgspec.structs.replace(state, version=graph.policy_version())
 
 
 def _origin(row, key: str) -> str:
@@ -376,16 +380,15 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
         elif cfg.trainer.sft_warmup_steps:
             run_sft_warmup(graph, cfg, warmup, tracker)
             graph.trainer.start_rl(snapshot_reference=cfg.algorithm.kl_on)  # the KL reference is the cold-started policy
-            state.version += 1
-            graph.sync_weights(state.version)
+            graph.publish_weights()
         if cfg.eval.before_train and task.val and state.step == 0:
             tracker.log({"step": 0, **validate(graph, cfg, task, 0, tracker, tokenizer.decode)})
-        stream = rollout_stream(graph, cfg, loader, state.version)
+        stream = rollout_stream(graph, cfg, loader)
         stream.restore(list(state.redo), buffered)
         ledger = Ledger(run_dir, resume_step=state.step if checkpoint is not None else None)
         guard = UpdateGuard(cfg.trainer.max_skipped_steps)
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
-            metrics, batch = grpo_step(graph, stream, step, state, progress=cfg.logging.progress)
+            metrics, batch = grpo_step(graph, stream, step, progress=cfg.logging.progress)
             guard.after_step(step, metrics, [(_origin(g.row, g.key), s.reward) for g in batch.groups for s in g.stats])
             every, last = cfg.eval.every, step == cfg.trainer.total_steps
             if task.val and ((every and (step % every == 0 or last)) or (cfg.eval.after_train and last)):
@@ -400,11 +403,11 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
             state.step, state.loader, state.redo = step, loader.state_dict(), redo
             every = cfg.trainer.save_every
             if every and step % every == 0 and not (cfg.trainer.save_final and step == cfg.trainer.total_steps):
-                save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints, run_dir)
+                save_checkpoint(graph.trainer, root, _at_version(state, graph), waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints, run_dir)
         redo, waiting = stream.unfinished()
         ledger.finish(state.step, [key for key, _ in redo] + [g.key for g in waiting])
         if cfg.trainer.save_final:
-            directory = save_checkpoint(graph.trainer, root, state, waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints, run_dir)
+            directory = save_checkpoint(graph.trainer, root, _at_version(state, graph), waiting, to_yaml(cfg), cfg.trainer.keep_checkpoints, run_dir)
             return graph.trainer.export_hf(storage.join(directory, "hf"))
         return None
     finally:

@@ -15,7 +15,7 @@ from raytool.device import set_torch_threads
 from raytool.engines import make_engine
 from raytool.engines.crash import death, repeats, verdict
 from raytool.errors import RolloutServerError, describe_engine_failure
-from raytool.types import SamplingParams, TokenOutput
+from raytool.types import SamplingParams, ServerHealth, ServerProgress, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +124,12 @@ class RolloutServer:
         self._check()
         await self.engine.resume()
 
-    def progress(self) -> dict:
+    def progress(self) -> ServerProgress:
         """How long the engine has gone without a token while requests wait on it (0 while idle or
-        loading weights): the manager tells a stalled server from a busy one by it."""
+        loading weights): the control plane tells a stalled server from a busy one by it."""
         self._exit_if_engine_died()
         idle = 0.0 if self.in_flight == 0 or self.loading else time.monotonic() - self.engine.stats.progress_at
-        return {"server": self.name, "in_flight": self.in_flight, "idle_s": idle}
+        return ServerProgress(self.name, self.in_flight, idle)
 
     @property
     def in_flight(self) -> int:
@@ -162,17 +162,11 @@ class RolloutServer:
         logging.shutdown()
         os._exit(1)
 
-    def health(self) -> dict:
-        """Cheap liveness and state probe (the manager re-admits on it); raises if the engine failed."""
+    def health(self) -> ServerHealth:
+        """Cheap liveness and state probe (the control plane re-admits on it); raises if the engine failed."""
         self._check()
         self._exit_if_engine_died()
-        return {
-            "server": self.name,
-            "policy_version": self.engine.policy_version,
-            "in_flight": self.in_flight,
-            "uptime_s": time.time() - self.started,
-            "pid": os.getpid(),
-        }
+        return ServerHealth(self.name, self.engine.policy_version, self.in_flight, time.time() - self.started, os.getpid())
 
     async def receivers(self) -> list[str]:
         """health's checks, then where this process's weight receivers listen (what a sync sends to)."""

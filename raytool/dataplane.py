@@ -36,7 +36,7 @@ from typing import Literal, Protocol
 import msgspec
 
 from raytool.routing import NoHealthyServer, Router
-from raytool.types import SamplingParams, TokenOutput
+from raytool.types import SamplingParams, ServerProgress, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ class Transport(Protocol):
     async def generate(self, server: str, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
         """The server's answer; raises ServerFailed or InvalidRequest; cancelling it cancels the call on the server."""
 
-    async def progress(self, server: str) -> dict:
-        """The server's {"in_flight", "idle_s"}: how long its engine has gone without a token while requests wait."""
+    async def progress(self, server: str) -> ServerProgress:
+        """How long its engine has gone without a token while requests wait; raises ServerFailed."""
 
 
 Report = Callable[[str, FailureKind, str], Awaitable[Membership | None]]
@@ -173,9 +173,9 @@ class DataPlane:
                     progress = await asyncio.wait_for(self.transport.progress(name), self.stall_timeout_s)
                 except (asyncio.TimeoutError, ServerFailed):
                     raise ServerFailed(name, "stalled", f"no answer to a progress probe within {self.stall_timeout_s:g}s (a hung process)") from None
-                if progress["idle_s"] > self.stall_timeout_s:
-                    raise ServerFailed(name, "stalled", f"its engine produced no token for {progress['idle_s']:.0f}s with "
-                                                        f"{progress['in_flight']} requests waiting (rollout.stall_timeout_s={self.stall_timeout_s:g})")
+                if progress.idle_s > self.stall_timeout_s:
+                    raise ServerFailed(name, "stalled", f"its engine produced no token for {progress.idle_s:.0f}s with "
+                                                        f"{progress.in_flight} requests waiting (rollout.stall_timeout_s={self.stall_timeout_s:g})")
         finally:
             if not call.done():
                 call.cancel()  # a stalled call, or a caller that gave up: the transport cancels it on the server

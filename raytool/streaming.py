@@ -329,7 +329,7 @@ class RolloutStream:
     `also`). `draw()` returns the next P prompt rows."""
 
     def __init__(self, per_step: int, max_staleness: int, draw: Callable[[], list], submit: Callable, wait: Callable,
-                 dynamic_sampling: bool = False, max_rounds: int = 1, version: int = 0, max_retries: int = 2,
+                 dynamic_sampling: bool = False, max_rounds: int = 1, policy_version: Callable[[], int] = lambda: 0, max_retries: int = 2,
                  retry_budget: float = 1.0, window: AdmissionWindow | None = None):
         self.per_step, self.k = per_step, max_staleness
         self.draw, self.submit, self.wait = draw, submit, wait
@@ -339,7 +339,7 @@ class RolloutStream:
         self.queued: list[_Running] = []  # admitted, waiting for room in the window
         self.failed_in_a_row = 0  # groups failed for good since one succeeded
         self.failed_unreplaced = 0  # groups failed for good since the last batch was taken: the batch goes without them
-        self.version = version  # the trainer's policy version (what new groups start on)
+        self.policy_version = policy_version  # asked of its owner (the control plane) each time: see `version`
         self.running: dict[Any, _Running] = {}  # stats ref -> group
         self.done: list[RolloutGroup] = []  # finished and kept, not yet trained
         self.redo: list[tuple[str, Any]] = []  # (key, row) to roll out before drawing new prompts (resume)
@@ -372,8 +372,9 @@ class RolloutStream:
         if not rows:
             rows = [(f"s{self.step}r{self.waves}g{i}", row) for i, row in enumerate(self.draw())]
             self.outcomes["drawn"] += [key for key, _ in rows]
+        version = self.version
         for key, row in rows:
-            self.queued.append(_Running(key, self.seq, row, None, self.version))
+            self.queued.append(_Running(key, self.seq, row, None, version))
             self.seq += 1
         self.retries.started += len(rows)
         self._pump()
@@ -381,9 +382,11 @@ class RolloutStream:
 
     def _pump(self) -> None:
         """Start the admitted groups the admission window has room for, oldest first."""
-        for _ in range(self.window.admit(len(self.running), len(self.queued))):
+        admitted = self.window.admit(len(self.running), len(self.queued))
+        version = self.version if admitted else None
+        for _ in range(admitted):
             group = self.queued.pop(0)
-            group.version = self.version  # what it starts on
+            group.version = version  # what it starts on
             group.ref, stats_ref = self.submit(group.row, group.key, group.attempt)
             self.running[stats_ref] = group
 
@@ -447,14 +450,17 @@ class RolloutStream:
                                f"(rollout.max_group_retries={self.retries.max_retries}); {self.retries.error_rate(cause)}; the last: {cause}")
 
     def _drop_stale(self) -> None:
-        stale = [g for g in self.done if self.version - g.min_version > self.k]
+        if not self.done:
+            return
+        version = self.version
+        stale = [g for g in self.done if version - g.min_version > self.k]
         if stale:
             self.dropped_stale += len(stale)
             self._dropped("stale", stale)
-            self.done = [g for g in self.done if self.version - g.min_version <= self.k]
+            self.done = [g for g in self.done if version - g.min_version <= self.k]
             if self.dropped_stale >= STALE_DROPS_PER_STEP * self.per_step:
                 raise RaytoolError(f"raytool: step {self.step}: {self.dropped_stale} groups came back stale, generated on weights more than "
-                                   f"async.max_staleness={self.k} versions behind the trainer's v{self.version} (the newest: v{max(g.min_version for g in stale)}): "
+                                   f"async.max_staleness={self.k} versions behind the trainer's v{version} (the newest: v{max(g.min_version for g in stale)}): "
                                    "the rollout servers are not getting the weight syncs")
 
     def _dropped(self, reason: str, groups: list[RolloutGroup]) -> None:
@@ -515,10 +521,14 @@ class RolloutStream:
             ready = self._collect(also=pending)
             pending = [ref for ref in pending if ref not in ready]
 
-    def trained(self, version: int) -> None:
-        """The trainer finished its update and the servers hold `version`."""
+    @property
+    def version(self) -> int:
+        """The policy version the servers hold (the trainer's): what new groups start on."""
+        return self.policy_version()
+
+    def trained(self) -> None:
+        """The trainer finished its update and the servers hold its new version."""
         self.training = False
-        self.version = version
 
     def drain(self) -> list[RolloutGroup]:
         """Wait for every running group to finish -> everything finished and not trained."""

@@ -24,6 +24,25 @@ class SamplingParams(msgspec.Struct, frozen=True):
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class ServerHealth(msgspec.Struct, frozen=True):
+    """A rollout server's answer to a health probe (it raises instead when its engine failed)."""
+
+    server: str
+    policy_version: int  # the weights its engine holds
+    in_flight: int
+    uptime_s: float
+    pid: int
+
+
+class ServerProgress(msgspec.Struct, frozen=True):
+    """How long a server's engine has gone without a token while requests wait (0 while idle or
+    loading weights): a stalled server is told from a busy one by it."""
+
+    server: str
+    in_flight: int
+    idle_s: float
+
+
 class Routes(msgspec.Struct, frozen=True):
     """Which experts a mixture-of-experts model routed each token to: top-k expert indices per
     token and layer for the positions start, start + 1, ... of a sequence, as little-endian bytes

@@ -10,7 +10,7 @@ import pytest
 
 from raytool.dataplane import DataPlane, InvalidRequest, Membership, ServerFailed
 from raytool.routing import NoHealthyServer, Router
-from raytool.types import SamplingParams, TokenOutput
+from raytool.types import SamplingParams, ServerProgress, TokenOutput
 
 SERVERS = ["s0", "s1", "s2"]
 P = SamplingParams(max_tokens=1)
@@ -54,7 +54,7 @@ class FakeServers:
     async def progress(self, server):
         if self.mode[server] == "frozen":
             await asyncio.sleep(3600)
-        return {"in_flight": 1, "idle_s": 1e9 if self.mode[server] == "hang" else 0.0}
+        return ServerProgress(server, 1, 1e9 if self.mode[server] == "hang" else 0.0)
 
 
 class FakeControl:

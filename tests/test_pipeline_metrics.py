@@ -55,6 +55,14 @@ class _Rollouts:
         self.train_done = False
         self.stream: RolloutStream | None = None
 
+    def policy_version(self) -> int:  # the control plane's, in a run
+        return self.version
+
+    def trained(self, version: int) -> None:
+        """The trainer's update is synced to the servers as `version`."""
+        self.version = version
+        self.stream.trained()
+
     def submit(self, row, key, attempt=0):
         self.started.append(key)
         self.attempts.append((key, attempt))
@@ -81,7 +89,7 @@ class _Rollouts:
 
 def _stream(rollouts: _Rollouts, k: int, dynamic: bool = False, rounds: int = 1, per_step: int = 2, retries: int = 2) -> RolloutStream:
     loader = PromptLoader([f"p{i}" for i in range(100)], per_step, seed=0)
-    rollouts.stream = RolloutStream(per_step, k, loader.next_batch, rollouts.submit, rollouts.wait, dynamic_sampling=dynamic, max_rounds=rounds,
+    rollouts.stream = RolloutStream(per_step, k, loader.next_batch, rollouts.submit, rollouts.wait, policy_version=rollouts.policy_version, dynamic_sampling=dynamic, max_rounds=rounds,
                                     max_retries=retries)
     return rollouts.stream
 
@@ -94,7 +102,7 @@ def test_synchronous_stream_rolls_out_one_batch_per_step_and_nothing_while_train
     assert batch.rewards == [1.0, 0.0, 1.0, 0.0] and batch.group_index == [0, 0, 1, 1] and batch.offsets == [0, 2]
     stream.train_while_rolling(["train-ref"])
     assert r.started == ["s1r1g0", "s1r1g1"]  # nothing starts on the old weights
-    stream.trained(1)
+    r.trained(1)
     batch, metrics = stream.next_batch(2)
     assert [g.key for g in batch.groups] == ["s2r1g0", "s2r1g1"] and batch.version == 1
     assert metrics["staleness/token_max"] == 0 and metrics["rollout/groups_dropped_stale"] == 0
@@ -126,7 +134,7 @@ def test_asynchronous_admission_keeps_at_most_max_staleness_plus_one_steps_ahead
     assert [g.key for g in batch.groups] == ["s1r1g0", "s1r1g1"]
     stream.train_while_rolling(["train-ref"])  # the batch in training still counts: nothing new starts on version 0
     assert len(r.started) == 4
-    stream.trained(1)
+    r.trained(1)
     batch, metrics = stream.next_batch(2)
     assert [g.key for g in batch.groups] == ["s1r2g0", "s1r2g1"] and batch.version == 1
     assert r.started[4:] == ["s2r1g0", "s2r1g1"]  # started on version 1, for step 3
@@ -137,8 +145,8 @@ def test_a_group_older_than_the_bound_is_dropped_and_counted():
     r = _Rollouts(per_wait=None)
     stream = _stream(r, k=1)
     stream.next_batch(1)  # takes wave 1; wave 2 (version 0) waits in the buffer
-    stream.trained(1)
-    stream.trained(2)  # two updates later wave 2 lags by 2 > max_staleness
+    r.trained(1)
+    r.trained(2)  # two updates later wave 2 lags by 2 > max_staleness
     batch, metrics = stream.next_batch(3)
     assert metrics["rollout/groups_dropped_stale"] == 2
     assert all(g.min_version == 2 for g in batch.groups) and metrics["staleness/traj_max"] == 0
@@ -170,10 +178,10 @@ def test_the_ledger_gives_every_drawn_group_exactly_one_outcome_across_a_resume(
     stream = _stream(r, k=0, dynamic=True, rounds=3)
     ledger = Ledger(tmp_path)
     stream.next_batch(1)
-    stream.trained(1)
+    r.trained(1)
     ledger.record(1, **stream.take_outcomes())  # one surplus group waits in the buffer
     stream.next_batch(2)
-    stream.trained(2)
+    r.trained(2)
     ledger.record(2, **stream.take_outcomes())
     ledger.record(3, drawn=["s3r1g0"], trained=["s3r1g0"], dropped={})  # a step the driver did before it died
     resumed = Ledger(tmp_path, resume_step=2)  # cuts step 3: it is done again
@@ -214,7 +222,7 @@ def test_a_group_that_keeps_failing_is_left_out_of_the_loss_and_recorded_with_it
     assert outcome_metrics(outcomes) == {"ledger/drawn": 2, "ledger/trained": 1, "ledger/dropped": 0, "ledger/failed": 1}
     Ledger(tmp_path).record(1, **outcomes)
     assert audit(tmp_path) == {"drawn": 2, "trained": 1, "failed": 1}
-    stream.trained(1)
+    r.trained(1)
     batch, _ = stream.next_batch(2)  # the next step is full again
     assert [g.key for g in batch.groups] == ["s2r1g0", "s2r1g1"]
 
@@ -240,7 +248,7 @@ def test_groups_that_keep_coming_back_stale_stop_the_run_instead_of_drawing_wave
 
     r = _Rollouts()
     stream = _stream(r, k=0)
-    stream.trained(3)
+    r.trained(3)
     stream.submit = lambda row, key, attempt=0: (r.started.append(key), (f"traj-{key}", (f"stats-{key}", key, 0, attempt)))[1]
     with pytest.raises(RaytoolError, match=r"step 1: 8 groups came back stale, .*max_staleness=0 .*v3 \(the newest: v0\)"):
         stream.next_batch(1)
@@ -278,13 +286,13 @@ def test_a_stage_that_holds_groups_up_shrinks_the_groups_in_flight_and_loses_non
 
     r = Slow(per_wait=1)
     loader = PromptLoader([f"p{i}" for i in range(100)], 8, seed=0)
-    r.stream = stream = RolloutStream(8, 0, loader.next_batch, r.submit, r.wait, window=AdmissionWindow(8))
+    r.stream = stream = RolloutStream(8, 0, loader.next_batch, r.submit, r.wait, policy_version=r.policy_version, window=AdmissionWindow(8))
     batch, metrics = stream.next_batch(1)
     assert len(batch.groups) == 8 and metrics["rollout/groups_retried"] == 0 and metrics["rollout/groups_failed"] == 0
     assert r.in_flight == [8, 7, 6, 5, 4, 3, 2, 1]  # the wave had started whole: it drains
     assert stream.window.limit == 1 and stream.window.bottleneck == "reward" and metrics["rollout/admission_window"] == 1
     assert metrics["stage/reward/queue_s"] == 5.0 and metrics["stage/reward/service_s"] == 0.5
-    stream.trained(1)
+    r.trained(1)
     r.in_flight.clear()
     batch, metrics = stream.next_batch(2)
     assert len(batch.groups) == 8 and r.in_flight == [1] * 8 and metrics["rollout/groups_retried"] == 0  # one at a time now
@@ -296,13 +304,13 @@ def test_retries_past_the_steps_budget_fail_the_group_instead_of_adding_load():
     4) lets 4 roll out again; the others are failed at once, with the budget in their cause."""
     r = _Rollouts(failures={f"s1r1g{i}": ["reward: RewardError: judge overloaded", ""] for i in range(8)})
     loader = PromptLoader([f"p{i}" for i in range(100)], 8, seed=0)
-    r.stream = stream = RolloutStream(8, 0, loader.next_batch, r.submit, r.wait, max_retries=2, retry_budget=0.25)
+    r.stream = stream = RolloutStream(8, 0, loader.next_batch, r.submit, r.wait, policy_version=r.policy_version, max_retries=2, retry_budget=0.25)
     batch, metrics = stream.next_batch(1)
     assert metrics["rollout/groups_retried"] == 4 and metrics["rollout/retries_refused"] == 4 and metrics["rollout/groups_failed"] == 4
     assert len(batch.groups) == 4 and len(r.started) == 12
     failed = stream.take_outcomes()["failed"]
     assert len(failed) == 4 and all("retry budget, rollout.retry_budget=0.25, is spent" in c for c in failed.values())
-    stream.trained(1)
+    r.trained(1)
     _, metrics = stream.next_batch(2)  # a new step, a new budget
     assert metrics["rollout/retries_refused"] == 0
 

@@ -5,9 +5,16 @@ loop is still a loop), and `raytool/` never imports Ray."""
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
 
 
 def _modules() -> dict[str, Path]:
@@ -22,7 +29,7 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     """The project's modules `path` imports, anywhere in it (`from a import b` names a.b where that is a module)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 found.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module)
@@ -90,9 +97,33 @@ def test_raytool_never_imports_ray():
         if not name.startswith("raytool"):
             continue
         imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 imported.add(node.module.split(".")[0])
             elif isinstance(node, ast.Import):
                 imported.update(alias.name.split(".")[0] for alias in node.names)
         assert "ray" not in imported, f"{path.relative_to(REPO)} imports Ray: the Ray layer is actors/"
+
+
+def _top_level(module: str, modules: dict[str, Path]) -> set[str]:
+    tree = _tree(modules[module])
+    return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def test_raytool_reaches_actors_only_through_named_entries():
+    """`raytool/` imports no module of `actors/`: it names the functions it calls there
+    ("actors.module:function", raytool.entry), and each such name is a function that exists."""
+    modules = _modules()
+    entries = set()
+    for name, path in modules.items():
+        if not name.startswith("raytool"):
+            continue
+        tree = _tree(path)
+        imported = _imports(path, modules)
+        assert not {m for m in imported if m.split(".")[0] == "actors"}, f"{path.relative_to(REPO)} imports actors/: name an entry instead"
+        entries |= {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and re.fullmatch(r"(raytool|actors)(\.\w+)+:\w+", node.value)}
+    assert any(e.startswith("actors.") for e in entries)  # the CLI's and the benches' entries were found
+    for spec in sorted(entries):
+        module, _, function = spec.partition(":")
+        assert module in modules and function in _top_level(module, modules), f"entry {spec} names nothing"

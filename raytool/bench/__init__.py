@@ -1,7 +1,7 @@
 """Benchmarks behind `raytool bench NAME`: each takes the resolved RunConfig, returns (table text, result dict).
 
-Register a function that imports its heavy modules inside, so that `raytool bench router` (and the
-CLI's start) never imports Ray or torch.
+Each is registered by the name of its function (`BENCHES`), imported only when it runs, so that
+`raytool bench router` (and the CLI's start) never imports Ray or torch.
 """
 
 from __future__ import annotations
@@ -9,68 +9,27 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from raytool.config import RunConfig
+from raytool.entry import entry
 
 Bench = Callable[[RunConfig], tuple[str, dict]]
 
 
-def _router(cfg: RunConfig) -> tuple[str, dict]:
-    from raytool.bench.router_sim import bench
-
-    return bench(cfg)
-
-
-def _rollout(cfg: RunConfig) -> tuple[str, dict]:
-    from actors.bench_rollout import bench  # lazy, like the CLI's train: the Ray layer
-
-    return bench(cfg)
-
-
-def _pipeline(cfg: RunConfig) -> tuple[str, dict]:
-    from actors.bench_pipeline import bench  # lazy: the Ray layer
-
-    return bench(cfg)
+# name -> its "module:function" (raytool.entry), which takes the resolved RunConfig.
+BENCHES: dict[str, str] = {
+    "engine": "raytool.bench.engine:bench",
+    "gateway": "raytool.bench.gateway:bench",
+    "load": "actors.bench_load:bench",
+    "pipeline": "actors.bench_pipeline:bench",
+    "router": "raytool.bench.router_sim:bench",
+    "rollout": "actors.bench_rollout:bench",
+    "scale": "actors.bench_scale:bench",
+    "sandbox": "raytool.bench.sandbox:bench",
+    "trainer": "raytool.bench.trainer:bench",
+    "weight-sync": "raytool.bench.weight_sync:bench",
+}
 
 
-def _load(cfg: RunConfig) -> tuple[str, dict]:
-    from actors.bench_load import bench  # lazy: the Ray layer
-
-    return bench(cfg)
-
-
-def _scale(cfg: RunConfig) -> tuple[str, dict]:
-    from actors.bench_scale import bench  # lazy: the Ray layer
-
-    return bench(cfg)
-
-
-def _gateway(cfg: RunConfig) -> tuple[str, dict]:
-    from raytool.bench.gateway import bench
-
-    return bench(cfg)
-
-
-def _sandbox(cfg: RunConfig) -> tuple[str, dict]:
-    from raytool.bench.sandbox import bench
-
-    return bench(cfg)
-
-
-def _weight_sync(cfg: RunConfig) -> tuple[str, dict]:
-    from raytool.bench.weight_sync import bench
-
-    return bench(cfg)
-
-
-def _trainer(cfg: RunConfig) -> tuple[str, dict]:
-    from raytool.bench.trainer import bench
-
-    return bench(cfg)
-
-
-def _engine(cfg: RunConfig) -> tuple[str, dict]:
-    from raytool.bench.engine import bench
-
-    return bench(cfg)
-
-
-BENCHES: dict[str, Bench] = {"engine": _engine, "gateway": _gateway, "load": _load, "pipeline": _pipeline, "router": _router, "rollout": _rollout, "scale": _scale, "sandbox": _sandbox, "trainer": _trainer, "weight-sync": _weight_sync}
+def run_bench(name: str, cfg: RunConfig, *args) -> tuple[str, dict]:
+    """Bench `name` on `cfg` (and its own extra arguments) -> (table text, result dict)."""
+    bench: Bench = entry(BENCHES[name])
+    return bench(cfg, *args)

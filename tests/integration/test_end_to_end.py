@@ -109,7 +109,7 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
                         for i in range(n)], timeout=120)
 
     def kill_resync_readmit(victim: str, version: int) -> None:
-        pid = ray.get(graph.servers[victim].health.remote())["pid"]
+        pid = ray.get(graph.servers[victim].health.remote()).pid
         for child in psutil.Process(pid).children(recursive=True):  # the engine core, not the actor
             child.kill()
         psutil.wait_procs(psutil.Process(pid).children(recursive=True), timeout=10)
@@ -123,18 +123,18 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
         outs = burst(f"r{version}")
         assert all(o.server == survivor and len(o.token_ids) == 4 for o in outs)
         stats = ray.get(graph.manager.stats.remote())
-        assert victim in stats["ejected"] and stats["central"]["in_flight"] == {n: 0 for n in names}
+        assert victim in stats.ejected and ray.get(graph.manager.central_stats.remote())["in_flight"] == {n: 0 for n in names}
         # Ray restarts it with a fresh engine on the base weights: the probe finds it behind ...
         deadline = time.time() + 180
-        while ray.get(graph.manager.stats.remote())["stale"] != [victim]:
+        while ray.get(graph.manager.stats.remote()).stale != [victim]:
             assert time.time() < deadline, "the restarted server never came back"
             time.sleep(1)
-        assert ray.get(graph.servers[victim].health.remote())["policy_version"] == 0
+        assert ray.get(graph.servers[victim].health.remote()).policy_version == 0
         # ... the next weight sync reaches it at its new receiver, and it is re-admitted.
         result = graph.sync_weights(version=version + 1)
         assert {a["server"] for a in result["acks"]} == set(names) and not result["failed"]
         stats = ray.get(graph.manager.stats.remote())
-        assert stats["ejected"] == {} and stats["stale"] == [] and stats["policy_version"] == version + 1
+        assert stats.ejected == {} and stats.stale == [] and stats.policy_version == version + 1
         outs = burst(f"after{version}", 8)
         assert {o.server for o in outs} == set(names) and {o.policy_version for o in outs} == {version + 1}
 
@@ -143,7 +143,7 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
         assert {a["server"] for a in result["acks"]} == set(names)
         assert all(a["tensors"] > 0 and a["version"] == 9 for a in result["acks"])
         health = ray.get([s.health.remote() for s in graph.servers.values()])
-        assert {h["policy_version"] for h in health} == {9}
+        assert {h.policy_version for h in health} == {9}
         kill_resync_readmit("rollout-server-1", version=10)
     finally:
         graph.shutdown()
@@ -229,13 +229,13 @@ def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_clust
         version = 1
         if not in_place:
             server = graph.servers["rollout-server-0"]
-            before = ray.get(server.health.remote())["pid"]
+            before = ray.get(server.health.remote()).pid
             ray.kill(server, no_restart=False)
             deadline = time.monotonic() + 60
             while True:  # the kill is asynchronous: the old process may answer once more
                 assert wait_until_alive(server, 60) and time.monotonic() < deadline
                 try:
-                    if ray.get(server.health.remote())["pid"] != before:
+                    if ray.get(server.health.remote()).pid != before:
                         break
                 except ray.exceptions.RayActorError:
                     pass
@@ -249,7 +249,7 @@ def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_clust
         result = graph.sync_weights(version=version + 1, timeout_s=5)
         assert sorted(a["server"] for a in result["acks"]) == ["rollout-server-0", "rollout-server-2"]
         assert all(a["version"] == version + 1 for a in result["acks"]) and set(result["failed"]) == {"rollout-server-1"}
-        assert "rollout-server-1" in ray.get(graph.manager.stats.remote())["ejected"]
+        assert "rollout-server-1" in ray.get(graph.manager.stats.remote()).ejected
     finally:
         graph.shutdown()
 
@@ -341,7 +341,7 @@ def test_training_survives_a_rollout_server_killed_during_step_one(ray_cluster, 
         # Killed while step 1's requests run on it (past the SFT weight sync, however slow the machine):
         # the planes see the failure, the control plane confirms it, and step 1's sync leaves it out.
         handle = ray.get_actor(victim.name, namespace=victim.ray_namespace)
-        while time.time() < deadline and ray.get(handle.progress.remote())["in_flight"] == 0:
+        while time.time() < deadline and ray.get(handle.progress.remote()).in_flight == 0:
             time.sleep(0.05)
         if time.time() >= deadline:
             return  # never reached step 1's rollout: "the server was not killed" says so

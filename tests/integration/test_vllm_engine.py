@@ -198,7 +198,7 @@ def test_weights_streamed_over_zmq_change_the_live_engine_and_restore_exactly(se
         sender.send(original.items(), 12)
         ray.get(ack)
         assert [o.token_ids for o in _generate(actor, PROMPTS, greedy)] == [o.token_ids for o in before]
-        assert ray.get(actor.health.remote())["policy_version"] == 12
+        assert ray.get(actor.health.remote()).policy_version == 12
     finally:
         sender.close()
 
@@ -219,7 +219,7 @@ def test_a_weight_load_mid_request_splits_its_tokens_between_the_versions_exactl
     original = load_file(f"{tiny_model_path}/model.safetensors")
     new_weights = _perturbed(original, seed=1)
     old_model, new_model = _hf_model(tiny_model_path), _hf_model(tiny_model_path, new_weights)
-    old = ray.get(actor.health.remote())["policy_version"]
+    old = ray.get(actor.health.remote()).policy_version
     sampling = SamplingParams(max_tokens=160, temperature=1.0)
     start = time.perf_counter()
     _generate(actor, LONG_PROMPTS, sampling)
