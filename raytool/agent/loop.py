@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from raytool.agent.families import SPECIAL_MARKERS, get_parser, split_reasoning, stop_token_ids
+from raytool.agent.ledger import TokenLedger
 from raytool.agent.parsers import ParseResult, ToolError, check_arguments
 from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer, RenderError
 from raytool.agent.turns import STRUCTURED, call_id, structured_turn
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.errors import one_line
-from raytool.moe import RouteLog
 from raytool.tools.base import Tool, ToolContext, ToolResult
 from raytool.types import TIME_LIMIT, Message, SamplingParams, TokenOutput, ToolCall, Trajectory
 
@@ -67,37 +67,22 @@ class _State:
     """Everything recorded so far; what a trajectory is built from, however the loop ended."""
 
     messages: list[Message]
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # per response token: the policy version that generated it (-1: observation)
+    ledger: TokenLedger  # the tokens, as the engine saw them
+    max_response_tokens: int
     turns: list[dict] = field(default_factory=list)  # the trace: one entry per generate call
     calls: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     repaired: int = 0
     cut_in_fence: int = 0
     finish: str = "max_turns"
-    version: int = 0
     infra: str = ""  # the cause of an infrastructure failure that ended it ("": none)
-    routes: RouteLog = field(default_factory=RouteLog)  # MoE: the experts the engine routed each position to (r3)
 
     def infra_failed(self, cause: str) -> None:
         self.infra, self.finish = cause, "infra_failed"
 
-    def generated(self, out: TokenOutput) -> None:
-        self.response_ids += out.token_ids
-        self.mask += [1] * len(out.token_ids)
-        self.logprobs += out.logprobs
-        self.versions += out.token_versions()
-        self.version = out.policy_version
-        self.routes.add(out.routes)
-
-    def observed(self, ids: list[int]) -> None:
-        self.response_ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
+    def room(self) -> int:
+        """Response tokens left in the budget (agent.max_response_tokens)."""
+        return self.max_response_tokens - len(self.ledger.response_ids)
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -127,7 +112,7 @@ class ToolAgentLoop:
         )
 
     async def run(self, messages: list[Message], ground_truth: str, uid: str, group_id: str) -> Trajectory:
-        state = _State(messages=list(messages), prompt_ids=self.renderer.prompt_ids(messages))
+        state = _State(messages=list(messages), ledger=TokenLedger(self.renderer.prompt_ids(messages)), max_response_tokens=self.agent.max_response_tokens)
         start = time.monotonic()
         try:
             await asyncio.wait_for(self._turns(state, uid), self.agent.max_trajectory_s)
@@ -135,14 +120,10 @@ class ToolAgentLoop:
             state.finish = TIME_LIMIT
         finally:
             await self._release(uid)
-        return Trajectory(
-            uid=uid, group_id=group_id, prompt_ids=state.prompt_ids, response_ids=state.response_ids,
-            response_mask=state.mask, rollout_logprobs=state.logprobs, messages=state.messages,
-            ground_truth=ground_truth, num_turns=len(state.turns), tool_calls=state.calls,
+        return state.ledger.trajectory(
+            uid, group_id, state.messages, ground_truth, num_turns=len(state.turns), tool_calls=state.calls,
             tool_errors=sum(state.errors.values()), tool_error_kinds=dict(state.errors), tool_repaired=state.repaired,
-            tool_cut_in_fence=state.cut_in_fence,
-            finish_reason=state.finish, policy_version=state.version, response_versions=state.versions, turns=state.turns,
-            infra_failure=state.infra, routes=state.routes.routes(),
+            tool_cut_in_fence=state.cut_in_fence, finish_reason=state.finish, turns=state.turns, infra_failure=state.infra,
             timings={"total_s": time.monotonic() - start, "generate_s": sum(t["generate_s"] for t in state.turns),
                      "tools_s": sum(t.get("tools_s", 0.0) for t in state.turns)},
         )
@@ -158,113 +139,63 @@ class ToolAgentLoop:
                     log.warning("agent loop: releasing tool %s for %s failed: %s", tool.name, uid, exc)
 
     async def _generate(self, state: _State, uid: str, turn: int) -> tuple[TokenOutput, dict] | None:
-        budget = self.agent.max_response_tokens - len(state.response_ids)
+        budget = state.room()
         if budget <= 0:
             state.finish = "length"
             return None
         t = time.monotonic()
         try:
-            out = await self.generate(state.prompt_ids + state.response_ids, self._sampling(budget, uid, turn), f"{uid}-{turn}", uid)
+            out = await self.generate(state.ledger.context(), self._sampling(budget, uid, turn), f"{uid}-{turn}", uid)
         except Exception as exc:  # the engine's side failed, not the policy: end here, the driver retries the group
             state.infra_failed(f"generate: {one_line(exc)}")
             log.warning("agent loop: trajectory %s ends: %s", uid, state.infra)
             return None
-        state.generated(out)
+        state.ledger.generated(out)
         info = {"text": self.renderer.tokenizer.decode(out.token_ids, skip_special_tokens=True), "tokens": len(out.token_ids),
                 "finish": out.finish_reason, "generate_s": time.monotonic() - t}
         state.turns.append(info)
         return out, info
 
     async def _turns(self, state: _State, uid: str) -> None:
-        if self.in_turn:
-            return await self._in_turn(state, uid)
-        for turn in range(self.agent.max_turns):
-            got = await self._generate(state, uid, turn)
-            if got is None:
-                return
-            out, info = got
-            # A format whose call markers are special tokens keeps them in the message (the template
-            # then renders the turn as it was generated); the trace's text shows the turn without them.
-            # A template that takes a turn in parts gets it so (reasoning, content, calls with their ids).
-            reply = self.renderer.reply_text(out.token_ids) if self.with_special_tokens else info["text"]
-            message = structured_turn(self.agent.format, reply, f"{uid}-{turn}") if self.structured else None
-            state.messages.append(message or Message("assistant", reply))
-            if out.finish_reason != "stop":
-                state.finish = "length" if out.finish_reason == "length" else out.finish_reason
-                return
-            text = self.renderer.tokenizer.decode(out.token_ids, skip_special_tokens=False) if self.with_special_tokens else info["text"]
-            parsed = self.parse(text)
-            if not parsed.any:
-                state.finish = "answer"
-                return
-            if turn == self.agent.max_turns - 1:
-                state.finish = "max_turns"  # no turn left to read the output in
-                return
-            outputs = await self._observe(parsed, uid, state, info)
-            if state.infra:
-                return
-            ids = self._call_ids(message, len(outputs), f"{uid}-{turn}")
-            observations = [Message("tool", text, tool_call_id=ident) for text, ident in zip(outputs, ids)]
-            try:
-                obs_ids = self.renderer.observation_ids(observations, state.messages)
-            except RenderError as exc:  # never a guessed observation: end here and say why
-                state.finish = "render_error"
-                info["render_error"] = str(exc)
-                log.warning("agent loop: trajectory %s ends: %s", uid, exc)
-                return
-            if len(state.response_ids) + len(obs_ids) >= self.agent.max_response_tokens:
-                state.finish = "length"  # the observation does not fit: end here rather than cut it
-                info["observation_dropped"] = True
-                return
-            state.messages.extend(observations)
-            state.observed(obs_ids)
-
-    def _call_ids(self, message: Message | None, n: int, seed: str) -> list[str | None]:
-        """The tool_call_id of each of a turn's `n` answers: the ids of its calls where the turn was read
-        in parts and they match the answers one to one, made-up ones where the template needs ids
-        anyway, None where it takes none."""
-        if not self.structured:
-            return [None] * n
-        if message is not None and message.tool_calls and len(message.tool_calls) == n:
-            return [c.get("id") or call_id(seed, i) for i, c in enumerate(message.tool_calls)]
-        return [call_id(seed, i) for i in range(n)]
-
-    async def _in_turn(self, state: _State, uid: str) -> None:
-        """ReTool-paper style: one assistant turn, code results spliced in as <interpreter> blocks."""
-        content = ""
+        """The one turn loop: generate, read the turn's calls, run them, append their output; the
+        observation style (`_ToolMessages`, `_InTurn`) says how a turn is written down and how its
+        output goes back to the model."""
+        style = _InTurn(self) if self.in_turn else _ToolMessages(self)
         try:
             for turn in range(self.agent.max_turns):
                 got = await self._generate(state, uid, turn)
                 if got is None:
                     return
                 out, info = got
-                content += info["text"]
+                style.replied(state, out, info, f"{uid}-{turn}")
                 if out.finish_reason != "stop":
                     state.finish = "length" if out.finish_reason == "length" else out.finish_reason
                     return
-                if not info["text"].rstrip().endswith(CODE_END):  # ended on the end-of-turn token
+                parsed = style.calls(out, info)
+                if parsed is None:
                     state.finish = "answer"
                     return
                 if turn == self.agent.max_turns - 1:
-                    state.finish = "max_turns"
+                    state.finish = "max_turns"  # no turn left to read the output in
                     return
-                parsed = self.parse(info["text"])
-                if not parsed.any:  # stopped at a </code> that closes no <code>: say so rather than go on silently
-                    parsed.add(ToolError("unterminated_tag", f"Error (unterminated_tag): {CODE_END} closes no <code> block; "
-                                                             "write <code>\n```python\n...\n```\n</code>."))
                 outputs = await self._observe(parsed, uid, state, info)
                 if state.infra:
                     return
-                block = "".join(interpreter_block(text) for text in outputs)
-                obs_ids = self.renderer.encode(block)
-                if len(state.response_ids) + len(obs_ids) >= self.agent.max_response_tokens:
-                    state.finish = "length"
+                try:
+                    obs_ids = style.observation(state, outputs, f"{uid}-{turn}")
+                except RenderError as exc:  # never a guessed observation: end here and say why
+                    state.finish = "render_error"
+                    info["render_error"] = str(exc)
+                    log.warning("agent loop: trajectory %s ends: %s", uid, exc)
+                    return
+                if len(obs_ids) >= state.room():
+                    state.finish = "length"  # the observation does not fit: end here rather than cut it
                     info["observation_dropped"] = True
                     return
-                content += block
-                state.observed(obs_ids)
+                style.observed(state)
+                state.ledger.observed(obs_ids)
         finally:
-            state.messages.append(Message("assistant", content))
+            style.close(state)
 
     async def _observe(self, parsed: ParseResult, uid: str, state: _State, info: dict) -> list[str]:
         """Answer every item of a turn (calls run concurrently, up to the per-turn limit) in text order."""
@@ -313,6 +244,89 @@ class ToolAgentLoop:
         except Exception as exc:  # the tool's own bug: the model still gets an answer
             return ToolResult(f"Error (tool_exception): the tool '{call.name}' failed: {type(exc).__name__}: {str(exc)[:200]}",
                               ok=False, kind="tool_exception")
+
+
+class _ToolMessages:
+    """hermes and the families' formats (and retool as verl's recipe runs it): a turn ends at the
+    end-of-turn token and is one assistant message; its calls' outputs become `tool` messages,
+    rendered all at once as the chat template's delta between the conversation so far and the
+    conversation plus those messages."""
+
+    def __init__(self, loop: ToolAgentLoop):
+        self.loop = loop
+        self.message: Message | None = None  # the last turn, read in parts (a template that takes it so)
+        self.pending: list[Message] = []  # the last turn's observations, until they are committed
+
+    def replied(self, state: _State, out: TokenOutput, info: dict, turn_id: str) -> None:
+        # A format whose call markers are special tokens keeps them in the message (the template
+        # then renders the turn as it was generated); the trace's text shows the turn without them.
+        # A template that takes a turn in parts gets it so (reasoning, content, calls with their ids).
+        loop = self.loop
+        reply = loop.renderer.reply_text(out.token_ids) if loop.with_special_tokens else info["text"]
+        self.message = structured_turn(loop.agent.format, reply, turn_id) if loop.structured else None
+        state.messages.append(self.message or Message("assistant", reply))
+
+    def calls(self, out: TokenOutput, info: dict) -> ParseResult | None:
+        """The turn's calls, or None for an answer (a turn without one)."""
+        loop = self.loop
+        text = loop.renderer.tokenizer.decode(out.token_ids, skip_special_tokens=False) if loop.with_special_tokens else info["text"]
+        parsed = loop.parse(text)
+        return parsed if parsed.any else None
+
+    def observation(self, state: _State, outputs: list[str], turn_id: str) -> list[int]:
+        ids = self._call_ids(len(outputs), turn_id)
+        self.pending = [Message("tool", text, tool_call_id=ident) for text, ident in zip(outputs, ids)]
+        return self.loop.renderer.observation_ids(self.pending, state.messages)
+
+    def observed(self, state: _State) -> None:
+        state.messages.extend(self.pending)
+
+    def close(self, state: _State) -> None:
+        """Every turn is in the conversation already."""
+
+    def _call_ids(self, n: int, seed: str) -> list[str | None]:
+        """The tool_call_id of each of a turn's `n` answers: the ids of its calls where the turn was read
+        in parts and they match the answers one to one, made-up ones where the template needs ids
+        anyway, None where it takes none."""
+        if not self.loop.structured:
+            return [None] * n
+        if self.message is not None and self.message.tool_calls and len(self.message.tool_calls) == n:
+            return [c.get("id") or call_id(seed, i) for i, c in enumerate(self.message.tool_calls)]
+        return [call_id(seed, i) for i in range(n)]
+
+
+class _InTurn:
+    """retool as the ReTool paper runs it: one assistant turn; generation stops after `</code>`, the
+    output goes in as an `<interpreter>` block and generation continues in the same turn."""
+
+    def __init__(self, loop: ToolAgentLoop):
+        self.loop = loop
+        self.content = ""  # the assistant turn so far
+        self.block = ""  # the last call's output block, until it is committed
+
+    def replied(self, state: _State, out: TokenOutput, info: dict, turn_id: str) -> None:
+        self.content += info["text"]
+
+    def calls(self, out: TokenOutput, info: dict) -> ParseResult | None:
+        """The code before the stop at `</code>`, or None for an answer (ended on the end-of-turn token)."""
+        if not info["text"].rstrip().endswith(CODE_END):
+            return None
+        parsed = self.loop.parse(info["text"])
+        if not parsed.any:  # stopped at a </code> that closes no <code>: say so rather than go on silently
+            parsed.add(ToolError("unterminated_tag", f"Error (unterminated_tag): {CODE_END} closes no <code> block; "
+                                                     "write <code>\n```python\n...\n```\n</code>."))
+        return parsed
+
+    def observation(self, state: _State, outputs: list[str], turn_id: str) -> list[int]:
+        self.block = "".join(interpreter_block(text) for text in outputs)
+        return self.loop.renderer.encode(self.block)
+
+    def observed(self, state: _State) -> None:
+        self.content += self.block
+
+    def close(self, state: _State) -> None:
+        """The one assistant turn, however the loop ended."""
+        state.messages.append(Message("assistant", self.content))
 
 
 def reward_view(traj: Trajectory, max_response_tokens: int | None = None, decode: Callable[[list[int]], str] | None = None) -> dict:

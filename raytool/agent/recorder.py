@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 import os
 
+from raytool.agent.ledger import TokenLedger
 from raytool.agent.render import ChatRenderer
-from raytool.moe import RouteLog
 from raytool.types import Message, TokenOutput, Trajectory
 
 log = logging.getLogger(__name__)
@@ -37,37 +37,31 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, templ
 
 
 class TokenRecorder:
-    """One trajectory across an agent's model calls: the prompt, then generated ids (mask 1) and
-    observation ids (mask 0) in order, as the engine saw them."""
+    """One trajectory across an agent's model calls, in a TokenLedger: the prompt, then generated
+    ids (mask 1) and observation ids (mask 0) in order, as the engine saw them."""
 
     def __init__(self, renderer: ChatRenderer, max_response_tokens: int | None = None, on_rewrite: str = "truncate"):
         self.renderer = renderer
         self.max_response_tokens = max_response_tokens
         self.on_rewrite = on_rewrite  # agent.on_history_rewrite: "truncate" or "drop"
-        self.prompt_ids: list[int] = []
-        self.response_ids: list[int] = []
-        self.response_mask: list[int] = []
-        self.rollout_logprobs: list[float] = []
-        self.response_versions: list[int] = []  # per response token: the policy version that generated it (-1: observation)
+        self.ledger = TokenLedger()
         self.num_calls = 0  # model calls, recorded or not
         self.num_turns = 0  # recorded generated turns
         self.tool_calls = 0
         self.malformed_calls = 0
         self.rewrites = 0  # calls whose history did not extend the recording (0 or 1: recording stops)
         self.stopped = ""  # why recording stopped: "" (recording), HISTORY_REWRITTEN or "length"
-        self.policy_version = 0
         self._text = ""  # the text of everything recorded
         self._last_finish = ""  # the engine's finish reason of the last recorded turn
         self._last_called_tools = False
-        self.routes = RouteLog()  # MoE: the experts the engine routed each position to (r3)
 
     def next_prompt(self, rendered: str) -> list[int] | None:
         """The ids to generate from, given the rendered history; None when the token budget is spent."""
         self.num_calls += 1
         if self.num_calls == 1:
-            self.prompt_ids = self.renderer.encode(rendered)
+            self.ledger.prompt_ids = self.renderer.encode(rendered)
             self._text = rendered
-            return list(self.prompt_ids)
+            return self.ledger.context()
         if self.stopped == "length":
             return None
         if self.stopped:  # history rewritten earlier: serve the agent, record nothing
@@ -81,32 +75,24 @@ class TokenRecorder:
                         self.num_turns)
             return self.renderer.encode(rendered)
         obs = self.renderer.encode(rendered[len(self._text):])
-        if self.max_response_tokens is not None and len(self.response_ids) + len(obs) >= self.max_response_tokens:
+        if self.max_response_tokens is not None and len(self.ledger.response_ids) + len(obs) >= self.max_response_tokens:
             self.stopped = "length"  # as AgentLoop: an observation that leaves no room to answer is not added
             return None
-        self.response_ids += obs
-        self.response_mask += [0] * len(obs)
-        self.rollout_logprobs += [0.0] * len(obs)
-        self.response_versions += [-1] * len(obs)
+        self.ledger.observed(obs)
         self._text = rendered
-        return self.prompt_ids + self.response_ids
+        return self.ledger.context()
 
     def tokens_left(self) -> int | None:
-        return None if self.max_response_tokens is None else self.max_response_tokens - len(self.response_ids)
+        return None if self.max_response_tokens is None else self.max_response_tokens - len(self.ledger.response_ids)
 
     def record(self, out: TokenOutput) -> str:
         """Append a generation verbatim (if recording); returns its text without the trailing eos."""
         ids = out.token_ids
         if not self.stopped:
-            self.response_ids += ids
-            self.response_mask += [1] * len(ids)
-            self.rollout_logprobs += out.logprobs
-            self.response_versions += out.token_versions()
+            self.ledger.generated(out)
             self._text += self.renderer.decode(ids)
             self.num_turns += 1
             self._last_finish = out.finish_reason
-            self.policy_version = out.policy_version
-            self.routes.add(out.routes)
         return self.renderer.reply_text(ids)
 
     def count_tool_calls(self, parsed: int, malformed: int) -> None:
@@ -127,23 +113,7 @@ class TokenRecorder:
         """The recorded trajectory; `messages` is the agent's final conversation. After a rewritten
         history with `on_rewrite="drop"` every token is masked out of the loss (its reward still
         counts in its group's baseline); "truncate" trains on what was recorded up to the rewrite."""
-        mask = list(self.response_mask)
-        if self.stopped == HISTORY_REWRITTEN and self.on_rewrite == "drop":
-            mask = [0] * len(mask)
-        return Trajectory(
-            uid=uid,
-            group_id=group_id,
-            prompt_ids=list(self.prompt_ids),
-            response_ids=list(self.response_ids),
-            response_mask=mask,
-            rollout_logprobs=list(self.rollout_logprobs),
-            response_versions=list(self.response_versions),
-            messages=list(messages),
-            ground_truth=ground_truth,
-            num_turns=self.num_turns,
-            tool_calls=self.tool_calls,
-            tool_errors=self.malformed_calls + failed_tools,
-            finish_reason=self.finish_reason(),
-            policy_version=self.policy_version,
-            routes=self.routes.routes(),
-        )
+        return self.ledger.trajectory(uid, group_id, messages, ground_truth,
+                                      train=not (self.stopped == HISTORY_REWRITTEN and self.on_rewrite == "drop"),
+                                      num_turns=self.num_turns, tool_calls=self.tool_calls, tool_errors=self.malformed_calls + failed_tools,
+                                      finish_reason=self.finish_reason())
