@@ -92,8 +92,7 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
         n = cfg.rollout.n
         prompts = [renderer.prompt_ids(p.prompt) for p in problems for _ in range(n)]
         r = cfg.rollout
-        sampling = SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  stop_token_ids=(renderer.eos_id,))
+        sampling = r.sampling(stop_token_ids=(renderer.eos_id,))
         _agent_round(graph, problems, "warm")  # engine warm-up, compiled paths, prefix cache
         engine, agent = [0, 0.0], [0, 0.0]
         for k in range(ROUNDS):

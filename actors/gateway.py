@@ -18,7 +18,7 @@ from raytool.agent.gateway import Gateway
 from raytool.agent.render import ChatRenderer
 from raytool.config import RunConfig
 from raytool.models import load_tokenizer
-from raytool.types import SamplingParams, Trajectory
+from raytool.types import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class GatewayActor:
         r = cfg.rollout
         renderer = ChatRenderer(load_tokenizer(model_path), template_kwargs=cfg.agent.chat_template_kwargs)
         self.gateway = Gateway(renderer, self._generate, model_name=cfg.model.path, max_model_len=r.max_model_len,
-                               defaults=SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+                               defaults=r.sampling(),
                                template_kwargs=cfg.agent.chat_template_kwargs, tool_format=cfg.agent.format)
         self.cfg = cfg
         # Serving starts here, in the actor's event loop (Ray runs an async actor's constructor

@@ -22,6 +22,8 @@ import msgspec
 import msgspec.inspect
 import yaml
 
+from raytool.types import SamplingParams
+
 log = logging.getLogger(__name__)
 
 
@@ -130,6 +132,11 @@ class RolloutConfig(_Section):
     scripted_delay_s: NonNegative = 0.5  # engine=scripted: seconds each request takes
     scripted_crash: str | None = None  # engine=scripted: every request kills the engine with this error ('Type: message'): a deliberately poisoned engine
 
+    def sampling(self, **fields) -> SamplingParams:
+        """How one turn of a rollout samples (max_tokens_per_turn, temperature, top_p, top_k), with
+        `fields` set on top (stop tokens, a seed, a smaller max_tokens): the one place it is built."""
+        return SamplingParams(**{"max_tokens": self.max_tokens_per_turn, "temperature": self.temperature, "top_p": self.top_p,
+                                 "top_k": self.top_k, **fields})
 
 class AgentConfig(_Section):
     format: Literal["retool", "hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "kimi_k2", "deepseek", "gpt_oss", "auto"] = "retool"  # tool calls as ReTool <code> tags, Hermes/Qwen <tool_call> JSON, or a model family's own format (raytool.agent.families); auto: the format the model's chat template writes

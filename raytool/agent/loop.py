@@ -106,10 +106,8 @@ class ToolAgentLoop:
 
     def _sampling(self, budget: int, uid: str, turn: int) -> SamplingParams:
         r = self.rollout
-        return SamplingParams(
-            max_tokens=min(r.max_tokens_per_turn, budget), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            stop_token_ids=self.stop_ids, stop=(CODE_END,) if self.in_turn else (), seed=request_seed(r.seed, uid, turn),
-        )
+        return r.sampling(max_tokens=min(r.max_tokens_per_turn, budget), stop_token_ids=self.stop_ids, stop=(CODE_END,) if self.in_turn else (),
+                          seed=request_seed(r.seed, uid, turn))
 
     async def run(self, messages: list[Message], ground_truth: str, uid: str, group_id: str) -> Trajectory:
         state = _State(messages=list(messages), ledger=TokenLedger(self.renderer.prompt_ids(messages)), max_response_tokens=self.agent.max_response_tokens)

@@ -27,7 +27,7 @@ from raytool.agent.registry import register_agent_loop
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig
 from raytool.imports import required_object
-from raytool.types import TIME_LIMIT, Message, SamplingParams, Trajectory
+from raytool.types import TIME_LIMIT, Message, Trajectory
 
 MODEL_NAME = "raytool-policy"
 
@@ -84,8 +84,7 @@ async def recording(renderer: ChatRenderer, generate, agent: AgentConfig, rollou
 
     r, a = rollout, agent
     gateway = await worker_gateway(renderer, a)
-    sampling = SamplingParams(max_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    path = gateway.open(uid, generate, sampling=sampling, seed=r.seed, max_response_tokens=a.max_response_tokens,
+    path = gateway.open(uid, generate, sampling=r.sampling(), seed=r.seed, max_response_tokens=a.max_response_tokens,
                         on_history_rewrite=a.on_history_rewrite)
     client = openai.AsyncOpenAI(base_url=gateway.url + path, api_key="raytool", max_retries=0, timeout=a.max_trajectory_s,
                                 http_client=shared_http_client())
