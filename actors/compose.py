@@ -34,6 +34,7 @@ from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
 from raytool.config import RunConfig, sandbox_backend_options
 from raytool.controlplane import SyncPlan
+from raytool.engines import EngineOptions
 from raytool.data.prompts import PromptRow, with_system_prompt
 from raytool.tools.registry import row_tool_names
 from raytool import placement
@@ -459,15 +460,14 @@ def build_sandbox_pools(cfg: RunConfig, options=None) -> list:
     ]
 
 
-def engine_options(cfg: RunConfig, seed: int) -> dict:
+def engine_options(cfg: RunConfig, seed: int) -> EngineOptions:
     """What a RolloutServer passes to its engine (each engine takes the options that apply to it)."""
     r = cfg.rollout
-    return {
-        "dtype": cfg.model.dtype, "max_batch_size": r.max_batch_size, "seed": seed,
-        "tensor_parallel_size": r.tensor_parallel_size, "gpu_memory_utilization": r.gpu_memory_utilization,
-        "max_model_len": r.max_model_len, "cpu_kv_cache_gb": r.cpu_kv_cache_gb, "cpu_preload": r.cpu_preload, "enforce_eager": r.enforce_eager,
-        "partial_rollout": cfg.async_.partial_rollout, "start_timeout_s": r.engine_start_timeout_s, "delay_s": r.scripted_delay_s,
-        "crash_with": r.scripted_crash, "seeded_requests": r.seed is not None,
-        "record_routes": cfg.trainer.router_replay == "r3",
-        "priority_scheduling": cfg.reward.judges_itself,  # the judge's calls do not wait behind the rollouts
-    }
+    return EngineOptions(
+        dtype=cfg.model.dtype, max_batch_size=r.max_batch_size, seed=seed, tensor_parallel_size=r.tensor_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len, cpu_kv_cache_gb=r.cpu_kv_cache_gb,
+        cpu_preload=r.cpu_preload, enforce_eager=r.enforce_eager, partial_rollout=cfg.async_.partial_rollout,
+        start_timeout_s=r.engine_start_timeout_s, delay_s=r.scripted_delay_s, crash_with=r.scripted_crash, seeded_requests=r.seed is not None,
+        record_routes=cfg.trainer.router_replay == "r3",
+        priority_scheduling=cfg.reward.judges_itself,  # the judge's calls do not wait behind the rollouts
+    )

@@ -12,7 +12,7 @@ import ray
 from actors import deaths
 from actors.metrics import RolloutMetrics
 from raytool.device import set_torch_threads
-from raytool.engines import make_engine
+from raytool.engines import EngineOptions, make_engine
 from raytool.engines.crash import death, repeats, verdict
 from raytool.errors import RolloutServerError, describe_engine_failure
 from raytool.types import SamplingParams, ServerHealth, ServerProgress, TokenOutput
@@ -30,7 +30,7 @@ class RolloutServer:
     (raytool.engines.crash.repeats) is not restarted: the server exits for good, and the driver
     ends the run with the engine's own error."""
 
-    def __init__(self, name: str, model_path: str, engine: str, engine_options: dict, torch_threads: int = 0):
+    def __init__(self, name: str, model_path: str, engine: str, engine_options: EngineOptions, torch_threads: int = 0):
         set_torch_threads(torch_threads)
         self.name = name
         self.model_path = model_path
@@ -43,7 +43,7 @@ class RolloutServer:
         self.loading = False  # a weight load is running: requests are frozen on purpose
         self.started = time.time()
         try:
-            self.engine = make_engine(engine, model_path, **engine_options)
+            self.engine = make_engine(engine, model_path, engine_options)
         except Exception as exc:  # reported by ready() in one line; the actor stays up to say why
             self.failure = describe_engine_failure(name, model_path, engine, exc)
             log.error("%s", self.failure)

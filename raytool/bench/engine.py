@@ -31,7 +31,7 @@ def _worker(spec: dict) -> dict:
     from raytool.agent.render import ChatRenderer
     from raytool.data import make_splits
     from raytool.data.tool_arith import prompt_row
-    from raytool.engines import make_engine
+    from raytool.engines import EngineOptions, make_engine
     from raytool.models import load_tokenizer, resolve_model
     from raytool.types import SamplingParams
 
@@ -40,8 +40,9 @@ def _worker(spec: dict) -> dict:
     problems = make_splits(spec["prompts"], 1, seed=0)[0]
     prompts = [renderer.prompt_ids(prompt_row(p).prompt) for p in problems]
     started = time.perf_counter()
-    engine = make_engine(spec["engine"], model_path, dtype=spec["dtype"], max_batch_size=spec["max_batch_size"], seed=0, enforce_eager=spec["eager"],
-                         cpu_preload=False)  # the variant's LD_PRELOAD is set by the bench, not by the engine
+    options = EngineOptions(dtype=spec["dtype"], max_batch_size=spec["max_batch_size"], seed=0, enforce_eager=spec["eager"],
+                            cpu_preload=False)  # the variant's LD_PRELOAD is set by the bench, not by the engine
+    engine = make_engine(spec["engine"], model_path, options)
     start_s = time.perf_counter() - started
 
     async def round_(r: int) -> tuple[int, float]:

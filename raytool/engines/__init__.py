@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+from msgspec import UNSET, UnsetType
 
 from raytool.engines.common import EngineStats
 from raytool.types import SamplingParams, TokenOutput
@@ -43,17 +47,41 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def make_engine(name: str, model_path: str, **options) -> RolloutEngine:
+class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Every option a RolloutServer may give its engine, declared: a misspelled one is a TypeError
+    where it is built. Each engine takes those it has a parameter for; one left UNSET keeps the
+    engine's own default (HF computes in float32 by default, vLLM picks its dtype)."""
+
+    dtype: str | UnsetType = UNSET
+    device: str | UnsetType = UNSET  # hf: where the model runs
+    max_batch_size: int | UnsetType = UNSET
+    seed: int | UnsetType = UNSET
+    record_routes: bool | UnsetType = UNSET  # MoE: the experts of each position (router replay r3)
+    tensor_parallel_size: int | UnsetType = UNSET  # vllm from here on
+    gpu_memory_utilization: float | UnsetType = UNSET
+    max_model_len: int | None | UnsetType = UNSET
+    cpu_kv_cache_gb: float | UnsetType = UNSET
+    cpu_preload: bool | UnsetType = UNSET
+    enforce_eager: bool | UnsetType = UNSET
+    seeded_requests: bool | UnsetType = UNSET
+    partial_rollout: str | UnsetType = UNSET
+    start_timeout_s: int | UnsetType = UNSET
+    priority_scheduling: bool | UnsetType = UNSET
+    delay_s: float | UnsetType = UNSET  # scripted from here on
+    crash_with: str | None | UnsetType = UNSET
+
+
+def make_engine(name: str, model_path: str, options: EngineOptions | None = None) -> RolloutEngine:
+    """Engine `name` on `model_path`, given the options it takes of `options` (those set)."""
     if name == "vllm":
-        from raytool.engines.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, **options)
-    if name == "hf":
-        from raytool.engines.hf import HFEngine
-
-        return HFEngine(model_path, **options)
-    if name == "scripted":
-        from raytool.engines.scripted import ScriptedEngine
-
-        return ScriptedEngine(model_path, **options)
-    raise ValueError(f"unknown rollout engine '{name}'; expected one of {list(ENGINES)}")
+        from raytool.engines.vllm_engine import VLLMEngine as engine
+    elif name == "hf":
+        from raytool.engines.hf import HFEngine as engine
+    elif name == "scripted":
+        from raytool.engines.scripted import ScriptedEngine as engine
+    else:
+        raise ValueError(f"unknown rollout engine '{name}'; expected one of {list(ENGINES)}")
+    takes = inspect.signature(engine).parameters
+    given = {field: value for field, value in msgspec.structs.asdict(options or EngineOptions()).items()
+             if value is not UNSET and field in takes}
+    return engine(model_path, **given)

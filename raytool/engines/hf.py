@@ -54,7 +54,7 @@ def _routes_of(recorded: list[list[torch.Tensor]], row: int, rows: int, width: i
 
 class HFEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 64, seed: int = 0,
-                 record_routes: bool = False, **_ignored):
+                 record_routes: bool = False):
         from transformers import AutoModelForCausalLM
 
         from raytool.errors import preflight_engine

@@ -41,7 +41,7 @@ _tokenizer = functools.cache(load_tokenizer)  # one per model in a process
 
 
 class ScriptedEngine:
-    def __init__(self, model_path: str, *, delay_s: float = 0.5, crash_with: str | None = None, **_ignored):
+    def __init__(self, model_path: str, *, delay_s: float = 0.5, crash_with: str | None = None):
         self.tokenizer = _tokenizer(model_path)
         self.turns = [self.tokenizer.encode(text, add_special_tokens=False) for text in SCRIPT]
         eos = self.tokenizer.eos_token_id

@@ -116,7 +116,6 @@ class VLLMEngine:
         start_timeout_s: int = 600,
         record_routes: bool = False,
         priority_scheduling: bool = False,
-        **_ignored,
     ):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

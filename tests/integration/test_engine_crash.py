@@ -30,13 +30,14 @@ def test_a_vllm_engine_that_dies_of_the_same_error_as_before_is_not_restarted(ra
     from actors import deaths
     from actors.common import actor_options
     from actors.rollout_server import RolloutServer
+    from raytool.engines import EngineOptions
     from actors.watchdog import ActorLostError, Watchdog
     from raytool.engines.crash import EngineCrash, EngineDeath
     from raytool.types import SamplingParams
 
     server = RolloutServer.options(**actor_options(0), max_restarts=5, max_task_retries=0).remote(
         "rollout-server-0", tiny_model_path, "vllm",
-        {"dtype": "float32", "max_batch_size": 64, "cpu_kv_cache_gb": 1, "enforce_eager": True, "seeded_requests": False})
+        EngineOptions(dtype="float32", max_batch_size=64, cpu_kv_cache_gb=1, enforce_eager=True, seeded_requests=False))
     actor_id = server._actor_id.hex()
     deaths.record_death(actor_id, EngineDeath(EngineCrash("RuntimeError", "CPU Generator does not use offset"), 30.0, ["g0-0@t0"], 1))
     watchdog = Watchdog({"rollout-server-0": server}, interval_s=0)

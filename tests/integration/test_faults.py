@@ -182,10 +182,12 @@ def test_a_rollout_server_takes_a_second_attempt_at_a_version_and_refuses_an_old
     import torch
 
     from actors.rollout_server import RolloutServer
+
+    from raytool.engines import EngineOptions
     from raytool.models import resolve_model
     from raytool.weightsync import WeightSender
 
-    server = RolloutServer.options(num_cpus=0).remote("rollout-server-t", resolve_model("tiny-random"), "scripted", {"delay_s": 0.0})
+    server = RolloutServer.options(num_cpus=0).remote("rollout-server-t", resolve_model("tiny-random"), "scripted", EngineOptions(delay_s=0.0))
     (address,) = ray.get(server.ready.remote())
     sender = WeightSender([address], bucket_bytes=1 << 10, ipc=False)
     weights = {f"w{i}": torch.full((200,), float(i)) for i in range(3)}

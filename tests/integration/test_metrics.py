@@ -73,6 +73,7 @@ def test_actor_metrics_reach_the_heads_prometheus_endpoint(ray_cluster, tiny_mod
     from actors.llm_manager import LLMManager
     from actors.reward_worker import RewardWorker
     from actors.rollout_server import RolloutServer
+    from raytool.engines import EngineOptions
     from actors.sandbox_pool import SandboxPool
     from raytool.config import RewardConfig, SandboxConfig, sandbox_backend_options
 
@@ -80,7 +81,7 @@ def test_actor_metrics_reach_the_heads_prometheus_endpoint(ray_cluster, tiny_mod
     pool = SandboxPool.options(**options, max_concurrency=16).remote(
         POOL, "local", sandbox_backend_options(SandboxConfig(warm_sessions=1)), timeout_s=1.0)
     reward = RewardWorker.options(**options).remote(RewardConfig(fn="boxed_match"))
-    server = RolloutServer.options(**options).remote(SERVER, tiny_model_path, "hf", {"dtype": "float32", "max_batch_size": 8})
+    server = RolloutServer.options(**options).remote(SERVER, tiny_model_path, "hf", EngineOptions(dtype="float32", max_batch_size=8))
     manager = LLMManager.options(**options).remote({SERVER: server})
     actors = [pool, reward, manager, server]
     try:

@@ -31,9 +31,10 @@ def _start_server(name: str, model_path: str, **options):
 
     from actors.common import actor_options
     from actors.rollout_server import RolloutServer
+    from raytool.engines import EngineOptions
 
     actor = RolloutServer.options(**actor_options(0)).remote(
-        name, model_path, "vllm", {"dtype": "float32", "max_batch_size": 16, "cpu_kv_cache_gb": 1, **options}
+        name, model_path, "vllm", EngineOptions(**{"dtype": "float32", "max_batch_size": 16, "cpu_kv_cache_gb": 1, **options})
     )
     return actor, ray.get(actor.ready.remote())
 
