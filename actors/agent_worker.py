@@ -26,7 +26,7 @@ import ray
 from actors.common import named, until_alive
 from actors.dataplane import data_plane, follow
 from raytool.agent.loop import reward_view
-from raytool.agent.registry import get_agent_loop
+from raytool.agent.registry import get_agent_loop, loop_hooks
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig, RunConfig
 from raytool.errors import one_line
@@ -137,11 +137,13 @@ class AgentLoopWorker:
 
         # The row's tools (extra["tools"]: names; None: all), created with its verl tools_kwargs, and their renderer.
         tools = self.toolset.for_row(extra.get("tools"), (extra.get("extra_info") or {}).get("tools_kwargs"))
-        loop = get_agent_loop(agent_name)(self._renderer(list(tools.values())), tools, generate, self.cfg.agent, rollout)
+        loop_class = get_agent_loop(agent_name)
+        hooks = loop_hooks(loop_class)
+        loop = loop_class(self._renderer(list(tools.values())), tools, generate, self.cfg.agent, rollout)
         session = self.sessions[uid] = f"{uid}@{self.nonce}.{attempt}"
         async with self.slots:
             try:
-                if getattr(loop, "row_extra", False):  # a loop that reads the row's extra (verifiers: the environment's input)
+                if hooks.row_extra:  # a loop that reads the row's extra (verifiers: the environment's input)
                     traj = await loop.run(messages, ground_truth, uid, group_id, extra=extra)
                 else:
                     traj = await loop.run(messages, ground_truth, uid, group_id)
@@ -155,10 +157,9 @@ class AgentLoopWorker:
         traj.agent_name = agent_name
         if cells is not None:
             traj.timings = {**traj.timings, **stage_timing("sandbox", *cells)}
-        scored_by_loop = hasattr(loop, "score_group") or getattr(loop, "scored_by_environment", False)
         # Score now, while sibling trajectories are still rolling out; one stopped by its wall-clock
         # limit is truncated, not answered: it is not scored (nor trained: raytool.types.trained).
-        if not traj.infra_failure and not scored_by_loop and trained(traj.finish_reason):
+        if not traj.infra_failure and not hooks.scored_by_loop and trained(traj.finish_reason):
             await self._score(traj, ground_truth, extra)
         return traj
 
@@ -172,14 +173,14 @@ class AgentLoopWorker:
         name = agent_name or self.cfg.agent.default_agent
         extra = extra or {}
         rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
-        loop_class = get_agent_loop(name)
+        hooks = loop_hooks(get_agent_loop(name))
         uids = [f"{group_id}/{i}" for i in range(n)]
         await asyncio.sleep(backoff_s(attempt))  # a retry after an infrastructure failure does not come back at once
         try:
             trajs = await asyncio.gather(*(self._one(messages, ground_truth, uid, group_id, name, extra, rollout, attempt) for uid in uids))
-            if hasattr(loop_class, "score_group"):  # a loop whose environment scores its groups together (verifiers' rubric)
-                await loop_class.score_group(list(trajs), self.cfg.reward.call_timeout_s)
+            if hooks.score_group is not None:  # a loop whose environment scores its groups together (verifiers' rubric)
+                await hooks.score_group(list(trajs), self.cfg.reward.call_timeout_s)
         finally:
-            if hasattr(loop_class, "forget"):
-                loop_class.forget(uids)
+            if hooks.forget is not None:
+                hooks.forget(uids)
         return list(trajs), [trajectory_stats(t) for t in trajs]

@@ -303,6 +303,36 @@ def test_a_custom_agent_loop_is_picked_by_name(renderer):
     AGENT_LOOPS.pop("echo_test_agent")
 
 
+def test_a_loops_hooks_are_declared_and_a_misspelled_one_is_refused():
+    from raytool.agent.registry import loop_hooks
+
+    class Scored(ToolAgentLoop):
+        scored_by_environment = True
+        row_extra = True
+
+    register_agent_loop("scored_test_agent")(Scored)
+    try:
+        hooks = loop_hooks(Scored)
+        assert hooks.scored_by_loop and hooks.row_extra and hooks.score_group is None and hooks.forget is None
+        assert not loop_hooks(ToolAgentLoop).scored_by_loop and not loop_hooks(ToolAgentLoop).row_extra
+    finally:
+        AGENT_LOOPS.pop("scored_test_agent")
+
+    class Misspelled(ToolAgentLoop):
+        scored_by_enviroment = True  # would fall back to reward.fn without a word
+
+    with pytest.raises(ValueError, match=r"'scored_by_enviroment' is no hook \(did you mean 'scored_by_environment'\?\)"):
+        register_agent_loop("misspelled_test_agent")(Misspelled)
+
+    class NoRun:
+        def run(self, messages, ground_truth, uid, group_id):  # not async
+            return None
+
+    with pytest.raises(ValueError, match="has no `async def run"):
+        register_agent_loop("no_run_test_agent")(NoRun)
+    assert "misspelled_test_agent" not in AGENT_LOOPS and "no_run_test_agent" not in AGENT_LOOPS
+
+
 def test_readme_custom_agent_example_runs(renderer):
     import re
 

@@ -8,27 +8,77 @@ A loop is a class constructed as `Loop(renderer, tools, generate, agent_cfg, rol
 static `async score_group(trajs, timeout_s)` scores each group when all its rollouts are done
 (instead of reward.fn, as the verifiers loop's rubric does), `forget(uids)` drops what it held
 for a group that will not be scored, and `scored_by_environment = True` says `run` set the reward
-itself (the openenv loop: the environment's step rewards), so reward.fn is not called.
+itself (the openenv loop: the environment's step rewards), so reward.fn is not called;
+`check_environment(agent_cfg)` checks the loop's environment before any actor starts. These are
+read once, where the loop is registered (`loop_hooks`); a public name close to one of them (a
+misspelled hook, which would silently do nothing) is refused there, naming the hook it resembles.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from raytool.config import AgentConfig, ConfigError
 from raytool.errors import did_you_mean, one_line
 
 AGENT_LOOPS: dict[str, type] = {}
 
+# The optional hooks a loop class may have (see the module's docstring), and nothing else by these names.
+HOOKS = ("row_extra", "scored_by_environment", "score_group", "forget", "check_environment")
+
+
+@dataclass(frozen=True)
+class LoopHooks:
+    """What a loop class declares beyond `run`, read once where it is registered."""
+
+    row_extra: bool = False  # run() takes the row's extra=
+    scored_by_environment: bool = False  # run() set the reward: reward.fn is not called
+    score_group: Callable[[list, float], Awaitable[None]] | None = None  # scores a whole group (instead of reward.fn)
+    forget: Callable[[list[str]], None] | None = None  # drops what it held for a group that will not be scored
+    check_environment: Callable[[AgentConfig], None] | None = None  # checks its environment before any actor starts
+
+    @property
+    def scored_by_loop(self) -> bool:
+        return self.scored_by_environment or self.score_group is not None
+
+
+def _hooks(name: str, cls: type) -> LoopHooks:
+    """The hooks `cls` declares; a public name close to a hook's but not one (a misspelling, which
+    would silently fall back to the default) is an error, as is a loop without an async `run`."""
+    if not inspect.iscoroutinefunction(getattr(cls, "run", None)):
+        raise ValueError(f"agent loop '{name}' ({cls.__module__}.{cls.__qualname__}) has no `async def run(messages, ground_truth, uid, group_id)`")
+    for attr in dir(cls):
+        if attr.startswith("_") or attr in HOOKS:
+            continue
+        close = difflib.get_close_matches(attr, HOOKS, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"agent loop '{name}' ({cls.__module__}.{cls.__qualname__}): {attr!r} is no hook (did you mean {close[0]!r}?); "
+                             f"the hooks: {', '.join(HOOKS)}")
+    return LoopHooks(bool(getattr(cls, "row_extra", False)), bool(getattr(cls, "scored_by_environment", False)),
+                     getattr(cls, "score_group", None), getattr(cls, "forget", None), getattr(cls, "check_environment", None))
+
 
 def register_agent_loop(name: str):
     def add(cls: type) -> type:
         if name in AGENT_LOOPS and AGENT_LOOPS[name] is not cls:
             raise ValueError(f"agent loop '{name}' is already registered (by {AGENT_LOOPS[name].__module__}.{AGENT_LOOPS[name].__name__})")
+        LOOP_HOOKS[cls] = _hooks(name, cls)
         AGENT_LOOPS[name] = cls
         return cls
 
     return add
+
+
+LOOP_HOOKS: dict[type, LoopHooks] = {}
+
+
+def loop_hooks(cls: type) -> LoopHooks:
+    """The hooks of a registered loop class."""
+    return LOOP_HOOKS[cls]
 
 
 # Built-in loops live in modules imported on first use (langgraph's needs an optional extra).
@@ -84,9 +134,9 @@ def check_agents(agent: AgentConfig, rows) -> None:
                           "the one environment it names: give one of the two kinds of rows")
     # A loop of an environment (verifiers, openenv) checks it now, so a missing one stops the run
     # before any actor starts; the loops are found by name, so this module imports none of them.
-    environment_loops = [loop for loop in (get_agent_loop(name) for name in sorted(used)) if hasattr(loop, "check_environment")]
-    for loop in environment_loops:
-        loop.check_environment(agent)
-    if agent.environment and not environment_loops:
+    checks = [hooks.check_environment for hooks in (loop_hooks(get_agent_loop(name)) for name in sorted(used)) if hooks.check_environment]
+    for check in checks:
+        check(agent)
+    if agent.environment and not checks:
         raise ConfigError(f"config key 'agent.environment': {agent.environment!r} rolls out no row (no row has agent_name verifiers or openenv): "
                           "set data.task verifiers for a verifiers environment's own dataset, or agent.default_agent verifiers or openenv")
