@@ -7,6 +7,8 @@ import torch
 from raytool.algos.losses import _masked_mean
 
 CORRECTION_MODES = ("token", "sequence")
+CORRECTION_METRICS = ("rollout_corr/is_mean", "rollout_corr/is_truncated_frac", "rollout_corr/rs_masked_frac", "rollout_corr/mismatch_kl",
+                      "rollout_corr/mismatch_k1")  # what rollout_correction reports, in this order
 
 
 def rollout_correction(
@@ -73,11 +75,6 @@ def rollout_correction(
         rejected = keep & ((ratio < lower) | (ratio > rs_upper))
         new_mask = torch.where(rejected, torch.zeros_like(mask), mask)
 
-    metrics = {
-        "rollout_corr/is_mean": _masked_mean(weights, mask),
-        "rollout_corr/is_truncated_frac": _masked_mean(truncated.float(), mask),
-        "rollout_corr/rs_masked_frac": _masked_mean(rejected.float(), mask),
-        "rollout_corr/mismatch_kl": _masked_mean(token_ratio - 1.0 - log_r.clamp(-20.0, 20.0), mask),
-        "rollout_corr/mismatch_k1": _masked_mean(-log_r, mask),
-    }
+    values = (weights, truncated.float(), rejected.float(), token_ratio - 1.0 - log_r.clamp(-20.0, 20.0), -log_r)
+    metrics = {name: _masked_mean(value, mask) for name, value in zip(CORRECTION_METRICS, values)}
     return weights, new_mask, metrics

@@ -104,3 +104,4 @@ def ppo_clip(
 # bound -c*A included, is a multiple of A), so the trainer may skip zero-advantage sequences (e.g.
 # GRPO groups whose samples all got the same reward) as long as num_tokens / num_seqs still count them.
 ppo_clip.zero_advantage_is_noop = True
+ppo_clip.metric_names = ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")  # what it reports: the trainer reduces these names on every rank

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
-from raytool.algos.correction import rollout_correction
+from raytool.algos.correction import CORRECTION_METRICS, rollout_correction
 from raytool.config import RunConfig
 from raytool.errors import RaytoolError
 from raytool.moe import RouterTap, covers, find_routers, load_imbalance, moe_classes_without_replay, replay_tensor, routes_array, split_recording, valid_tokens
@@ -390,92 +390,106 @@ class Trainer:
         `trajectories` are this rank's own; `batch_rewards`/`batch_groups`/`batch_trained` are the
         whole batch's (all ranks), `index` the position of each own trajectory in it. One process:
         leave them. A trajectory not trained (stopped by its wall-clock limit: raytool.types.trained)
-        counts in neither its group's advantage statistics nor the loss."""
+        counts in neither its group's advantage statistics nor the loss.
+
+        Its phases, top to bottom: every collective is in this body, in the same order on every
+        rank, each decision before one made on what every rank holds alike (the config, the whole
+        batch's rewards, an all-reduced value); forwards and backwards (FSDP's collectives) run the
+        same number of micro-batches on every rank (`_plans`)."""
         a = self.cfg.algorithm
         start = time.perf_counter()
-        if batch_rewards is None:
+        if batch_rewards is None:  # one process: the whole batch is its own
             batch_rewards, batch_groups = [t.reward for t in trajectories], [t.group_id for t in trajectories]
-            batch_trained = [trained(t.finish_reason) for t in trajectories]
-            index = list(range(len(trajectories)))
-        if batch_trained is None:
-            batch_trained = [True] * len(batch_rewards)
-        own = [(i, t) for i, t in zip(index, trajectories) if batch_trained[i]]  # the rest: no forward, no loss
-        index, trajectories = [i for i, _ in own], [t for _, t in own]
-        seqs = [
-            _Seq(ids=t.prompt_ids + t.response_ids, mask=[0] * (len(t.prompt_ids) - 1) + list(t.response_mask),
-                 rollout=[0.0] * (len(t.prompt_ids) - 1) + list(t.rollout_logprobs))
-            for t in trajectories
-        ]
-        on_policy = a.ppo_epochs == 1 and a.mini_batches == 1
-        route_counts = self._engine_routes(seqs, trajectories) if self.cfg.trainer.router_replay == "r3" else []
+            batch_trained, index = [trained(t.finish_reason) for t in trajectories], list(range(len(trajectories)))
+        batch_trained = batch_trained if batch_trained is not None else [True] * len(batch_rewards)
+        index, seqs, route_counts = self._own_sequences(trajectories, index, batch_trained)
+
+        # 1. The reference's and the old policy's log-probs (forwards).
         if self.router_tap is not None:
             self.router_tap.reset_counts()
-        kl_on = a.kl_on
-        if kl_on:
+        if a.kl_on:
             self._fill(seqs, "ref", self._reference())
-        if not on_policy or a.kl_reward_coef > 0:
+        if not (a.ppo_epochs == 1 and a.mini_batches == 1) or a.kl_reward_coef > 0:
             self._fill(seqs, "old", self.policy)
+
+        # 2. Rewards and advantages: a non-finite one skips the update on every rank alike.
         rewards = torch.tensor(batch_rewards, dtype=torch.float32)
-        if not torch.isfinite(rewards[torch.tensor(batch_trained, dtype=torch.bool)]).all():  # every rank sees the whole batch's
+        if not torch.isfinite(rewards[torch.tensor(batch_trained, dtype=torch.bool)]).all():  # the whole batch's: every rank's view
             return self._skipped("reward", time.perf_counter() - start)
         metrics: dict[str, float] = {}
         if a.kl_reward_coef > 0:  # r_i - beta * sum_t KL_t, the KL summed over each sequence's tokens
-            kl = torch.zeros(len(batch_rewards), dtype=self.sum_dtype, device=self.device)
-            if seqs:  # [own sequences, tokens] grids, 0-padded (every KL estimator is 0 there)
-                width = max(len(x.ids) for x in seqs) - 1
-                per_seq = (kl_penalty(self._grid(seqs, "old", width), self._grid(seqs, "ref", width), a.kl_type) * self._grid(seqs, "mask", width)).sum(1)
-                kl[to_device(torch.tensor(index), self.device)] = per_seq.to(self.sum_dtype)
+            kl = self._own_reward_kl(seqs, index, len(batch_rewards))
             if self.dp_size > 1:
-                dist.all_reduce(kl, group=self.dp_group)
+                dist.all_reduce(kl, group=self.dp_group)  # collective: every rank's sequences' KL
             rewards = rewards - a.kl_reward_coef * kl.cpu().float()
             metrics["actor/reward_kl_penalty"] = float(kl.mean())
         adv, kept = self._advantages(rewards, batch_groups, batch_trained)
-        if not torch.isfinite(adv).all():  # e.g. a reward KL penalty gone non-finite
+        if not torch.isfinite(adv).all():  # e.g. a reward KL penalty gone non-finite: all-reduced, so every rank's view
             return self._skipped("advantage", time.perf_counter() - start)
         for i, x in zip(index, seqs):
             x.adv = float(adv[i])
-        loss_fn = get_policy_loss(a.policy_loss)
-        skip_zero_adv = getattr(loss_fn, "zero_advantage_is_noop", False) and not kl_on and a.entropy_coeff == 0
-        active = {id(x) for x in seqs if x.adv != 0.0 or not skip_zero_adv}  # the rest would add exactly nothing
-        sums: dict[str, torch.Tensor] = {}  # metric -> token-weighted sum, then its weight
-        orders = [torch.randperm(len(seqs)).tolist() for _ in range(a.ppo_epochs)]
-        minis = [[seqs[i] for i in order[m :: a.mini_batches]] for order in orders for m in range(a.mini_batches)]
-        # The step's collectives, besides FSDP's own and the micro-batch plans' (_plans, one): the KL
-        # penalty above (when on), the mini-batches' loss normalizers and the batch's counts here
-        # in one all-reduce, the metrics in one at the end (_reduce_metrics, then the token count).
-        # Normalizers count every sequence of a mini-batch on every rank, skipped ones too.
+
+        # 3. Mini-batches, their loss normalizers and the batch's counts (one all-reduce), their micro-batch plans.
+        minis, active, skip_zero_adv = self._mini_batches(seqs)
         counts = self._global_sums([v for mini in minis for v in (sum(sum(x.mask) for x in mini), len(mini))] + route_counts + [len(active), len(seqs)])
-        tokens, grad_norms, skipped_before = 0, [], self.skipped_updates
-        lr = self._rl_lr()
         plans = self._plans([[x for x in mini if id(x) in active] if skip_zero_adv else mini for mini in minis])
+
+        # 4. The updates: one optimizer step per mini-batch (forwards, backwards, FSDP's reductions).
+        sums: dict[str, torch.Tensor] = {}  # metric -> token-weighted sum, then its weight
         if route_counts:  # every rank: the diagnostics' forwards are collectives under FSDP
             first = self._plan(seqs)
             if first:
                 self._replay_diagnostics(first[0], sums)
+        tokens, grad_norms, skipped_before, lr = 0, [], self.skipped_updates, self._rl_lr()
         for k, plan in enumerate(plans):
             n_tokens, n_seqs = max(counts[2 * k], 1.0), max(counts[2 * k + 1], 1.0)
             lr = self._rl_lr()
             for group in plan:
                 tokens += sum(len(x.ids) for x in group)
-                self._rl_micro_step(group, on_policy, n_tokens, n_seqs, sums)
+                self._rl_micro_step(group, a.ppo_epochs == 1 and a.mini_batches == 1, n_tokens, n_seqs, sums)
             grad_norms.append(self._optimizer_step(lr))
             self.rl_updates += 1
+
+        # 5. Metrics: the declared names reduced in one all-reduce, then the token count.
         self._routing_metrics(sums)
-        out = self._reduce_metrics(sums)
-        out.update(metrics)
-        if route_counts:
-            replayed, total = counts[2 * len(minis)], counts[2 * len(minis) + 1]
-            out["router/replayed_seq_frac"] = replayed / max(total, 1.0)  # the rest had no (complete) engine routes: trained on their own routing
+        out = {**self._reduce_metrics(sums), **metrics}
         (tokens,) = self._global_sums([tokens])
         elapsed = time.perf_counter() - start
         self._note_compile_time(len(grad_norms), elapsed)
-        out.update({
-            "actor/grad_norm": float(torch.stack(grad_norms).to(self.sum_dtype).mean()), "actor/lr": lr, "adv/abs_mean": adv[kept].abs().mean().item() if kept else 0.0,
-            "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
-            "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9),
-            "actor/skipped_updates": float(self.skipped_updates - skipped_before),
-        })
-        return out
+        if route_counts:  # the rest had no (complete) engine routes: trained on their own routing
+            out["router/replayed_seq_frac"] = counts[2 * len(minis)] / max(counts[2 * len(minis) + 1], 1.0)
+        return out | {"actor/grad_norm": float(torch.stack(grad_norms).to(self.sum_dtype).mean()), "actor/lr": lr,
+                      "adv/abs_mean": adv[kept].abs().mean().item() if kept else 0.0, "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
+                      "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9), "actor/skipped_updates": float(self.skipped_updates - skipped_before)}
+
+    def _own_sequences(self, trajectories: list[Trajectory], index: list[int], batch_trained: list[bool]) -> tuple[list[int], list[_Seq], list[float]]:
+        """This rank's trained trajectories as sequences -> (their places in the batch, the sequences,
+        r3's [replayed, total] counts or [])."""
+        own = [(i, t) for i, t in zip(index, trajectories) if batch_trained[i]]  # the rest: no forward, no loss
+        index, trajectories = [i for i, _ in own], [t for _, t in own]
+        seqs = [_Seq(ids=t.prompt_ids + t.response_ids, mask=[0] * (len(t.prompt_ids) - 1) + list(t.response_mask),
+                     rollout=[0.0] * (len(t.prompt_ids) - 1) + list(t.rollout_logprobs)) for t in trajectories]
+        route_counts = self._engine_routes(seqs, trajectories) if self.cfg.trainer.router_replay == "r3" else []
+        return index, seqs, route_counts
+
+    def _own_reward_kl(self, seqs: list[_Seq], index: list[int], batch: int) -> torch.Tensor:
+        """[batch] the KL of this rank's sequences summed over their tokens, at their places (0 elsewhere)."""
+        a = self.cfg.algorithm
+        kl = torch.zeros(batch, dtype=self.sum_dtype, device=self.device)
+        if seqs:  # [own sequences, tokens] grids, 0-padded (every KL estimator is 0 there)
+            width = max(len(x.ids) for x in seqs) - 1
+            per_seq = (kl_penalty(self._grid(seqs, "old", width), self._grid(seqs, "ref", width), a.kl_type) * self._grid(seqs, "mask", width)).sum(1)
+            kl[to_device(torch.tensor(index), self.device)] = per_seq.to(self.sum_dtype)
+        return kl
+
+    def _mini_batches(self, seqs: list[_Seq]) -> tuple[list[list[_Seq]], set[int], bool]:
+        """algorithm.ppo_epochs x mini_batches shuffled mini-batches of this rank's sequences -> (them,
+        the ids of the sequences that change the loss, whether the others are skipped)."""
+        a = self.cfg.algorithm
+        skip_zero_adv = getattr(get_policy_loss(a.policy_loss), "zero_advantage_is_noop", False) and not a.kl_on and a.entropy_coeff == 0
+        active = {id(x) for x in seqs if x.adv != 0.0 or not skip_zero_adv}  # the rest would add exactly nothing
+        orders = [torch.randperm(len(seqs)).tolist() for _ in range(a.ppo_epochs)]
+        return [[seqs[i] for i in order[m :: a.mini_batches]] for order in orders for m in range(a.mini_batches)], active, skip_zero_adv
 
     def _skipped(self, what: str, elapsed: float) -> dict:
         """The metrics of an RL step whose update is skipped before any forward: a non-finite
@@ -589,18 +603,40 @@ class Trainer:
         elif self.cfg.trainer.router_replay != "off" and self.world_size > 1:  # every rank reduces the same names
             sums["router/replay_differs_frac"] = torch.zeros(2, dtype=self.sum_dtype, device=self.device)
 
+    def _metric_names(self) -> tuple[str, ...]:
+        """The names an RL step's micro-batches may report, declared by the config alone (the same
+        on every rank), in the order they are reduced in."""
+        a, t = self.cfg.algorithm, self.cfg.trainer
+        names = ["actor/pg_loss", "rollout/logprob_abs_diff", "actor/entropy", *getattr(get_policy_loss(a.policy_loss), "metric_names", ())]
+        if self.rollout_is or a.rollout_correction.rollout_rs:
+            names += CORRECTION_METRICS
+        if a.kl_loss_coef > 0:
+            names.append("actor/kl_loss")
+        if t.router_aux_loss_coef > 0:
+            names.append("moe/aux_loss")
+        if self.router_tap is not None:
+            names += ["moe/load_imbalance"] + (["router/replay_differs_frac"] if t.router_replay != "off" else [])
+            if t.router_replay == "r3":
+                names += ["router/logprob_abs_diff_without_replay", "router/logprob_abs_diff_with_replay"]
+        return tuple(names)
+
     def _reduce_metrics(self, sums: dict) -> dict:
         """Token-weighted means over every micro-batch of every rank (pg_loss: summed per optimizer
-        step, since each micro-batch holds its share of the mini-batch's loss)."""
-        if not sums:
-            return {}
-        names = sorted(sums)
-        stacked = torch.stack([sums[n] for n in names])
+        step, since each micro-batch holds its share of the mini-batch's loss), in one all-reduce of
+        the declared names (`_metric_names`): a rank without a value for one sends zeros, so every
+        rank's tensor has the same shape whatever its data; a name reported by no rank is left out."""
+        names = self._metric_names()
+        undeclared = sorted(set(sums) - set(names))
+        if undeclared:
+            raise ValueError(f"the RL step reported metrics it does not declare: {undeclared} (algorithm.policy_loss "
+                             f"{self.cfg.algorithm.policy_loss!r}: list them in its `metric_names`)")
+        zero = torch.zeros(2, dtype=self.sum_dtype, device=self.device)
+        stacked = torch.stack([torch.cat([sums.get(n, zero), torch.ones(1, dtype=self.sum_dtype, device=self.device) * (n in sums)]) for n in names])
         if self.dp_size > 1:
             dist.all_reduce(stacked, group=self.dp_group)
-        out = {n: float(v[0] / v[1].clamp(min=1e-12)) for n, v in zip(names, stacked)}
-        a = self.cfg.algorithm
-        if "actor/pg_loss" in sums:
+        out = {n: float(v[0] / v[1].clamp(min=1e-12)) for n, v in zip(names, stacked) if v[2] > 0}
+        if "actor/pg_loss" in out:
+            a = self.cfg.algorithm
             out["actor/pg_loss"] = float(stacked[names.index("actor/pg_loss")][0]) / (a.ppo_epochs * a.mini_batches)
         return out
 
