@@ -100,7 +100,8 @@ def run_chaos(cfg: RunConfig, run_dir: str | Path | None, kinds: list[str], ever
               per_step: bool = False, max_faults: int | None = None) -> dict:
     """Train per `cfg` under faults -> the report: faults by kind, the checks, steps, wall time.
     `per_step`: at most one fault per step (`every_s` after it is logged); `max_faults`: then stop."""
-    from actors.pipeline import default_run_dir, run
+    from actors.pipeline import run
+    from actors.session import default_run_dir
     from raytool.engines.vllm_engine import unlink_orphaned_segments
 
     namespace = f"raytool-chaos-{uuid.uuid4().hex[:6]}"

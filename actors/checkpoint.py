@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import ray
 
+from actors.session import default_run_dir
 from raytool.config import RunConfig, check_resume
 from raytool import storage
 from raytool.errors import RaytoolError
@@ -147,6 +148,17 @@ def resumed_run_dir(checkpoint: str) -> Path:
         log.warning("--resume %s: its run directory %s is not on this machine; the resumed run writes to %s (--run-dir chooses)",
                     checkpoint, recorded, fallback.resolve())
     return fallback
+
+
+def where_to_run(cfg: RunConfig, run_dir: str | Path | None, resume: str | Path | None, overwrite: bool) -> tuple[str | None, Path, list[str]]:
+    """A run's place -> (the checkpoint it resumes from or None, its run directory, what of an earlier
+    run that directory holds and --overwrite will remove). Given no run directory, a resumed run goes
+    on in its own (`resumed_run_dir`), a new one in runs/<time>."""
+    checkpoint = resume_checkpoint(resume, cfg) if resume is not None else None
+    if checkpoint is not None and run_dir is None:
+        run_dir = resumed_run_dir(checkpoint)
+    run_dir = Path(run_dir) if run_dir else default_run_dir()
+    return checkpoint, run_dir, earlier_run(run_dir, overwrite) if checkpoint is None else []
 
 
 # What a run writes into its directory (raytool's files only: --overwrite removes these and nothing else).

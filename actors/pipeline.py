@@ -20,12 +20,9 @@ import ray
 from tqdm import tqdm
 
 from actors.agent_worker import build_toolset
-from actors.checkpoint import (
-    checkpoint_root, earlier_run, latest_checkpoint, load_buffer, read_state, remove_earlier_run, resume_checkpoint, resumed_run_dir,
-    save_checkpoint,
-)
+from actors.checkpoint import checkpoint_root, latest_checkpoint, load_buffer, read_state, remove_earlier_run, save_checkpoint, where_to_run
 from actors.compose import Graph, build, run_namespace
-from actors.session import actors_by_node, check_row_tools, check_tools, connect, dashboard_url, default_run_dir, run_log
+from actors.session import actors_by_node, check_row_tools, check_tools, connect, dashboard_url, run_log
 from actors.evaluate import evaluate
 from actors.metrics import record_step
 from actors.trainer import TrainerLost
@@ -157,11 +154,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     """Train per `cfg`, writing config.yaml, metrics.jsonl, traces.jsonl and checkpoints to run_dir.
     `resume`: a checkpoint or run directory to continue from (the run directory is reused); else a
     run_dir holding an earlier run is refused, unless `overwrite` (its outputs are then replaced)."""
-    checkpoint = resume_checkpoint(resume, cfg) if resume is not None else None
-    if checkpoint is not None and run_dir is None:
-        run_dir = resumed_run_dir(checkpoint)
-    run_dir = Path(run_dir) if run_dir else default_run_dir()
-    earlier = earlier_run(run_dir, overwrite) if checkpoint is None else []
+    checkpoint, run_dir, earlier = where_to_run(cfg, run_dir, resume, overwrite)
     # A missing model, a bad reward fn, unusable data or a name that resolves to nothing stop the
     # run here, before any actor starts and before anything is written.
     model_path = resolve_model(cfg.model.path)

@@ -15,9 +15,9 @@ from pathlib import Path
 import msgspec
 
 from actors.compose import check_memory, run_namespace, wait_for_resources
-from actors.checkpoint import checkpoint_root, earlier_run, read_state, remove_earlier_run, resume_checkpoint, resumed_run_dir, save_checkpoint
+from actors.checkpoint import checkpoint_root, read_state, remove_earlier_run, save_checkpoint, where_to_run
 from actors.pipeline import reforming
-from actors.session import connect, default_run_dir, run_log
+from actors.session import connect, run_log
 from actors.trainer import TrainerGroup
 from raytool import storage
 from raytool.agent.render import as_in_turn
@@ -105,11 +105,7 @@ def run_sft(cfg: RunConfig, run_dir: str | Path | None = None, address: str | No
     s = cfg.sft
     if not s.train_files:
         raise RaytoolError("config key 'sft.train_files' is empty: give the conversations to train on (jsonl or parquet, messages + tools)")
-    checkpoint = resume_checkpoint(resume, cfg) if resume is not None else None
-    if checkpoint is not None and run_dir is None:
-        run_dir = resumed_run_dir(checkpoint)
-    run_dir = Path(run_dir) if run_dir else default_run_dir()
-    earlier = earlier_run(run_dir, overwrite) if checkpoint is None else []
+    checkpoint, run_dir, earlier = where_to_run(cfg, run_dir, resume, overwrite)
     model_path = resolve_model(cfg.model.path)
     validate_backends(cfg.logging)
     tokenizer = load_tokenizer(model_path)
