@@ -357,6 +357,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
             graph.gateway_url = wait_started({"gateway": (graph.gateway, graph.gateway.start)})["gateway"]
         if trainer is not None:
             trainer.started()
+            graph.cfg = trainer.cfg  # with the trainer's autos decided on its device
         graph.trainer = trainer
     except BaseException:  # nothing of a run that failed to start is left running
         if graph.watchdog is not None:

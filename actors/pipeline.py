@@ -348,6 +348,9 @@ def train(cfg: RunConfig, run_dir: Path, model_path: str, task: Task, tokenizer,
     then publishes the new weights to the servers, which load them between engine steps."""
     console.show(console.banner(cfg, model_path, run_dir.resolve()))
     graph = build(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-{run_dir.resolve().name}"), watch=True)
+    if graph.cfg != cfg:  # the trainer's autos, decided on its device: config.yaml records what the run runs with
+        cfg = graph.cfg
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
     console.show(console.placement(actors_by_node(graph.namespace), dashboard_url()))
     if graph.gateway_url:
         (run_dir / "gateway.json").write_text(json.dumps({"url": graph.gateway_url, "model": cfg.model.path}) + "\n")

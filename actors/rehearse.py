@@ -284,7 +284,7 @@ def metrics_lines(run_dir: Path) -> list[dict]:
 
 def stage_checks(r: rh.Rehearsal, cfg, stage: rh.Stage, seen: list[rh.Seen], ok: bool, before: list[dict], logs: str) -> list[rh.Check]:
     from raytool.planner import Cluster, plan
-    from raytool.resolve import agent_workers
+    from raytool.placement import agent_workers
 
     with_servers = stage.name != "sft"
     nodes = [n for n in r.nodes if n.accelerators]

@@ -66,6 +66,9 @@ def _train(cfg: RunConfig, run_dir: Path, model_path: str, train_examples: list,
     trainer = None
     try:
         trainer = TrainerGroup(cfg, model_path, namespace=cfg.cluster.namespace or run_namespace(f"raytool-sft-{run_dir.resolve().name}"))
+        if trainer.cfg != cfg:  # the trainer's autos, decided on its device: config.yaml records what the run runs with
+            cfg = trainer.cfg
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
         trainer.check_storage(root)
         if checkpoint is not None:
             trainer.load_checkpoint(checkpoint)

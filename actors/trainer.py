@@ -11,8 +11,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.common import Liveness, actor_options, alive_pid
 from raytool.config import RunConfig
-from raytool.device import detect, set_torch_threads, torch_threads, unreachable_gloo_address
+from raytool.device import accelerator_memory, detect, set_torch_threads, torch_threads, unreachable_gloo_address
 from raytool.errors import ActorStartError, RaytoolError, one_line, start_failure
+from raytool.resolve import with_trainer_autos
 from raytool import placement, storage
 from raytool.streaming import RolloutBatch
 from raytool.training import Trainer
@@ -49,8 +50,19 @@ class TrainerWorker:
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
         return f"{host}:{self._store.port}"
 
-    def setup(self, rendezvous: str | None, hosts: int = 1) -> None:
-        """Join the process group (`hosts`: the machines its ranks are on) and build the trainer."""
+    def resolved(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` with the trainer's autos decided for this rank's device and its memory
+        (raytool.resolve.with_trainer_autos): rank 0's decision is every rank's."""
+        import torch
+
+        device = detect()
+        local = torch.device("cuda" if device.kind == "cuda" else device.kind)
+        return with_trainer_autos(cfg, self.model_path, device.kind != "cpu", accelerator_memory(local))
+
+    def setup(self, rendezvous: str | None, hosts: int = 1, cfg: RunConfig | None = None) -> None:
+        """Join the process group (`hosts`: the machines its ranks are on) and build the trainer
+        (`cfg`: the run's, its trainer autos decided; None: the one this worker was made with)."""
+        self.cfg = cfg or self.cfg
         device = detect()
         if hosts > 1 and (why := unreachable_gloo_address()) is not None:
             raise RaytoolError(f"trainer rank {self.rank} on {ray.util.get_node_ip_address()}: the trainer spans {hosts} hosts, but {why}, "
@@ -169,10 +181,12 @@ class TrainerGroup:
             named = {"name": f"trainer-{rank}", "namespace": namespace} if namespace else {}
             opts = actor_options(t.num_cpus, t.num_gpus, c.accelerator, c.env_vars, scheduling_strategy=strategy, **named)
             self.workers.append(TrainerWorker.options(**opts).remote(rank, t.num_workers, model_path, cfg))
-        # Every rank's setup takes rank 0's store address (Ray hands the result on once it is there).
+        # Every rank's setup takes rank 0's store address and rank 0's decision of the trainer's
+        # autos, on its device (Ray hands each result on once it is there): one decision for every rank.
+        self._resolved = self.workers[0].resolved.remote(cfg)
         self._rendezvous = [self.workers[0].rendezvous_address.remote()] if t.num_workers > 1 else []
         hosts = self._hosts()
-        self._setups = [w.setup.remote(self._rendezvous[0] if self._rendezvous else None, hosts) for w in self.workers]
+        self._setups = [w.setup.remote(self._rendezvous[0] if self._rendezvous else None, hosts, self._resolved) for w in self.workers]
         if wait:
             self.started()
 
@@ -189,6 +203,7 @@ class TrainerGroup:
         try:
             self.gather(self._rendezvous)  # rank 0 dead before its store opened is named as rank 0
             self.gather(self._setups)
+            self.cfg = ray.get(self._resolved)  # the trainer's autos decided (the driver records them in config.yaml)
         except ray.exceptions.RayError as exc:
             self.shutdown()
             raise ActorStartError(f"trainer failed to start: {start_failure(exc)}") from exc

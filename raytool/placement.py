@@ -7,11 +7,11 @@ that names the missing resource and the config keys that asked for it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from raytool.config import RunConfig
 from raytool.errors import RaytoolError
-from raytool.resolve import agent_workers
 
 
 class PlacementError(RaytoolError):
@@ -36,6 +36,15 @@ def shares_accelerators(cfg: RunConfig) -> bool:
     put both on one device (the one-GPU LoRA recipe: 0.4 for the engine, 0.6 for the trainer)."""
     r, t = cfg.rollout, cfg.trainer
     return bool(r.num_gpus and t.num_gpus and (r.num_gpus % 1 or t.num_gpus % 1))
+
+
+def agent_workers(cfg: RunConfig) -> int:
+    """agent.num_workers, auto: enough workers that the trajectories they keep in flight fill every
+    rollout server (a 4-server, 256-sequence run with one 256-trajectory worker ran them at a quarter)."""
+    a, r = cfg.agent, cfg.rollout
+    if a.num_workers != "auto":
+        return a.num_workers
+    return max(1, math.ceil(r.num_servers * r.max_batch_size / a.max_concurrent_trajectories))
 
 
 def demands(cfg: RunConfig) -> list[Demand]:

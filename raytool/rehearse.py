@@ -24,7 +24,7 @@ import yaml
 from raytool import storage
 from raytool.config import RunConfig
 from raytool.errors import RaytoolError
-from raytool.resolve import agent_workers
+from raytool.placement import agent_workers
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = REPO / "tests" / "fixtures" / "sources"

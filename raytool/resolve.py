@@ -13,19 +13,20 @@ place before any actor starts, into the one RunConfig every actor receives and c
   `agent.langgraph_graph`, `agent.environment`: `path/to/file.py:name`) -> its absolute path, which
   the actors (started in other directories) can import.
 It is idempotent: a resolved config comes back unchanged. What depends on the trainer's own device
-and memory (`trainer.compile`, micro-batch sizes: raytool.planner.resolve_auto) is decided by the
-trainer ranks, which are the only ones that see that device.
+and memory (`trainer.micro_batch_tokens`, `activation_checkpointing`, `compile`, `kernels`) is
+decided by `with_trainer_autos` once the trainer's rank 0 sees its device: the trainer group asks
+it there, every rank receives its decision, and the driver records it in config.yaml.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 
 import msgspec
 
 from raytool.config import ConfigError, RunConfig, SandboxConfig, validate_sandbox_lifetime
 from raytool.device import engine_dtype
+from raytool.placement import agent_workers
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +68,6 @@ def with_epochs(cfg: RunConfig, prompts: int) -> RunConfig:
     steps = steps_of_epochs(t.total_epochs, prompts, cfg.data.prompts_per_step)
     log.info("trainer.total_epochs=%d: %d GRPO steps (%d training prompts, %d a step)", t.total_epochs, steps, prompts, cfg.data.prompts_per_step)
     return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, total_steps=steps, total_epochs=None))
-
-
-def agent_workers(cfg: RunConfig) -> int:
-    """agent.num_workers, auto: enough workers that the trajectories they keep in flight fill every
-    rollout server (a 4-server, 256-sequence run with one 256-trajectory worker ran them at a quarter)."""
-    a, r = cfg.agent, cfg.rollout
-    if a.num_workers != "auto":
-        return a.num_workers
-    return max(1, math.ceil(r.num_servers * r.max_batch_size / a.max_concurrent_trajectories))
 
 
 def with_agent_workers(cfg: RunConfig) -> RunConfig:
@@ -172,3 +164,18 @@ def with_engine_dtype(cfg: RunConfig) -> RunConfig:
     if dtype != cfg.model.dtype:
         log.info("model.dtype %s: %s (%s)", cfg.model.dtype, dtype, why)
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype=dtype))
+
+
+def with_trainer_autos(cfg: RunConfig, model_path: str, on_accelerator: bool, accelerator_bytes: float, log_notes: bool = True) -> RunConfig:
+    """trainer.micro_batch_tokens, trainer.activation_checkpointing, trainer.compile and trainer.kernels
+    "auto" decided for the trainer's device and its memory, as `raytool plan` decides them
+    (raytool.planner.resolve_auto), each decision said once."""
+    t = cfg.trainer
+    if "auto" not in (t.micro_batch_tokens, t.activation_checkpointing, t.compile, t.kernels):
+        return cfg
+    from raytool.planner import architecture, resolve_auto
+
+    cfg, notes = resolve_auto(cfg, architecture(model_path), on_accelerator, accelerator_bytes)
+    for note in notes if log_notes else []:
+        log.info("%s", note)
+    return cfg

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
 from raytool.algos.correction import CORRECTION_METRICS, rollout_correction
+from raytool.resolve import with_trainer_autos
 from raytool.config import RunConfig
 from raytool.errors import RaytoolError
 from raytool.moe import RouterTap, covers, find_routers, load_imbalance, moe_classes_without_replay, replay_tensor, routes_array, split_recording, valid_tokens
@@ -93,20 +94,6 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_auto_settings(cfg: RunConfig, model_path: str, device: torch.device, log_notes: bool = True) -> RunConfig:
-    """trainer.micro_batch_tokens, trainer.activation_checkpointing, trainer.compile and trainer.kernels
-    "auto" decided for this device and its memory, as `raytool plan` decides them (raytool.planner.resolve_auto)."""
-    t = cfg.trainer
-    if "auto" not in (t.micro_batch_tokens, t.activation_checkpointing, t.compile, t.kernels):
-        return cfg
-    from raytool.planner import architecture, resolve_auto
-
-    cfg, notes = resolve_auto(cfg, architecture(model_path), device.type != "cpu", device_info.accelerator_memory(device))
-    for note in notes if log_notes else []:
-        log.info("%s", note)
-    return cfg
-
-
 def check_4bit(device: torch.device) -> None:
     """trainer.load_in_4bit's device rule: bitsandbytes NF4 training is for CUDA GPUs."""
     import importlib.util
@@ -145,7 +132,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, model_path: str, *, device: str = "cpu", rank: int = 0, world_size: int = 1):
         torch.manual_seed(cfg.trainer.seed)
         self.device = torch.device(device)
-        cfg = resolve_auto_settings(cfg, model_path, self.device, log_notes=rank == 0)
+        cfg = with_trainer_autos(cfg, model_path, self.device.type != "cpu", device_info.accelerator_memory(self.device), log_notes=rank == 0)
         t = cfg.trainer
         self.cfg, self.model_path = cfg, model_path
         self.rank, self.world_size = rank, world_size
