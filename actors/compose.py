@@ -33,7 +33,7 @@ from actors.rollout_server import RolloutServer
 from actors.sandbox_pool import SandboxPool
 from actors.trainer import TrainerGroup
 from raytool.config import RunConfig, sandbox_backend_options
-from raytool.controlplane import SyncPlan
+from raytool.controlplane import SyncPlan, SyncResult
 from raytool.engines import EngineOptions
 from raytool.data.prompts import PromptRow, with_system_prompt
 from raytool.tools.registry import row_tool_names
@@ -165,7 +165,7 @@ class Graph:
         """The version of the weights the servers should hold (the control plane's: the last sync's)."""
         return self.ask_manager("policy_version")
 
-    def publish_weights(self, timeout_s: float = 300.0) -> dict:
+    def publish_weights(self, timeout_s: float = 300.0) -> SyncResult:
         """The trainer's new weights, as the next policy version, to every healthy rollout server
         (and to recovered ones that wait for current weights): see `sync`."""
         return self.sync(self.ask_manager("plan_sync"), timeout_s)
@@ -179,11 +179,11 @@ class Graph:
             log.warning("rollout servers %s were restarted (base weights): weight sync v%d to them", sorted(plan.targets), plan.version)
             self.sync(plan)
 
-    def sync_weights(self, version: int, timeout_s: float = 300.0) -> dict:
+    def sync_weights(self, version: int, timeout_s: float = 300.0) -> SyncResult:
         """The trainer's weights as policy version `version` (a resumed run's) to every healthy server."""
         return self.sync(self.ask_manager("plan_sync", version), timeout_s)
 
-    def sync(self, plan: SyncPlan, timeout_s: float = 300.0) -> dict:
+    def sync(self, plan: SyncPlan, timeout_s: float = 300.0) -> SyncResult:
         """Stream the trainer's weights to the plan's servers (the control plane's plan: version,
         attempt, targets); returns the version, bytes, seconds, acks and the servers that failed. A
         server that fails its sync is ejected by the control plane; the run goes on without it.
@@ -206,8 +206,8 @@ class Graph:
             acks += more_acks
             broken = {name: broken[name] for name in culprits} | broken_again
         failed.update({name: f.reason for name, f in broken.items()})
-        self.ask_manager("synced", plan.version, [a["server"] for a in acks], failed)
-        return {"version": plan.version, "sent": sent, "acks": acks, "failed": failed}
+        self.ask_manager("synced", plan.version, [a.server for a in acks], failed)
+        return SyncResult(plan.version, sent, acks, failed)
 
     def _send_and_ack(self, targets: dict, version: int, timeout_s: float, attempt: int) -> tuple[dict, list, dict]:
         """One pass: every target listens, the trainer sends -> (sender stats, acks, failed server -> ServerSyncFailure).

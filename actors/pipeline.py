@@ -307,12 +307,12 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, progress: bool = F
         "timing/weight_sync_s": sync_s,
         "trainer/idle_ratio": trainer_wait_s / step_s,
         "rollout/idle_ratio": min(1.0, rollout_idle_s / step_s),
-        "weight_sync/bytes": sync["sent"]["bytes"],
-        "weight_sync/failed_servers": len(sync["failed"]),
-        "policy_version": sync["version"],
+        "weight_sync/bytes": sync.sent["bytes"],
+        "weight_sync/failed_servers": len(sync.failed),
+        "policy_version": sync.version,
     })
     # The dashboard's view of the step (Ray metrics on the head's Prometheus endpoint).
-    record_step(step, step_s=step_s, train_s=train_s, sync_s=sync_s, rollout_s=rollout_s, trainer_version=sync["version"],
+    record_step(step, step_s=step_s, train_s=train_s, sync_s=sync_s, rollout_s=rollout_s, trainer_version=sync.version,
                 server_versions={name: e["policy_version"] for name, e in engines.items() if "policy_version" in e})
     return metrics, batch
 

@@ -12,6 +12,7 @@ import ray
 from actors import deaths
 from actors.metrics import RolloutMetrics
 from raytool.device import set_torch_threads
+from raytool.controlplane import SyncAck
 from raytool.engines import EngineOptions, make_engine
 from raytool.engines.crash import death, repeats, verdict
 from raytool.errors import RolloutServerError, describe_engine_failure
@@ -80,7 +81,7 @@ class RolloutServer:
         out.server_in_flight = self.in_flight
         return out
 
-    async def receive_weights(self, version: int, timeout_s: float = 300.0, attempt: int = 0) -> dict:
+    async def receive_weights(self, version: int, timeout_s: float = 300.0, attempt: int = 0) -> SyncAck:
         """Take one weight sync from the trainer into the live engine; ack after the weights are in.
         Versions only go up: a sync older than the weights it serves is refused."""
         self._check()
@@ -101,7 +102,7 @@ class RolloutServer:
         finally:
             self.loading = False
             self.engine.stats.progressed()
-        return {"server": self.name, "tensors": loaded, "version": version, "seconds": time.perf_counter() - start}
+        return SyncAck(self.name, loaded, version, time.perf_counter() - start)
 
     async def abort(self, request_id: str) -> bool:
         self._check()

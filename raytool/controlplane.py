@@ -82,6 +82,25 @@ class SyncPlan(msgspec.Struct, frozen=True):
     targets: dict[str, list[str]]
 
 
+class SyncAck(msgspec.Struct, frozen=True):
+    """A server's word that a sync's weights are in its live engine."""
+
+    server: str
+    tensors: int
+    version: int
+    seconds: float
+
+
+class SyncResult(msgspec.Struct, frozen=True):
+    """What one weight sync did: its version, what the trainer sent (bytes, buckets, seconds), the
+    servers' acks, and server -> why for the servers that did not take it (ejected)."""
+
+    version: int
+    sent: dict[str, float]
+    acks: list[SyncAck]
+    failed: dict[str, str]
+
+
 class ControlStats(msgspec.Struct, frozen=True):
     servers: list[str]
     healthy: list[str]

@@ -118,7 +118,7 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
         (survivor,) = [n for n in names if n != victim]
         start = time.time()
         result = graph.sync_weights(version=version)
-        assert [a["server"] for a in result["acks"]] == [survivor] and set(result["failed"]) == {victim}
+        assert [a.server for a in result.acks] == [survivor] and set(result.failed) == {victim}
         assert time.time() - start < 30
         outs = burst(f"r{version}")
         assert all(o.server == survivor and len(o.token_ids) == 4 for o in outs)
@@ -132,7 +132,7 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
         assert ray.get(graph.servers[victim].health.remote()).policy_version == 0
         # ... the next weight sync reaches it at its new receiver, and it is re-admitted.
         result = graph.sync_weights(version=version + 1)
-        assert {a["server"] for a in result["acks"]} == set(names) and not result["failed"]
+        assert {a.server for a in result.acks} == set(names) and not result.failed
         stats = ray.get(graph.manager.stats.remote())
         assert stats.ejected == {} and stats.stale == [] and stats.policy_version == version + 1
         outs = burst(f"after{version}", 8)
@@ -140,8 +140,8 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
 
     try:
         result = graph.sync_weights(version=9)
-        assert {a["server"] for a in result["acks"]} == set(names)
-        assert all(a["tensors"] > 0 and a["version"] == 9 for a in result["acks"])
+        assert {a.server for a in result.acks} == set(names)
+        assert all(a.tensors > 0 and a.version == 9 for a in result.acks)
         health = ray.get([s.health.remote() for s in graph.servers.values()])
         assert {h.policy_version for h in health} == {9}
         kill_resync_readmit("rollout-server-1", version=10)
@@ -189,8 +189,8 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
         stats = [TrajectoryStats(r, r, n, n, 1, 0, 0, {}, 0, 0, "answer", 0.0, "", 0, 0, {0: n}) for r, n in ((1.0, 3), (0.0, 2), (1.0, 2))]
         metrics = graph.trainer.rl_step(RolloutBatch([RolloutGroup("g", 0, None, ref, stats, 0)], version=0))
         assert metrics["actor/grad_norm"] > 0
-        acks = graph.sync_weights(version=4)["acks"]
-        assert acks[0]["tensors"] > 0
+        acks = graph.sync_weights(version=4).acks
+        assert acks[0].tensors > 0
         graph.trainer.save_checkpoint(str(tmp_path / "ckpt"))
         assert {p.name for p in (tmp_path / "ckpt" / "rng").iterdir()} == {"rank0.pt", "rank1.pt"}
         graph.trainer.check_storage(str(tmp_path / "shared"))  # both ranks see it: nothing to say
@@ -225,7 +225,7 @@ def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_clust
                                     f"trainer.weight_sync_in_place={in_place}"])
     graph = build(cfg)
     try:
-        assert {a["server"] for a in graph.sync_weights(version=1)["acks"]} == {"rollout-server-0", "rollout-server-1", "rollout-server-2"}
+        assert {a.server for a in graph.sync_weights(version=1).acks} == {"rollout-server-0", "rollout-server-1", "rollout-server-2"}
         version = 1
         if not in_place:
             server = graph.servers["rollout-server-0"]
@@ -242,13 +242,13 @@ def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_clust
                 time.sleep(0.2)
             start, version = time.monotonic(), 2
             result = graph.sync_weights(version=version, timeout_s=30)
-            assert {a["server"] for a in result["acks"]} == set(graph.servers) and not result["failed"], result
+            assert {a.server for a in result.acks} == set(graph.servers) and not result.failed, result
             assert time.monotonic() - start < 30  # not a send to the old ports, waiting out its timeout
         ray.kill(graph.servers["rollout-server-1"], no_restart=True)
         monkeypatch.setattr(Graph, "_receivers", lambda self, targets: (targets, {}))
         result = graph.sync_weights(version=version + 1, timeout_s=5)
-        assert sorted(a["server"] for a in result["acks"]) == ["rollout-server-0", "rollout-server-2"]
-        assert all(a["version"] == version + 1 for a in result["acks"]) and set(result["failed"]) == {"rollout-server-1"}
+        assert sorted(a.server for a in result.acks) == ["rollout-server-0", "rollout-server-2"]
+        assert all(a.version == version + 1 for a in result.acks) and set(result.failed) == {"rollout-server-1"}
         assert "rollout-server-1" in ray.get(graph.manager.stats.remote()).ejected
     finally:
         graph.shutdown()

@@ -194,11 +194,11 @@ def test_a_rollout_server_takes_a_second_attempt_at_a_version_and_refuses_an_old
     try:
         loading = server.receive_weights.remote(3, 10.0, 1)
         sender.send(weights.items(), 3, attempt=1)
-        assert ray.get(loading)["tensors"] == 3
+        assert ray.get(loading).tensors == 3
         sender.send(weights.items(), 3, attempt=1)  # a duplicate of the first pass, queued at the server
         loading = server.receive_weights.remote(3, 10.0, 2)
         sender.send(weights.items(), 3, attempt=2)
-        assert ray.get(loading)["tensors"] == 3 and ray.get(server.health.remote()).policy_version == 3
+        assert ray.get(loading).tensors == 3 and ray.get(server.health.remote()).policy_version == 3
         with pytest.raises(ray.exceptions.RayTaskError, match=r"weight sync v2 is older than the v3 it serves \(versions only go up\)"):
             ray.get(server.receive_weights.remote(2, 10.0))
     finally:
