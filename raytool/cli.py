@@ -431,7 +431,7 @@ def _bench(cfg, args, resume=None) -> int:
             raise ConfigError(f"--{'slow-stage' if args.slow_stage else 'trajectories'} is for `raytool bench load`, not {args.name}")
         trajectories = [args.trajectories] if args.trajectories else []
         if args.slow_stage:
-            table, result = entry("actors.bench_load:slow_stage_bench")(cfg, args.slow_stage, *trajectories)
+            table, result = entry("actors.benches.load:slow_stage_bench")(cfg, args.slow_stage, *trajectories)
         else:
             table, result = run_bench("load", cfg, *trajectories)
     else:

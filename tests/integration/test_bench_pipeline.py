@@ -11,7 +11,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_pipeline_bench_times_sync_and_async_modes_on_one_graph(ray_cluster):
-    from actors.bench_pipeline import MODES, bench
+    from actors.benches.pipeline import MODES, bench
 
     cfg = load_config(None, ["model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.sft_warmup_steps=1", "rollout.n=2", "data.prompts_per_step=2",
                              "rollout.max_tokens_per_turn=16", "agent.max_response_tokens=48", "rollout.engine=hf", "async.partial_rollout=wait"])
