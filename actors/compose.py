@@ -261,6 +261,14 @@ class Graph:
         if self.watchdog is not None:
             self.watchdog.check()
 
+    def ready_calls(self) -> dict:
+        """Role name -> the call that answers once the actor has started: engines load, sandboxes
+        fork their warm sessions, constructors run (the first that fails is named: a bad model
+        path, an engine that cannot start, a bad reward fn ...)."""
+        ask = {name: srv.ready for name, srv in self.servers.items()}
+        ask |= {f"sandbox-pool-{i}": pool.ready for i, pool in enumerate(self.sandbox_pools)}
+        return ask | {name: actor.__ray_ready__ for name, actor in self.light_actors().items() if name not in ask}
+
     def light_actors(self) -> dict:
         """Role name -> handle of every actor but the trainer's: those the watchdog pings."""
         return {**self.servers, "llm-manager": self.manager, **{f"sandbox-pool-{i}": p for i, p in enumerate(self.sandbox_pools)},
@@ -306,13 +314,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     # out again, the agent worker scores on the next reward worker, a trajectory whose sandbox or
     # generate call failed is infra-failed and its group rolled out again).
     restarts = {"max_restarts": cfg.cluster.max_actor_restarts, "max_task_retries": 0}
-    servers = {
-        f"rollout-server-{i}": RolloutServer.options(
-            **options(f"rollout-server-{i}", r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
-        ).remote(f"rollout-server-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i),
-                 torch_threads(cfg.cluster.torch_threads, r.num_cpus, r.num_gpus))
-        for i in range(r.num_servers)
-    }
+    servers = rollout_servers(cfg, model_path, options)
     manager = LLMManager.options(**options("llm-manager", light), **restarts).remote(
         list(servers), namespace=ns, affinity_slack=r.affinity_slack, stall_timeout_s=r.stall_timeout_s, probe_interval_s=r.health_probe_interval_s,
         no_server_wait_s=r.engine_start_timeout_s
@@ -329,11 +331,7 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     actors = graph.light_actors()
     if watch:
         graph.watchdog = Watchdog(actors, cfg.cluster.heartbeat_s).start()
-    # Engines load, sandboxes fork their warm sessions, constructors run: wait for all of them, and
-    # name the first that fails (a bad model path, an engine that cannot start, a bad reward fn ...).
-    ask = {name: srv.ready for name, srv in servers.items()}
-    ask |= {f"sandbox-pool-{i}": pool.ready for i, pool in enumerate(sandbox_pools)}
-    ask |= {name: actor.__ray_ready__ for name, actor in actors.items() if name not in ask}
+    ask = graph.ready_calls()
     trainer = None
     # Engines and trainer on shares of the same accelerators: vLLM sizes its KV cache from the memory
     # free while it starts, so the trainer loads only after the engines have (else the cache varies
@@ -438,6 +436,18 @@ def check_memory(cfg: RunConfig, model_path: str, with_servers: bool = True) -> 
         return
     if result.problems:
         raise RaytoolError(f"the run does not fit ({'; '.join(result.problems)}); `raytool plan` shows each part")
+
+
+def rollout_servers(cfg: RunConfig, model_path: str, options) -> dict:
+    """The run's RolloutServer actors, by name (a dead one is restarted by Ray, rollout.max_restarts)."""
+    r = cfg.rollout
+    return {
+        f"rollout-server-{i}": RolloutServer.options(
+            **options(f"rollout-server-{i}", r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
+        ).remote(f"rollout-server-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i),
+                 torch_threads(cfg.cluster.torch_threads, r.num_cpus, r.num_gpus))
+        for i in range(r.num_servers)
+    }
 
 
 def build_sandbox_pools(cfg: RunConfig, options=None) -> list:

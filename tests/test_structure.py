@@ -127,3 +127,11 @@ def test_raytool_reaches_actors_only_through_named_entries():
     for spec in sorted(entries):
         module, _, function = spec.partition(":")
         assert module in modules and function in _top_level(module, modules), f"entry {spec} names nothing"
+
+
+def test_no_function_over_80_lines():
+    """A function that long does several things: give each its name."""
+    long = [f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in _modules().values() for node in ast.walk(_tree(path))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80]
+    assert long == []

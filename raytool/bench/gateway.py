@@ -25,6 +25,19 @@ CONCURRENCY = 16
 OUTPUT = "42"
 
 
+async def _timed(run, n: int, concurrency: int) -> tuple[float, list]:
+    """`run(i)` for i < n, `concurrency` at a time -> (seconds, their results)."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(i):
+        async with slots:
+            return await run(i)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(n)))
+    return time.perf_counter() - start, results
+
+
 async def _measure(cfg: RunConfig, trajectories: int, concurrency: int) -> dict:
     import msgspec
     import openai
@@ -81,24 +94,13 @@ async def _measure(cfg: RunConfig, trajectories: int, concurrency: int) -> dict:
             messages.append({"role": "tool", "content": OUTPUT})
         return gateway.finish(path, f"g{i}", "g", "43", content)
 
-    async def timed(run, n: int) -> tuple[float, list]:
-        slots = asyncio.Semaphore(concurrency)
-
-        async def one(i):
-            async with slots:
-                return await run(i)
-
-        start = time.perf_counter()
-        trajs = await asyncio.gather(*(one(i) for i in range(n)))
-        return time.perf_counter() - start, trajs
-
     try:
-        await timed(native, concurrency)  # warm-up: the template's compilation, the openai package's lazy imports
-        await timed(through_gateway, concurrency)
+        await _timed(native, concurrency, concurrency)  # warm-up: the template's compilation, the openai package's lazy imports
+        await _timed(through_gateway, concurrency, concurrency)
         call_s.clear()
         gateway.latencies.clear()
-        native_s, native_trajs = await timed(native, trajectories)
-        gateway_s, gateway_trajs = await timed(through_gateway, trajectories)
+        native_s, native_trajs = await _timed(native, trajectories, concurrency)
+        gateway_s, gateway_trajs = await _timed(through_gateway, trajectories, concurrency)
     finally:
         await gateway.stop()
     turns = {(t.num_turns, t.finish_reason) for t in native_trajs}, {(t.num_turns, t.finish_reason) for t in gateway_trajs}

@@ -31,15 +31,17 @@ _PLAIN_MICRO_BATCH_TOKENS = 4096
 
 
 def _batch(vocab: int, n: int, prompt: int, response: tuple[int, int], seed: int = 0):
-    from raytool.types import Trajectory
+    from raytool.agent.ledger import TokenLedger
+    from raytool.types import TokenOutput
 
     rng = random.Random(seed)
     out = []
     for i in range(n):
         p = [rng.randrange(3, vocab) for _ in range(prompt)]
         r = [rng.randrange(3, vocab) for _ in range(rng.randint(*response))]
-        out.append(Trajectory(uid=str(i), group_id=str(i // 4), prompt_ids=p, response_ids=r, response_mask=[1] * len(r),
-                              rollout_logprobs=[-1.0] * len(r), messages=[], ground_truth="", reward=float(rng.random() < 0.5)))
+        ledger = TokenLedger(p)
+        ledger.generated(TokenOutput(r, [-1.0] * len(r), "stop"))
+        out.append(ledger.trajectory(str(i), str(i // 4), [], "", reward=float(rng.random() < 0.5)))
     return out
 
 
@@ -69,9 +71,47 @@ def _plain_step(model, optimizer, trajectories, groups, device, lr: float) -> No
     optimizer.zero_grad(set_to_none=True)
 
 
-def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
-    from transformers import AutoModelForCausalLM
+def _seconds(fn, cuda: bool) -> float:
+    """How long `fn()` takes, the GPU's queued work included."""
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
+
+class _PlainLoop:
+    """The plain HF loop's model and optimizer (fp32 weights, autocast to the trainer's dtype)."""
+
+    def __init__(self, cfg: RunConfig, model_path: str, device: str, dtype: torch.dtype, trajectories: list):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.device, self.dtype, self.trajectories = cfg, device, dtype, trajectories
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=cfg.model.attn_implementation).to(device)
+        self.model.config.use_cache = False
+        if cfg.trainer.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr)
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def run(self, budget: int) -> None:
+        """One step at micro-batches of at most `budget` tokens."""
+        from raytool.training.batching import micro_batches
+
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in self.trajectories]
+        with torch.autocast(self.device, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            _plain_step(self.model, self.optimizer, self.trajectories, micro_batches(lengths, budget), self.device, self.cfg.trainer.lr)
+
+    def reset(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     from raytool.models import resolve_model
     from raytool.training import Trainer
     from raytool.training.batching import micro_batches
@@ -90,36 +130,15 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     groups = micro_batches(lengths, cfg.trainer.micro_batch_tokens)
 
     def timed(fn) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return _seconds(fn, cuda)
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     timed(lambda: trainer.rl_step(trajectories))  # warm-up (allocator, kernels, thread pools; compiles where on), before the plain loop's model exists
     trainer_peak = torch.cuda.max_memory_allocated() if cuda else None
 
-    plain_dtype = trainer.dtype
-    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=cfg.model.attn_implementation).to(device)
-    plain.config.use_cache = False
-    if cfg.trainer.activation_checkpointing:
-        plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    plain.train()
-    optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.trainer.lr)
-    params = sum(p.numel() for p in plain.parameters())
-
-    def run_plain(budget: int):
-        with torch.autocast(device, dtype=plain_dtype, enabled=plain_dtype != torch.float32):
-            _plain_step(plain, optimizer, trajectories, micro_batches(lengths, budget), device, cfg.trainer.lr)
-
-    def reset_plain():
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.empty_cache()
+    plain = _PlainLoop(cfg, model_path, device, trainer.dtype, trajectories)
+    run_plain, reset_plain, params = plain.run, plain.reset, plain.params
 
     plain_budget = min(cfg.trainer.micro_batch_tokens, _PLAIN_MICRO_BATCH_TOKENS)
     try:
@@ -167,26 +186,36 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         **compile_result,
     }
     if cuda:
-        peak = next((v for k, v in _PEAK_TFLOPS.items() if k in result["device"]), None)
-        result["peak_mem_gib"] = peak_mem
-        # The main thread's CPU time per step: the host's share (launches, Python, FSDP's
-        # bookkeeping), which bounds the step when it exceeds the GPU's time.
-        result["host_cpu_s_per_step"] = min(host)
-        result["host_ms_per_micro_batch"] = 1e3 * min(host) / len(groups)
-        if peak:
-            result["mfu"] = 6 * params * tokens / ours_s / (peak * 1e12)
-            result["mfu_compiled"] = 6 * params * result["compiled_tokens_per_s"] / (peak * 1e12)
-            result["mfu_eager"] = 6 * params * result["eager_tokens_per_s"] / (peak * 1e12)
-        result.update(_planned_peak(cfg, model_path, trainer_peak))
+        result.update(_gpu_figures(cfg, model_path, result, params, tokens, ours_s, peak_mem, trainer_peak, min(host), len(groups)))
+    return _table(cfg, n, tokens, ours_s, result, rows + dtype_rows + compile_rows, plain_fits, plain_budget, cuda), result
+
+
+
+def _gpu_figures(cfg: RunConfig, model_path: str, result: dict, params: int, tokens: int, step_s: float, peak_mem: float,
+                 trainer_peak: float, host_s: float, micro_batches: int) -> dict:
+    """On a GPU: MFU (of the step, compiled and eager), peak memory against the planner's, and the
+    main thread's CPU time per step: the host's share (launches, Python, FSDP's bookkeeping), which
+    bounds the step when it exceeds the GPU's time."""
+    out = {"peak_mem_gib": peak_mem, "host_cpu_s_per_step": host_s, "host_ms_per_micro_batch": 1e3 * host_s / micro_batches}
+    peak = next((v for k, v in _PEAK_TFLOPS.items() if k in result["device"]), None)
+    if peak:
+        out["mfu"] = 6 * params * tokens / step_s / (peak * 1e12)
+        out["mfu_compiled"] = 6 * params * result["compiled_tokens_per_s"] / (peak * 1e12)
+        out["mfu_eager"] = 6 * params * result["eager_tokens_per_s"] / (peak * 1e12)
+    return out | _planned_peak(cfg, model_path, trainer_peak)
+
+
+def _table(cfg: RunConfig, n: int, tokens: int, ours_s: float, result: dict, rows: list[str], plain_fits: bool, plain_budget: int, cuda: bool) -> str:
+    """The bench's table: its timed rows, then the ratios and, on a GPU, MFU, memory and host time."""
     plain_note = ([f"the plain loop ran {plain_budget}-token micro-batches (its full fp32 logits)"]
                   if plain_fits and plain_budget != cfg.trainer.micro_batch_tokens else [])
-    table = "\n".join(
+    timed, extra = rows[:3], rows[3:]
+    return "\n".join(
         [f"trainer bench: {n} trajectories, {tokens} tokens, micro-batches of {cfg.trainer.micro_batch_tokens} tokens, {result['compute_dtype']} on {result['device']}"]
-        + rows
+        + timed
         + ([f"trainer_vs_plain = {result['trainer_vs_plain']:.2f}"] if plain_fits else [])
         + plain_note
-        + dtype_rows
-        + compile_rows
+        + extra
         + ([f"mfu = {result['mfu']:.1%} (compiled {result['mfu_compiled']:.1%}, eager {result['mfu_eager']:.1%}), kernels {'on' if cfg.trainer.kernels else 'off'}; "
             f"peak memory = {result['peak_mem_gib']:.1f} GiB"] if "mfu" in result else [])
         + ([f"planner: the trainer's peak {result['planned_peak_gib']:.1f} GiB predicted, {result['trainer_peak_gib']:.1f} GiB measured in its first step "
@@ -195,8 +224,6 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         + ([f"host CPU time {result['host_cpu_s_per_step']:.3f} s/step ({result['host_ms_per_micro_batch']:.1f} ms per micro-batch) "
             f"for {ours_s:.3f} s of wall time"] if cuda else [])
     )
-    return table, result
-
 
 def _planned_peak(cfg: RunConfig, model_path: str, measured: float | None) -> dict:
     """On a GPU: the planner's accelerator memory for this trainer (less its fixed allowance for the

@@ -95,6 +95,50 @@ def _stat_logger_factory(stats: EngineStats):
     return _Recorder
 
 
+def _engine_files() -> tuple[str, str]:
+    """The engine's files, in one dir removed at shutdown -> (the dir, its crash file). vLLM's front
+    end binds its ZMQ sockets (input, output, handshake) as files named by UUID in
+    VLLM_RPC_BASE_PATH, read when the engine starts, and they outlive its shutdown. A child process
+    that raises records its exception in the crash file (raytool.engines.crash): the EngineDeadError
+    this process sees does not say why the engine died."""
+    temp_dir = tempfile.mkdtemp(prefix="raytool-vllm-", dir=_RPC_BASE)
+    os.environ["VLLM_RPC_BASE_PATH"] = temp_dir
+    crash_file = os.path.join(temp_dir, "crash.json")
+    os.environ[CRASH_FILE_ENV] = crash_file
+    return temp_dir, crash_file
+
+
+def _set_environment(start_timeout_s: int, cpu_kv_cache_gb: float, cpu_preload: bool) -> None:
+    """What vLLM reads from the environment, set before it starts."""
+    os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(start_timeout_s)  # vLLM's wait for its engine core
+    # vLLM's CPU backend sizes its KV cache from this variable (GiB); a GPU ignores it.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cpu_kv_cache_gb)))))
+    # On x86 vLLM's CPU worker keeps one core per worker for its scheduler process, which idles
+    # between steps; on a small machine that halves decoding (2 cores: 105 -> 157 tokens/s
+    # for SmolLM2-135M at 16 sequences when the worker gets both). Users can still set it.
+    if len(os.sched_getaffinity(0)) < 8:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if cpu_preload:
+        _preload_cpu_libraries()
+
+
+def _fixed_args(one_worker_on_cpu: bool, chunked: bool, sleep_mode: bool, record_routes: bool, priority_scheduling: bool) -> dict:
+    """The engine arguments raytool decides, not the config."""
+    return dict(
+        # TP workers as child processes of this actor, not Ray tasks; one CPU worker in the engine core
+        distributed_executor_backend="uni" if one_worker_on_cpu else "mp",
+        enable_prefix_caching=True,
+        enable_chunked_prefill=None if chunked else False,  # off: vLLM sizes a step to take max_model_len whole
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",  # sampling comes from SamplingParams only, not the checkpoint
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_sleep_mode=sleep_mode,
+        disable_log_stats=False,
+        enable_return_routed_experts=record_routes,  # r3: each request's routed experts, [tokens, layers, k]
+        scheduling_policy="priority" if priority_scheduling else "fcfs",  # SamplingParams.priority: a run's own judge first
+    )
+
+
 class VLLMEngine:
     """vLLM's AsyncLLM in this process (its engine core in a child process)."""
 
@@ -126,16 +170,7 @@ class VLLMEngine:
 
         preflight_engine(model_path, "vllm")
         unlink_orphaned_segments()
-        os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(start_timeout_s)  # vLLM's wait for its engine core
-        # vLLM's CPU backend sizes its KV cache from this variable (GiB); a GPU ignores it.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cpu_kv_cache_gb)))))
-        # On x86 vLLM's CPU worker keeps one core per worker for its scheduler process, which idles
-        # between steps; on a small machine that halves decoding (2 cores: 105 -> 157 tokens/s
-        # for SmolLM2-135M at 16 sequences when the worker gets both). Users can still set it.
-        if len(os.sched_getaffinity(0)) < 8:
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        if cpu_preload:
-            _preload_cpu_libraries()
+        _set_environment(start_timeout_s, cpu_kv_cache_gb, cpu_preload)
         self.model_path = model_path
         self.policy_version = 0
         self.pause_mode = _PAUSE_MODES[partial_rollout]
@@ -147,15 +182,7 @@ class VLLMEngine:
         self._weights_ready = asyncio.Event()  # clear while a weight load runs
         self._weights_ready.set()
         self._warned_no_spans = False
-        # The engine's files, in one dir removed at shutdown: its crash file and vLLM's ZMQ sockets.
-        # vLLM's front end binds those (input, output, handshake) as files named by UUID in
-        # VLLM_RPC_BASE_PATH, read when the engine starts, and they outlive its shutdown.
-        self.temp_dir = tempfile.mkdtemp(prefix="raytool-vllm-", dir=_RPC_BASE)
-        os.environ["VLLM_RPC_BASE_PATH"] = self.temp_dir
-        # A child process that raises records its exception here (raytool.engines.crash): the
-        # EngineDeadError this process sees does not say why the engine died.
-        self.crash_file = os.path.join(self.temp_dir, "crash.json")
-        os.environ[CRASH_FILE_ENV] = self.crash_file
+        self.temp_dir, self.crash_file = _engine_files()
         # vLLM rewinds a seeded request's generator after a partial prefill (a chunked prompt's
         # discarded sample: `gen.set_offset(gen.get_offset() - 4)` in the model runner), and a CPU
         # generator has no offset: with chunked prefill the first step that splits a seeded prompt
@@ -176,28 +203,12 @@ class VLLMEngine:
         if not chunked:
             log.info("rollout.seed on a CPU engine: chunked prefill off (vLLM cannot rewind a seeded request's "
                      "CPU generator after a partial prefill)")
-        args = AsyncEngineArgs(
-            model=model_path,
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            max_num_seqs=max_batch_size,
-            # TP workers as child processes of this actor, not Ray tasks; one CPU worker in the engine core
-            distributed_executor_backend="uni" if one_worker_on_cpu else "mp",
-            enforce_eager=enforce_eager,
-            seed=seed,
-            enable_prefix_caching=True,
-            enable_chunked_prefill=None if chunked else False,  # off: vLLM sizes a step to take max_model_len whole
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # sampling comes from SamplingParams only, not the checkpoint
-            worker_extension_cls=WORKER_EXTENSION,
-            enable_sleep_mode=self.supports_sleep(),
-            disable_log_stats=False,
-            enable_return_routed_experts=record_routes,  # r3: each request's routed experts, [tokens, layers, k]
-            scheduling_policy="priority" if priority_scheduling else "fcfs",  # SamplingParams.priority: a run's own judge first
-        )
         self.priority_scheduling = priority_scheduling
+        args = AsyncEngineArgs(
+            model=model_path, dtype=dtype, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, max_num_seqs=max_batch_size, enforce_eager=enforce_eager, seed=seed,
+            **_fixed_args(one_worker_on_cpu, chunked, self.supports_sleep(), record_routes, priority_scheduling),
+        )
         self._reaper = start_reaper()  # before the engine core exists: a server killed while its engine starts leaves none either
         try:
             self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.stats)])
