@@ -282,7 +282,7 @@ class Graph:
             self.trainer.shutdown()
         # Let engines stop their own processes (vLLM's engine core), and the gateway its HTTP server, before the actors go.
         gateway = [self.gateway] if self.gateway is not None else []
-        stopping = [s.shutdown.remote() for s in [*gateway, *self.servers.values(), *self.sandbox_pools]]
+        stopping = [s.shutdown.remote() for s in [*gateway, *self.servers.values(), *self.sandbox_pools, self.manager]]
         ray.wait(stopping, num_returns=len(stopping), timeout=30)
         for actor in [*gateway, *self.agent_workers, *self.reward_workers, *self.sandbox_pools,
                       self.manager, *self.servers.values()]:

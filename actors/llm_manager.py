@@ -45,6 +45,9 @@ class _KeptRecord:
     def keep(self, record: Record) -> None:
         internal_kv._internal_kv_put(self.key, msgspec.msgpack.encode(record), overwrite=True, namespace=_KV_NAMESPACE)
 
+    def drop(self) -> None:
+        internal_kv._internal_kv_del(self.key, namespace=_KV_NAMESPACE)
+
 
 @ray.remote
 class LLMManager:
@@ -54,7 +57,7 @@ class LLMManager:
             servers = dict(zip(servers, named(servers, namespace)))
         self.servers = servers  # name -> RolloutServer handle
         transport = RayTransport(servers)
-        kept = _KeptRecord()
+        self.kept = kept = _KeptRecord()
         with warnings.catch_warnings():  # Ray's property reads its own deprecated `actor_id` inside
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -96,6 +99,10 @@ class LLMManager:
     async def stats(self) -> ControlStats:
         await self.control.rebuild()
         return self.control.stats()
+
+    def shutdown(self) -> None:
+        """The run is over: its record goes (a restart would have read it back)."""
+        self.kept.drop()
 
     # The central layout, and the servers' own stats.
 
