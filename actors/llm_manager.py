@@ -61,12 +61,12 @@ class LLMManager:
         with warnings.catch_warnings():  # Ray's property reads its own deprecated `actor_id` inside
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.metrics = ManagerMetrics(lambda: len(self.control.healthy()))
         self.plane = DataPlane(list(servers), transport, self._central_report, affinity_slack=affinity_slack,
                                stall_timeout_s=stall_timeout_s, no_server_wait_s=no_server_wait_s, role="llm-manager")
         self.control = ControlPlane(list(servers), transport, stall_timeout_s=stall_timeout_s, probe_interval_s=probe_interval_s,
                                     probe_timeout_s=probe_timeout_s, record=kept.load() if restarted else None, keep=kept.keep,
-                                    on_change=self.plane.apply, events=self.metrics)
+                                    on_change=self.plane.apply)
+        self.control.events = self.metrics = ManagerMetrics(lambda: len(self.control.healthy()))
         self.plane.apply(self.control.snapshot())
 
     # The control plane's calls (see raytool.controlplane.ControlPlane).

@@ -142,7 +142,7 @@ class ControlPlane:
         self.rebuilt = record is None
         self._keep = keep
         self._on_change = on_change
-        self._events = events
+        self.events = events  # where ejections and retries are counted (None: nowhere)
         self._changed = asyncio.Event()  # set (and replaced) on every membership change
         self._confirming: dict[str, asyncio.Task] = {}  # server -> the check of a report on it
         self._probe_task: asyncio.Task | None = None
@@ -230,8 +230,8 @@ class ControlPlane:
         if server not in self.names:
             raise ValueError(f"report on unknown rollout server {server!r} (known: {sorted(self.names)})")
         self.retries += 1
-        if self._events is not None:
-            self._events.retried(server)
+        if self.events is not None:
+            self.events.retried(server)
         if server not in self.ejected:
             if server not in self._confirming:
                 self._confirming[server] = asyncio.get_running_loop().create_task(self._confirm(server, kind, cause, role))
@@ -274,8 +274,8 @@ class ControlPlane:
         failures (its other requests failing while it restarts) are consequences, not the cause."""
         if name not in self.ejected:
             log.warning("ejecting rollout server %s: %s", name, reason)
-            if self._events is not None:
-                self._events.ejected(name)
+            if self.events is not None:
+                self.events.ejected(name)
             self.ejected[name] = reason
             self._changed_now()
         if probe:
