@@ -206,7 +206,7 @@ class Graph:
             acks += more_acks
             broken = {name: broken[name] for name in culprits} | broken_again
         failed.update({name: f.reason for name, f in broken.items()})
-        self.ask_manager("synced", plan.version, [a.server for a in acks], failed)
+        self.ask_manager("synced", plan.version, [a.server for a in acks], failed, sorted(name for name, f in broken.items() if f.hung))
         return SyncResult(plan.version, sent, acks, failed)
 
     def _send_and_ack(self, targets: dict, version: int, timeout_s: float, attempt: int) -> tuple[dict, list, dict]:
@@ -230,9 +230,9 @@ class Graph:
         for name, ref in receiving.items():
             try:
                 acks.append(ray.get(ref, timeout=timeout_s + ACK_GRACE_S))
-            except ray.exceptions.GetTimeoutError:  # hung in the load: handled like a death (Ray restarts it, the next sync re-loads it)
-                ray.kill(self.servers[name], no_restart=False)
-                broken[name] = ServerSyncFailure(f"{name} did not ack weight sync v{version} within {timeout_s + ACK_GRACE_S:g}s: killed so that Ray restarts it", True)
+            except ray.exceptions.GetTimeoutError:  # hung in the load: handled like a death (the control plane restarts it, the next sync re-loads it)
+                broken[name] = ServerSyncFailure(f"{name} did not ack weight sync v{version} within {timeout_s + ACK_GRACE_S:g}s: "
+                                                 "restarted (hung in the load)", True, hung=True)
             except ray.exceptions.RayError as exc:
                 cause = getattr(exc, "cause", None)
                 broken.setdefault(name, ServerSyncFailure(one_line(exc), isinstance(exc, ray.exceptions.RayActorError),

@@ -93,8 +93,8 @@ class LLMManager:
     async def plan_resync(self) -> SyncPlan | None:
         return await self.control.plan_resync()
 
-    def synced(self, version: int, acked: list[str], failed: dict) -> None:
-        self.control.synced(version, acked, failed)
+    def synced(self, version: int, acked: list[str], failed: dict, hung: list[str] = ()) -> None:
+        self.control.synced(version, acked, failed, hung)
 
     async def stats(self) -> ControlStats:
         await self.control.rebuild()

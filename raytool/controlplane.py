@@ -339,9 +339,10 @@ class ControlPlane:
         await self.rebuild()
         return await self.plan_sync(self.policy_version, sorted(self.stale)) if self.stale else None
 
-    def synced(self, version: int, acked: list[str], failed: dict[str, str]) -> None:
+    def synced(self, version: int, acked: list[str], failed: dict[str, str], hung: list[str] = ()) -> None:
         """After a weight sync: the new policy version (versions only go up: a late word on an older
-        sync changes none); re-admit recovered servers that took it, eject servers that did not."""
+        sync changes none); re-admit recovered servers that took it, eject servers that did not, and
+        restart those of them that hung in the load (`hung`: alive, never acked), as a stalled one."""
         if version > self.policy_version:
             self.policy_version = version
             self._record()
@@ -353,6 +354,8 @@ class ControlPlane:
         for name, reason in failed.items():
             self.stale.pop(name, None)
             self._eject(name, f"weight sync v{version} failed: {reason}", probe=False)
+        for name in hung:
+            self.transport.restart(name)
         if failed:
             self._ensure_probing()
 

@@ -154,6 +154,9 @@ def test_sync_plans_number_their_passes_go_to_the_healthy_and_the_waiting_and_a_
         assert kept[-1] == Record(policy_version=1, sync_attempts=3)  # what a restarted holder reads back
         control.synced(0, [], {})  # a late word on an older sync: versions only go up
         assert control.policy_version == 1
+        # A server alive but never acking (hung in its load): the control plane, the one to decide, restarts it.
+        control.synced(2, ["s0"], {"s2": "s2 did not ack weight sync v2 within 330s"}, ["s2"])
+        assert servers.restarted == ["s2"] and control.ejected["s2"].startswith("weight sync v2 failed: s2 did not ack")
 
     asyncio.run(main())
 

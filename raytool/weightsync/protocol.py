@@ -166,11 +166,12 @@ class ChecksumError(WeightSyncError):
 @dataclass(frozen=True)
 class ServerSyncFailure:
     """One server's failed weight sync, as the driver saw it: why (one line), whether its actor
-    died (or hung and was killed), and the WeightSyncError it raised, if any."""
+    died (or hung: the control plane restarts it), and the WeightSyncError it raised, if any."""
 
     reason: str
     actor_died: bool
     error: WeightSyncError | None = None
+    hung: bool = False  # alive but never acked: the control plane restarts it (raytool.controlplane.ControlPlane.synced)
 
 
 def chain_culprits(targets: dict[str, list[str]], failures: dict[str, ServerSyncFailure]) -> tuple[set[str], dict[str, list[str]]]:
