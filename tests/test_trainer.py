@@ -552,6 +552,28 @@ def test_the_micro_batch_loop_reads_nothing_back_from_the_device(tiny_model_path
     assert calls.count("_rl_micro_step") >= 1 and ("_fill" in calls) == bool(overrides)
 
 
+def test_the_old_policy_pass_is_the_updates_own_forward_and_gives_the_same_update(tiny_model_path):
+    """One mini-batch, one epoch: the policy cannot change between the old log-probs and the update,
+    so they are the update's own forward (no separate pass, as the test above counts). Computed by a
+    separate pass instead, the update is the same: loss, gradient norm and every weight."""
+    a, b = _trainer(tiny_model_path), _trainer(tiny_model_path)
+    own, micro = b._own_sequences, b._rl_micro_step
+
+    def with_an_old_pass(*args):
+        index, seqs, routes = own(*args)
+        b._fill(seqs, "old", b.policy)
+        return index, seqs, routes
+
+    b._own_sequences = with_an_old_pass
+    b._rl_micro_step = lambda group, on_policy, *rest: micro(group, False, *rest)
+    shortcut, separate = a.rl_step(BATCH), b.rl_step(BATCH)
+    assert shortcut["actor/pg_loss"] != 0.0
+    assert shortcut["actor/pg_loss"] == pytest.approx(separate["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert shortcut["actor/grad_norm"] == pytest.approx(separate["actor/grad_norm"], rel=1e-5)
+    for (name, p), (_, q) in zip(a.policy.named_parameters(), b.policy.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_compiled_layers_and_head_give_the_eager_update(tiny_model_path):
     """trainer.compile: each decoder layer and the log-prob chunk run as inductor code (here the
     C++ backend), with activation checkpointing and the head's chunks recomputed in backward; the
