@@ -184,7 +184,7 @@ class ControlPlane:
         self.rebuilt = True
 
     def stats(self) -> ControlStats:
-        return ControlStats(list(self.names), [n for n in self.names if n not in self.ejected], self._reasons(), self.policy_version,
+        return ControlStats(list(self.names), self.healthy(), self._reasons(), self.policy_version,
                             sorted(self.stale), self.retries, f"{self.incarnation}/{self.epoch}")
 
     def healthy(self) -> list[str]:

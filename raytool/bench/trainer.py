@@ -96,14 +96,14 @@ class _PlainLoop:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr)
         self.params = sum(p.numel() for p in self.model.parameters())
+        self.lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
 
     def run(self, budget: int) -> None:
         """One step at micro-batches of at most `budget` tokens."""
         from raytool.training.batching import micro_batches
 
-        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in self.trajectories]
         with torch.autocast(self.device, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            _plain_step(self.model, self.optimizer, self.trajectories, micro_batches(lengths, budget), self.device, self.cfg.trainer.lr)
+            _plain_step(self.model, self.optimizer, self.trajectories, micro_batches(self.lengths, budget), self.device, self.cfg.trainer.lr)
 
     def reset(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -384,6 +384,7 @@ class Trainer:
         batch's rewards, an all-reduced value); forwards and backwards (FSDP's collectives) run the
         same number of micro-batches on every rank (`_plans`)."""
         a = self.cfg.algorithm
+        on_policy = a.ppo_epochs == 1 and a.mini_batches == 1  # the policy cannot change between the old log-probs and the update
         start = time.perf_counter()
         if batch_rewards is None:  # one process: the whole batch is its own
             batch_rewards, batch_groups = [t.reward for t in trajectories], [t.group_id for t in trajectories]
@@ -396,7 +397,7 @@ class Trainer:
             self.router_tap.reset_counts()
         if a.kl_on:
             self._fill(seqs, "ref", self._reference())
-        if not (a.ppo_epochs == 1 and a.mini_batches == 1) or a.kl_reward_coef > 0:
+        if not on_policy or a.kl_reward_coef > 0:
             self._fill(seqs, "old", self.policy)
 
         # 2. Rewards and advantages: a non-finite one skips the update on every rank alike.
@@ -433,7 +434,7 @@ class Trainer:
             lr = self._rl_lr()
             for group in plan:
                 tokens += sum(len(x.ids) for x in group)
-                self._rl_micro_step(group, a.ppo_epochs == 1 and a.mini_batches == 1, n_tokens, n_seqs, sums)
+                self._rl_micro_step(group, on_policy, n_tokens, n_seqs, sums)
             grad_norms.append(self._optimizer_step(lr))
             self.rl_updates += 1
 
