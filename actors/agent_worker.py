@@ -35,7 +35,7 @@ from raytool.overload import backoff_s, stage_timing
 from raytool.streaming import trajectory_stats
 from raytool.tools.code_interpreter import CodeInterpreterTool
 from raytool.tools.registry import ToolSet, load_tool_config
-from raytool.types import Message, Trajectory, trained
+from raytool.types import Message, TrainSequence, Trajectory, trained
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +163,11 @@ class AgentLoopWorker:
             await self._score(traj, ground_truth, extra)
         return traj
 
-    @ray.method(num_returns=2)
+    @ray.method(num_returns=3)
     async def run_group(self, messages: list[Message], ground_truth: str, group_id: str, n: int, agent_name: str | None = None,
                         extra: dict | None = None, sampling: dict | None = None, attempt: int = 0):
-        """n samples of one prompt (a GRPO group) -> (trajectories, their small stats).
+        """n samples of one prompt (a GRPO group) -> (trajectories, their small stats, what the
+        trainer trains on of each: three objects, so that each reader fetches only its own).
         `extra` goes to the reward fn (data_source, extra_info); `sampling` overrides rollout keys
         (validation samples with its own temperature); `attempt`: how many times the group was
         rolled out before (same ids, so the same sampling seeds)."""
@@ -183,4 +184,4 @@ class AgentLoopWorker:
         finally:
             if hooks.forget is not None:
                 hooks.forget(uids)
-        return list(trajs), [trajectory_stats(t) for t in trajs]
+        return list(trajs), [trajectory_stats(t) for t in trajs], [TrainSequence.of(t) for t in trajs]

@@ -17,8 +17,8 @@ from actors.session import default_run_dir
 from raytool.config import RunConfig, check_resume
 from raytool import storage
 from raytool.errors import RaytoolError
-from raytool.streaming import RolloutGroup, TrajectoryStats
-from raytool.types import Trajectory
+from raytool.streaming import GroupRefs, RolloutGroup, TrajectoryStats
+from raytool.types import TrainSequence, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def save_checkpoint(trainer, root: str | Path, state: msgspec.Struct, buffered: 
     storage.makedirs(partial)
     trainer.save_checkpoint(partial)
     if buffered:
-        trajectories = ray.get([g.ref for g in buffered])
+        trajectories = ray.get([g.ref.trajectories for g in buffered])
         saved = [_SavedGroup(g.key, g.seq, msgspec.to_builtins(g.row), g.stats, g.submitted_version, t) for g, t in zip(buffered, trajectories)]
         storage.write_bytes(storage.join(partial, BUFFER_FILE), msgspec.msgpack.encode(saved))
     if config_yaml:
@@ -94,8 +94,8 @@ def load_buffer(checkpoint: str | Path, row_type: type) -> list[RolloutGroup]:
     if not storage.exists(path):
         return []
     saved = msgspec.msgpack.decode(storage.read_bytes(path), type=list[_SavedGroup])
-    return [RolloutGroup(g.key, g.seq, msgspec.convert(g.row, row_type), ray.put(g.trajectories),
-                         g.stats, g.submitted_version)
+    return [RolloutGroup(g.key, g.seq, msgspec.convert(g.row, row_type),
+                         GroupRefs(ray.put(g.trajectories), ray.put([TrainSequence.of(t) for t in g.trajectories])), g.stats, g.submitted_version)
             for g in saved]
 
 

@@ -6,7 +6,7 @@
 
     ray.init()
     graph = build(load_config(overrides=["model.path=tiny-random"]))
-    stats, trajs = graph.rollout(prompt_rows)     # or call any actor yourself:
+    stats, groups = graph.rollout(prompt_rows)    # ray.get(groups[0].trajectories); or call any actor yourself:
     out = ray.get(graph.manager.generate.remote(ids, SamplingParams(max_tokens=8), "req-0"))
     graph.shutdown()
 """
@@ -43,7 +43,7 @@ from raytool.errors import ActorStartError, RaytoolError, one_line, start_failur
 from raytool.models import resolve_model
 from raytool.overload import AdmissionWindow
 from raytool.resolve import resolve
-from raytool.streaming import GroupFailed, GroupRetries, TrajectoryStats
+from raytool.streaming import GroupFailed, GroupRefs, GroupRetries, TrajectoryStats
 from raytool.weightsync import ServerSyncFailure, WeightSyncError, chain_culprits
 
 log = logging.getLogger(__name__)
@@ -75,16 +75,17 @@ class Graph:
 
     def submit_group(self, row: PromptRow, group_id: str, n: int | None = None, sampling: dict | None = None, attempt: int = 0):
         """Start one GRPO group (n samples of the row, rollout.n by default) on the next agent worker
-        -> (trajectories ref, stats ref). `sampling`: rollout keys to override, e.g. {"temperature": 1.0};
+        -> (its outputs' refs: GroupRefs, its stats' ref). `sampling`: rollout keys to override, e.g. {"temperature": 1.0};
         `attempt`: the group's earlier rollouts (a retry after an infrastructure failure goes to
         another worker where there is one)."""
         worker = next(self._next_worker)
         messages = with_system_prompt(row.prompt, self.cfg.agent.system_prompt)
         extra = {"data_source": row.data_source, "extra_info": row.extra_info, "tools": row_tool_names(row.tools),
                  "ground_truth_json": row.ground_truth_json}
-        refs = worker.run_group.remote(messages, row.ground_truth, group_id, n or self.cfg.rollout.n, row.agent_name, extra, sampling, attempt)
-        self._group_worker[refs[1]] = worker
-        return refs
+        trajectories, stats, sequences = worker.run_group.remote(messages, row.ground_truth, group_id, n or self.cfg.rollout.n, row.agent_name,
+                                                                 extra, sampling, attempt)
+        self._group_worker[stats] = worker
+        return GroupRefs(trajectories, sequences), stats
 
     def group_result(self, stats_ref) -> list[TrajectoryStats] | GroupFailed:
         """A finished group's stats, or GroupFailed with the cause when its agent worker died (or
@@ -102,8 +103,8 @@ class Graph:
                 sampling: dict | None = None, window: AdmissionWindow | None = None,
                 retries: GroupRetries | None = None) -> tuple[list[TrajectoryStats], list]:
         """Roll out every prompt row n times (rollout.n by default); returns (per-trajectory stats,
-        with the index of their group, and one trajectories ref per row). The trajectories stay in
-        the object store until someone asks. `progress`: the label of a progress bar on stderr (None: no bar).
+        with the index of their group, and the GroupRefs of each row). The trajectories and what
+        the trainer trains on of them stay in the object store until someone asks. `progress`: the label of a progress bar on stderr (None: no bar).
         A group hit by an infrastructure failure (its agent worker died, a sandbox or engine failed)
         is rolled out again with the same seeds, up to rollout.max_group_retries times; a group
         whose worker still dies is an error naming it, one whose infrastructure still fails is kept

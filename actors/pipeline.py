@@ -320,10 +320,10 @@ def grpo_step(graph: Graph, stream: RolloutStream, step: int, progress: bool = F
 def traced(batch: RolloutBatch, count: int) -> list:
     """The batch's first `count` trajectories, over as many groups as they take (logging.trace_samples)."""
     out = []
-    for ref in batch.refs:
+    for group in batch.groups:
         if len(out) >= count:
             break
-        out += ray.get(ref)[: count - len(out)]
+        out += ray.get(group.ref.trajectories)[: count - len(out)]
     return out
 
 

@@ -19,7 +19,7 @@ from raytool.streaming import RolloutBatch
 from raytool.training import Trainer
 from raytool.training.batching import split_across_ranks
 from raytool.training.model import DTYPES
-from raytool.types import SFTExample
+from raytool.types import SFTExample, TrainBatch
 from raytool.weightsync import WeightSender
 
 
@@ -80,15 +80,15 @@ class TrainerWorker:
         self.trainer = Trainer(self.cfg, self.model_path, device=local, rank=self.rank, world_size=self.world_size)
 
     def rl_step(self, share: list, rewards: list[float], groups: list[int], offsets: list[int], trained: list[bool]) -> dict:
-        """`share`: [(trajectories ref of group g, g, positions)] — only this rank's trajectories
-        are fetched from the object store; rewards/groups describe the whole batch."""
+        """`share`: [(train sequences ref of group g, g, positions)] — only this rank's groups'
+        sequences are fetched from the object store; rewards/groups/trained describe the whole batch."""
         fetched = ray.get([ref for ref, _, _ in share])
         own, index = [], []
-        for trajs, (_, g, positions) in zip(fetched, share):
+        for sequences, (_, g, positions) in zip(fetched, share):
             for i in positions:
-                own.append(trajs[i])
+                own.append(sequences[i])
                 index.append(offsets[g] + i)
-        return self.trainer.rl_step(own, rewards, groups, index, trained)
+        return self.trainer.rl_step(TrainBatch(own, index, rewards, groups, trained))
 
     def sft_step(self, examples: list[SFTExample], lr: float) -> dict:
         return self.trainer.sft_step(examples, lr)
@@ -291,11 +291,11 @@ class TrainerGroup:
 
     def rl_step_refs(self, batch: RolloutBatch) -> list:
         """Start one update on `batch` -> the workers' result refs (each rank's metrics, the same on
-        every rank). Each rank fetches only its balanced share of the trajectories."""
+        every rank). Each rank fetches only its balanced share of the batch's train sequences."""
         rewards, groups, offsets, trained = batch.rewards, batch.group_index, batch.offsets, batch.trained
         shares = split_across_ranks(batch.lengths(), len(self.workers), self.cfg.trainer.sequence_parallel_size)
         return [
-            w.rl_step.remote([(batch.groups[g].ref, g, positions) for g, positions in sorted(share.items())], rewards, groups, offsets, trained)
+            w.rl_step.remote([(batch.groups[g].ref.sequences, g, positions) for g, positions in sorted(share.items())], rewards, groups, offsets, trained)
             for w, share in zip(self.workers, shares)
         ]
 

@@ -115,6 +115,16 @@ def rollout_metrics(stats: list[TrajectoryStats]) -> dict:
     return metrics
 
 
+@dataclass(frozen=True)
+class GroupRefs:
+    """Where a finished group's outputs wait in the object store (object refs in the Ray layer),
+    each fetched only by who reads it: its trajectories (the record: traces, checkpoints,
+    validation) and its `TrainSequence`s (what the trainer ranks train on)."""
+
+    trajectories: Any
+    sequences: Any
+
+
 @dataclass
 class RolloutGroup:
     """One finished GRPO group: n scored samples of one prompt."""
@@ -122,7 +132,7 @@ class RolloutGroup:
     key: str  # the group id (its trajectories' ids and sampling seeds derive from it)
     seq: int  # submission order
     row: Any  # the prompt row (a PromptRow): what a resume rolls out again
-    ref: Any  # the trajectories (an object ref in the Ray layer)
+    ref: Any  # its outputs in the object store (GroupRefs)
     stats: list[TrajectoryStats]  # of each sample
     submitted_version: int  # the trainer's version when the group started
 
@@ -146,10 +156,6 @@ class RolloutBatch:
 
     groups: list[RolloutGroup]
     version: int
-
-    @property
-    def refs(self) -> list:
-        return [g.ref for g in self.groups]
 
     def stats(self) -> list[TrajectoryStats]:
         """Every trajectory's stats, each with the index of its group in this batch."""

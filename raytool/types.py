@@ -189,6 +189,42 @@ def generated_versions(t: Trajectory) -> list[int]:
     return [v for v, m in zip(t.response_versions, t.response_mask) if m]
 
 
+class TrainSequence(msgspec.Struct, frozen=True):
+    """What the trainer trains on from one trajectory, and nothing else: its tokens (prompt, then
+    response) and, for each token after the first, whether the loss sees it and the engine's
+    log-prob of it (0.0 where the loss does not see it). The agent worker builds it beside the
+    trajectory; the trainer ranks fetch only these (no text, no trace, no reward)."""
+
+    ids: list[int]
+    mask: list[int]  # aligned with ids[1:]: 1 on generated tokens
+    logprobs: list[float]  # aligned with ids[1:]: the engine's (the behaviour policy's)
+    routes: Routes | None = None  # MoE with trainer.router_replay=r3: the engine's experts for ids
+
+    @classmethod
+    def of(cls, t: Trajectory) -> "TrainSequence":
+        before = len(t.prompt_ids) - 1  # prompt tokens the loss never sees (the first predicts nothing)
+        return cls(t.prompt_ids + t.response_ids, [0] * before + list(t.response_mask), [0.0] * before + list(t.rollout_logprobs), t.routes)
+
+
+class TrainBatch(msgspec.Struct):
+    """One trainer rank's part of an update: its own sequences with their places in the batch, and
+    the whole batch's rewards (they travel once, here), group of each trajectory and whether it is
+    trained (`trained`): every rank computes the batch's advantages alike from these."""
+
+    sequences: list[TrainSequence]
+    index: list[int]  # the place of each own sequence in the batch
+    rewards: list[float]
+    groups: list[int]
+    trained: list[bool]
+
+    @classmethod
+    def whole(cls, trajectories: list[Trajectory]) -> "TrainBatch":
+        """Every trajectory of a batch, for one process that trains on it whole (a single rank, tests, benches)."""
+        numbers: dict[str, int] = {}
+        return cls([TrainSequence.of(t) for t in trajectories], list(range(len(trajectories))), [t.reward for t in trajectories],
+                   [numbers.setdefault(t.group_id, len(numbers)) for t in trajectories], [trained(t.finish_reason) for t in trajectories])
+
+
 class SFTExample(msgspec.Struct):
     """A tokenized supervised example: loss on positions where `loss_mask` is 1."""
 

@@ -157,9 +157,9 @@ def test_a_signal_ends_a_run_in_one_line_with_its_resume_command(monkeypatch, ca
 def test_trace_samples_are_taken_from_as_many_groups_as_they_need(monkeypatch):
     """logging.trace_samples=5 with groups of 2 wrote 2 trajectories: the first group's."""
     from actors import pipeline
-    from raytool.streaming import RolloutBatch, RolloutGroup
+    from raytool.streaming import GroupRefs, RolloutBatch, RolloutGroup
 
-    monkeypatch.setattr(pipeline.ray, "get", lambda ref: ref)  # each group's "ref" is its trajectories here
-    groups = [RolloutGroup(f"g{i}", i, None, [f"t{i}a", f"t{i}b"], [], 0) for i in range(4)]
+    monkeypatch.setattr(pipeline.ray, "get", lambda ref: ref)  # each group's trajectories "ref" is its trajectories here
+    groups = [RolloutGroup(f"g{i}", i, None, GroupRefs([f"t{i}a", f"t{i}b"], None), [], 0) for i in range(4)]
     assert pipeline.traced(RolloutBatch(groups, 0), 5) == ["t0a", "t0b", "t1a", "t1b", "t2a"]
     assert pipeline.traced(RolloutBatch(groups, 0), 1) == ["t0a"]

@@ -11,7 +11,7 @@ import torch
 from raytool.engines.hf import HFEngine
 from raytool.config import load_config
 from raytool.training import Trainer, micro_batches
-from raytool.types import SamplingParams, Trajectory
+from raytool.types import SamplingParams, TrainBatch, Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -92,18 +92,18 @@ def test_rl_step_moves_the_policy_toward_rewarded_samples(tiny_model_path):
             return _token_logprobs(trainer.lm, ids)[0, 2:].sum().item()
 
     before = seq_logp(good) - seq_logp(bad)
-    metrics = trainer.rl_step(batch)
+    metrics = trainer.rl_step(TrainBatch.whole(batch))
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
     assert seq_logp(good) - seq_logp(bad) > before
     # A group with equal rewards has zero advantage: no gradient at all.
-    flat = trainer.rl_step([_traj("c", "h", [1, 2], good, 1.0), _traj("d", "h", [1, 2], bad, 1.0)])
+    flat = trainer.rl_step(TrainBatch.whole([_traj("c", "h", [1, 2], good, 1.0), _traj("d", "h", [1, 2], bad, 1.0)]))
     assert flat["actor/grad_norm"] == 0.0
 
 
 def test_off_policy_epochs_use_old_logprobs_and_report_engine_drift(tiny_model_path):
     trainer = _trainer(tiny_model_path, "trainer.lr=1e-2", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "trainer.micro_batch_tokens=16")
     batch = [_traj(str(i), "g", [1, 2, 3], [5 + i, 6, 7], float(i % 2)) for i in range(4)]
-    metrics = trainer.rl_step(batch)
+    metrics = trainer.rl_step(TrainBatch.whole(batch))
     # The second pass sees a policy that moved: its ratio departs from 1 (ppo_kl != 0).
     assert metrics["actor/ppo_kl"] != 0 and math.isfinite(metrics["actor/pg_loss"])
     # rollout_logprobs are 0.0 in these hand-made trajectories: the drift is the trainer's -logp.
@@ -135,7 +135,7 @@ def test_a_trajectory_stopped_by_its_wall_clock_limit_is_left_out_of_the_loss_an
 
     def update(batch):
         trainer = _trainer(tiny_model_path, "trainer.lr=1e-2", "trainer.micro_batch_tokens=16")
-        metrics = trainer.rl_step(batch)
+        metrics = trainer.rl_step(TrainBatch.whole(batch))
         return metrics, {n: p.detach().clone() for n, p in trainer.lm.named_parameters()}
 
     kept = [_traj("a", "g", [1, 2, 3], [5, 6, 7], 1.0), _traj("b", "g", [1, 2, 3], [8, 9], 0.0)]
@@ -162,7 +162,7 @@ def test_skipping_zero_advantage_sequences_changes_nothing(tiny_model_path, monk
             return step(*args, **kwargs)
 
         trainer.optimizer.step = capture
-        return trainer.rl_step(batch), grads
+        return trainer.rl_step(TrainBatch.whole(batch)), grads
 
     settings = ("trainer.lr=1e-2", "trainer.micro_batch_tokens=16")
     m1, g1 = grads_of_one_step(_trainer(tiny_model_path, *settings))

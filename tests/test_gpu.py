@@ -5,6 +5,8 @@ import asyncio
 import pytest
 import torch
 
+from raytool.types import TrainBatch
+
 pytestmark = pytest.mark.gpu
 
 
@@ -29,7 +31,7 @@ def test_engine_and_trainer_on_cuda(tiny_model_path):
 
     batch = [Trajectory(uid=str(i), group_id="g", prompt_ids=prompt, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids),
                         rollout_logprobs=out.logprobs, messages=[], ground_truth="", reward=float(i)) for i in range(2)]
-    assert trainer.rl_step(batch)["actor/grad_norm"] > 0
+    assert trainer.rl_step(TrainBatch.whole(batch))["actor/grad_norm"] > 0
     engine.load_weights(trainer.named_weights(torch.bfloat16))
 
 
@@ -47,7 +49,7 @@ def test_offloaded_checkpointed_bf16_step_on_cuda(tiny_model_path):
     # Different responses: two copies of one sequence with opposite advantages would cancel to a zero gradient.
     batch = [Trajectory(uid=str(i), group_id="g", prompt_ids=[1, 2, 3], response_ids=list(range(5 + 20 * i, 17 + 20 * i)), response_mask=[1] * 12,
                         rollout_logprobs=[0.0] * 12, messages=[], ground_truth="", reward=float(i)) for i in range(2)]
-    assert trainer.rl_step(batch)["actor/grad_norm"] > 0
+    assert trainer.rl_step(TrainBatch.whole(batch))["actor/grad_norm"] > 0
     changed = sum(int((w != before[n]).sum()) for n, w in trainer.named_weights())
     assert changed / sum(w.numel() for w in before.values()) > 0.99
 
@@ -83,7 +85,7 @@ def test_the_planner_predicts_the_trainer_peak_on_cuda(tmp_path):
         ids = torch.randint(3, config.vocab_size, (2048,), generator=g).tolist()
         batch.append(Trajectory(uid=str(k), group_id="g", prompt_ids=ids[:64], response_ids=ids[64:], response_mask=[1] * 1984,
                                 rollout_logprobs=[0.0] * 1984, messages=[], ground_truth="", reward=float(k % 2)))
-    trainer.rl_step(batch)
+    trainer.rl_step(TrainBatch.whole(batch))
     measured = torch.cuda.max_memory_allocated()
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     predicted = plan(cfg, Cluster(1, 1, total, 64), str(tmp_path / "model")).roles[0].accelerator_total - ACCELERATOR_RESERVE
@@ -106,7 +108,7 @@ def test_qlora_step_and_sync_on_cuda(tiny_model_path):
     batch = [Trajectory(uid=str(i), group_id="g", prompt_ids=[1, 4093, 198], response_ids=[5, 6, 7, 8], response_mask=[1] * 4,
                         rollout_logprobs=[0.0] * 4, messages=[], ground_truth="", reward=float(i)) for i in range(2)]
     for _ in range(2):
-        assert trainer.rl_step(batch)["actor/grad_norm"] > 0
+        assert trainer.rl_step(TrainBatch.whole(batch))["actor/grad_norm"] > 0
     synced = dict(trainer.named_weights(torch.bfloat16))
     assert all(w.dtype == torch.bfloat16 and w.device.type == "cuda" for w in synced.values())
     engine = HFEngine(tiny_model_path, dtype="bfloat16", device="cuda")
@@ -132,7 +134,7 @@ def test_the_micro_batch_loop_does_not_synchronize_on_cuda(tiny_model_path):
                              "trainer.logprob_chunk_tokens=8", "trainer.micro_batch_tokens=48", "trainer.compile=false"])  # the eager loop
     trainer = Trainer(cfg, tiny_model_path, device="cuda")
     batch = _varied_batch()
-    trainer.rl_step(batch)  # first step: FSDP2's lazy initialisation, the allocators
+    trainer.rl_step(TrainBatch.whole(batch))  # first step: FSDP2's lazy initialisation, the allocators
 
     def strict(method):
         def run(*args, **kwargs):
@@ -145,7 +147,7 @@ def test_the_micro_batch_loop_does_not_synchronize_on_cuda(tiny_model_path):
 
     for name in ("_rl_micro_step", "_fill"):
         setattr(trainer, name, strict(getattr(trainer, name)))
-    assert trainer.rl_step(batch)["actor/grad_norm"] > 0
+    assert trainer.rl_step(TrainBatch.whole(batch))["actor/grad_norm"] > 0
 
 
 def test_compiled_step_on_cuda(tiny_model_path):
@@ -163,7 +165,7 @@ def test_compiled_step_on_cuda(tiny_model_path):
             cfg = load_config(None, [f"trainer.compile={compiled}", f"trainer.compute_dtype={dtype}", "trainer.activation_checkpointing=true",
                                      "trainer.logprob_chunk_tokens=8", "trainer.lr=1e-3"])
             trainer = Trainer(cfg, tiny_model_path, device="cuda")
-            metrics.append([trainer.rl_step(batch) for _ in range(2)])
+            metrics.append([trainer.rl_step(TrainBatch.whole(batch)) for _ in range(2)])
         for eager, compiled in zip(*metrics):
             for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
                 assert math.isclose(eager[key], compiled[key], rel_tol=tolerance, abs_tol=1e-6), (dtype, key, eager[key], compiled[key])

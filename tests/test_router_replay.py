@@ -12,7 +12,7 @@ import torch
 
 from raytool.config import ConfigError, load_config
 from raytool.moe import NO_ROUTE, RouteLog, RouterTap, routes_array
-from raytool.types import Routes, SamplingParams, Trajectory
+from raytool.types import Routes, SamplingParams, TrainBatch, Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -117,13 +117,13 @@ def test_replaying_the_engines_routes_reproduces_its_log_probs(moe_path):
     log-probs under the engine's routes equal the engine's (fp32: to 1e-5); on its own routing
     they differ. Every metric of the replay is reported."""
     batch = _batch(moe_path)
-    replayed = _trainer(moe_path, "trainer.router_replay=r3").rl_step(batch)
+    replayed = _trainer(moe_path, "trainer.router_replay=r3").rl_step(TrainBatch.whole(batch))
     assert replayed["router/replay_differs_frac"] > 0.05  # the engine's noise moved that share of (token, layer) routes
     assert replayed["router/replayed_seq_frac"] == 1.0
     assert replayed["rollout/logprob_abs_diff"] < 1e-5
     assert replayed["router/logprob_abs_diff_without_replay"] > 100 * max(replayed["rollout/logprob_abs_diff"], 1e-7)
     assert replayed["router/logprob_abs_diff_with_replay"] == pytest.approx(replayed["rollout/logprob_abs_diff"], abs=1e-6)
-    own = _trainer(moe_path).rl_step(batch)  # router_replay off: the trainer's own routing
+    own = _trainer(moe_path).rl_step(TrainBatch.whole(batch))  # router_replay off: the trainer's own routing
     assert own["rollout/logprob_abs_diff"] == pytest.approx(replayed["router/logprob_abs_diff_without_replay"], rel=1e-4)
     assert "router/replay_differs_frac" not in own and own["moe/load_imbalance"] >= 1.0
 
@@ -132,7 +132,7 @@ def test_a_step_that_trains_nothing_still_measures_the_replay(moe_path):
     """Every reward equal (zero advantages: no sequence is trained) on the tiny random model, as
     in a CPU first look: the step still reports what replay changed."""
     batch = [t.__class__(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "reward": 0.0}) for t in _batch(moe_path)]
-    metrics = _trainer(moe_path, "trainer.router_replay=r3").rl_step(batch)
+    metrics = _trainer(moe_path, "trainer.router_replay=r3").rl_step(TrainBatch.whole(batch))
     assert metrics["actor/skipped_seq_frac"] == 1.0 and metrics["router/replay_differs_frac"] > 0.05
     assert metrics["router/logprob_abs_diff_with_replay"] < 1e-5 < metrics["router/logprob_abs_diff_without_replay"]
 
@@ -144,7 +144,7 @@ def test_missing_truncated_or_misshapen_routes_train_without_replay_and_are_coun
     batch[1] = batch[1].__class__(**{**{f: getattr(batch[1], f) for f in batch[1].__struct_fields__}, "routes": Routes.of(short)})
     batch[2] = batch[2].__class__(**{**{f: getattr(batch[2], f) for f in batch[2].__struct_fields__},
                                      "routes": Routes.of(np.zeros((20, 3, 2), dtype=np.int16))})  # 3 layers: another model's
-    metrics = _trainer(moe_path, "trainer.router_replay=r3").rl_step(batch)
+    metrics = _trainer(moe_path, "trainer.router_replay=r3").rl_step(TrainBatch.whole(batch))
     assert metrics["router/replayed_seq_frac"] == 0.25
 
 
@@ -152,7 +152,7 @@ def test_r2_replays_the_old_policys_routing_in_the_later_updates(moe_path):
     """Two epochs at a large learning rate: the second epoch's own routing has moved from the old
     policy's, and r2 routes it as the old policy did (the share that moved is reported)."""
     batch = _batch(moe_path, noise=0.0)
-    metrics = _trainer(moe_path, "trainer.router_replay=r2", "algorithm.ppo_epochs=2", "trainer.lr=5e-2").rl_step(batch)
+    metrics = _trainer(moe_path, "trainer.router_replay=r2", "algorithm.ppo_epochs=2", "trainer.lr=5e-2").rl_step(TrainBatch.whole(batch))
     assert metrics["router/replay_differs_frac"] > 0
     assert "router/replayed_seq_frac" not in metrics  # engine routes are r3's
 
@@ -186,8 +186,8 @@ def test_the_load_balancing_loss_is_transformers_own_and_only_on_when_asked(moe_
     theirs = load_balancing_loss_func(out.router_logits, 4, 2, mask)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5) and ours.requires_grad
     batch = _batch(moe_path)
-    assert "moe/aux_loss" not in _trainer(moe_path).rl_step(batch)
-    on = _trainer(moe_path, "trainer.router_aux_loss_coef=0.01").rl_step(batch)
+    assert "moe/aux_loss" not in _trainer(moe_path).rl_step(TrainBatch.whole(batch))
+    on = _trainer(moe_path, "trainer.router_aux_loss_coef=0.01").rl_step(TrainBatch.whole(batch))
     assert 1.5 < on["moe/aux_loss"] < 4.0  # k = 2 when balanced, experts x k at worst
 
 
@@ -210,7 +210,7 @@ def test_a_second_family_mixtral_trains_records_and_replays(tmp_path):
     with torch.no_grad():
         assert torch.equal(plain(ids).logits, tapped(ids).logits)
     batch = _batch(str(tmp_path))
-    metrics = _trainer(str(tmp_path), "trainer.router_replay=r3", "trainer.router_aux_loss_coef=0.01").rl_step(batch)
+    metrics = _trainer(str(tmp_path), "trainer.router_replay=r3", "trainer.router_aux_loss_coef=0.01").rl_step(TrainBatch.whole(batch))
     assert metrics["router/replayed_seq_frac"] == 1.0 and metrics["router/replay_differs_frac"] > 0
     assert metrics["router/logprob_abs_diff_with_replay"] < 1e-5 < metrics["router/logprob_abs_diff_without_replay"]
     assert "moe/aux_loss" in metrics

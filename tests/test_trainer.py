@@ -12,7 +12,7 @@ import torch.distributed as dist
 from raytool.config import load_config
 from raytool.training import Trainer, lr_at
 from raytool.training.batching import layout, packed_micro_batches, split_across_ranks
-from raytool.types import Trajectory
+from raytool.types import TrainBatch, Trajectory
 
 
 def _trainer(path, *overrides):
@@ -26,6 +26,24 @@ def _traj(uid, group, prompt, response, reward, logprobs=None):
 
 BATCH = [_traj("a", "g", [1, 2, 3], [5, 6, 7], 1.0), _traj("b", "g", [1, 2, 3], [8, 9], 0.0),
          _traj("c", "h", [1, 4], [5, 6, 7, 8, 9], 0.0), _traj("d", "h", [1, 4], [10, 11], 1.0)]
+
+
+def test_the_trainer_receives_only_what_it_trains_on_and_each_reward_once():
+    """A trajectory's TrainSequence: its tokens, the loss mask and the engine's log-probs aligned
+    with the tokens after the first (observation tokens masked), nothing of its text, trace or
+    reward; a TrainBatch numbers the groups and says which trajectories train."""
+    from raytool.types import TIME_LIMIT, Message, TrainSequence
+
+    t = Trajectory(uid="a", group_id="g7", prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7], response_mask=[1, 0, 0, 1],
+                   rollout_logprobs=[-0.5, 0.0, 0.0, -0.25], messages=[Message(role="user", content="a secret question")],
+                   ground_truth="42", reward=1.0, turns=[{"text": "a secret trace"}])
+    x = TrainSequence.of(t)
+    assert (x.ids, x.mask, x.logprobs) == ([1, 2, 3, 4, 5, 6, 7], [0, 0, 1, 0, 0, 1], [0.0, 0.0, -0.5, 0.0, 0.0, -0.25])
+    wire = msgspec.msgpack.encode(x)
+    assert b"secret" not in wire and len(wire) < len(msgspec.msgpack.encode(t)) / 2
+    late = msgspec.structs.replace(t, uid="c", finish_reason=TIME_LIMIT, reward=0.0)
+    batch = TrainBatch.whole([t, msgspec.structs.replace(t, uid="b", group_id="h", reward=0.5), late])
+    assert (batch.index, batch.rewards, batch.groups, batch.trained) == ([0, 1, 2], [1.0, 0.5, 0.0], [0, 1, 0], [True, True, False])
 
 
 @pytest.fixture
@@ -51,11 +69,11 @@ def test_trainer_bench_times_both_dtypes_where_the_cpu_computes_bf16(tiny_model_
         fn()
         return time.perf_counter() - start
 
-    result, rows = _bf16_vs_fp32(cfg, tiny_model_path, trainer, BATCH, timed, repeats=1)
+    result, rows = _bf16_vs_fp32(cfg, tiny_model_path, trainer, TrainBatch.whole(BATCH), timed, repeats=1)
     assert result["cpu_bf16_native"] and result["bf16_vs_fp32"] == result["fp32_step_s"] / result["bf16_step_s"] > 0
     assert rows[0].startswith("bf16 RL step") and "avx512_bf16" in rows[0]
     monkeypatch.setattr(device, "cpu_bf16_support", lambda cpuinfo=None: (False, "no avx512_bf16, amx_bf16 or bf16 CPU flag"))
-    assert _bf16_vs_fp32(cfg, tiny_model_path, trainer, BATCH, timed, repeats=1) == (
+    assert _bf16_vs_fp32(cfg, tiny_model_path, trainer, TrainBatch.whole(BATCH), timed, repeats=1) == (
         {"cpu_bf16_native": False, "bf16_vs_fp32": None},
         ["bf16_vs_fp32: not measured, this CPU has no native bf16 (no avx512_bf16, amx_bf16 or bf16 CPU flag)"])
 
@@ -68,7 +86,7 @@ def test_bf16_compute_with_fp32_master_weights_applies_a_tiny_update(tiny_model_
     assert {p.device.type for p in trainer.policy.parameters()} == {"cpu"}
     before = {n: w.clone() for n, w in trainer.named_weights()}
     assert all(w.dtype == torch.float32 for w in before.values())
-    trainer.rl_step(BATCH)
+    trainer.rl_step(TrainBatch.whole(BATCH))
     changed = sum(int((w != before[n]).sum()) for n, w in trainer.named_weights())
     total = sum(w.numel() for w in before.values())
     assert changed / total > 0.99
@@ -109,7 +127,7 @@ def test_packed_and_padded_micro_batches_give_the_same_update(tiny_model_path):
             return _s(*args, **kwargs)
 
         trainer.optimizer.step = capture
-        results.append((trainer.rl_step(BATCH), grads))
+        results.append((trainer.rl_step(TrainBatch.whole(BATCH)), grads))
     (m_pad, g_pad), (m_pack, g_pack) = results
     assert math.isclose(m_pad["actor/pg_loss"], m_pack["actor/pg_loss"], abs_tol=1e-6)
     for name in g_pad:
@@ -176,9 +194,9 @@ def test_ranks_get_balanced_shares_of_the_batch():
 
 def test_kl_to_the_reference_is_zero_then_grows(tiny_model_path):
     trainer = _trainer(tiny_model_path, "algorithm.kl_loss_coef=0.1", "algorithm.kl_reward_coef=0.05", "trainer.lr=1e-2")
-    first = trainer.rl_step(BATCH)
+    first = trainer.rl_step(TrainBatch.whole(BATCH))
     assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6) and first["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
-    second = trainer.rl_step(BATCH)
+    second = trainer.rl_step(TrainBatch.whole(BATCH))
     assert second["actor/kl_loss"] > 1e-6 and second["actor/reward_kl_penalty"] > 1e-6
     assert first["actor/entropy"] > 0
 
@@ -204,8 +222,8 @@ def test_grpo_starts_from_a_fresh_optimizer_after_the_warm_up(tiny_model_path, f
         for p, q in zip(twin.policy.parameters(), trainer.policy.parameters()):
             p.copy_(q)
     twin.start_rl(snapshot_reference=True)
-    metrics = trainer.rl_step(BATCH)
-    twin.rl_step(BATCH)
+    metrics = trainer.rl_step(TrainBatch.whole(BATCH))
+    twin.rl_step(TrainBatch.whole(BATCH))
     assert metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
     same = all(torch.equal(p, q) for p, q in zip(trainer.policy.parameters(), twin.policy.parameters()))
     assert same is fresh
@@ -216,8 +234,8 @@ def test_lora_trains_adapters_and_syncs_merged_weights(tiny_model_path):
     base = {n: w.clone() for n, w in trainer.named_weights()}
     trainable = [n for n, p in trainer.lm.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    trainer.rl_step(BATCH)
-    trainer.rl_step(BATCH)  # lora_B starts at 0: the second step moves the merged weights
+    trainer.rl_step(TrainBatch.whole(BATCH))
+    trainer.rl_step(TrainBatch.whole(BATCH))  # lora_B starts at 0: the second step moves the merged weights
     merged = dict(trainer.named_weights())
     assert merged.keys() == base.keys()  # HF names: what the rollout engine loads
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -256,7 +274,7 @@ def test_qlora_trains_adapters_on_an_nf4_base_and_syncs_it_dequantized_and_merge
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     hf_names = {n for n, _ in hf.named_parameters()}
     for _ in range(2):  # lora_B starts at 0: the second step moves the merged weights
-        metrics = trainer.rl_step(BATCH)
+        metrics = trainer.rl_step(TrainBatch.whole(BATCH))
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
 
     synced = dict(trainer.named_weights(torch.bfloat16))  # what weight sync sends the engine
@@ -283,10 +301,10 @@ def test_qlora_trains_adapters_on_an_nf4_base_and_syncs_it_dequantized_and_merge
     saved = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "dcp").iterdir())
     frozen = sum(p.numel() * p.element_size() for p in trainer.policy.parameters() if not p.requires_grad)
     assert saved < frozen / 10  # adapters, their AdamW moments and DCP's metadata; no base
-    expected = trainer.rl_step(BATCH)
+    expected = trainer.rl_step(TrainBatch.whole(BATCH))
     resumed = _trainer(tiny_model_path, *options)
     resumed.load_checkpoint(tmp_path / "ckpt")
-    got = resumed.rl_step(BATCH)
+    got = resumed.rl_step(TrainBatch.whole(BATCH))
     assert {k: v for k, v in got.items() if not k.startswith("perf/")} == {k: v for k, v in expected.items() if not k.startswith("perf/")}
     assert all(torch.equal(w, v) for (_, w), (_, v) in zip(resumed.named_weights(), trainer.named_weights()))
     exported = dict(AutoModelForCausalLM.from_pretrained(export_checkpoint(str(tmp_path / "ckpt"), tmp_path / "hf")).named_parameters())
@@ -298,14 +316,14 @@ def test_qlora_trains_adapters_on_an_nf4_base_and_syncs_it_dequantized_and_merge
 def test_checkpoint_resumes_the_exact_same_next_step(tiny_model_path, tmp_path):
     cfg = ("trainer.lr=1e-2", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "trainer.lr_schedule=cosine", "trainer.warmup_steps=1")
     trainer = _trainer(tiny_model_path, *cfg)
-    trainer.rl_step(BATCH)
+    trainer.rl_step(TrainBatch.whole(BATCH))
     trainer.save_checkpoint(tmp_path / "ckpt")
-    expected = trainer.rl_step(BATCH)
+    expected = trainer.rl_step(TrainBatch.whole(BATCH))
     weights = dict(trainer.named_weights())
 
     resumed = _trainer(tiny_model_path, *cfg)
     resumed.load_checkpoint(tmp_path / "ckpt")
-    got = resumed.rl_step(BATCH)  # mini-batch order comes from the restored RNG
+    got = resumed.rl_step(TrainBatch.whole(BATCH))  # mini-batch order comes from the restored RNG
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/ppo_kl"):
         assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
     for name, w in resumed.named_weights():
@@ -464,7 +482,7 @@ def _grads(trainer, batch):
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda: grads.update({i: p.grad.clone() for i, p in enumerate(trainer.params)})
     try:
-        return trainer.rl_step(batch), grads
+        return trainer.rl_step(TrainBatch.whole(batch)), grads
     finally:
         trainer.optimizer.step = step
 
@@ -547,7 +565,7 @@ def test_the_micro_batch_loop_reads_nothing_back_from_the_device(tiny_model_path
     for method in ("_rl_micro_step", "_fill"):
         original = getattr(trainer, method)
         monkeypatch.setattr(trainer, method, guarded(lambda *a, _m=original, _n=method, **k: (calls.append(_n), _m(*a, **k))[1]))
-    metrics = trainer.rl_step(BATCH)
+    metrics = trainer.rl_step(TrainBatch.whole(BATCH))
     assert reads == [] and math.isfinite(metrics["actor/pg_loss"])
     assert calls.count("_rl_micro_step") >= 1 and ("_fill" in calls) == bool(overrides)
 
@@ -566,7 +584,7 @@ def test_the_old_policy_pass_is_the_updates_own_forward_and_gives_the_same_updat
 
     b._own_sequences = with_an_old_pass
     b._rl_micro_step = lambda group, on_policy, *rest: micro(group, False, *rest)
-    shortcut, separate = a.rl_step(BATCH), b.rl_step(BATCH)
+    shortcut, separate = a.rl_step(TrainBatch.whole(BATCH)), b.rl_step(TrainBatch.whole(BATCH))
     assert shortcut["actor/pg_loss"] != 0.0
     assert shortcut["actor/pg_loss"] == pytest.approx(separate["actor/pg_loss"], rel=1e-5, abs=1e-7)
     assert shortcut["actor/grad_norm"] == pytest.approx(separate["actor/grad_norm"], rel=1e-5)
@@ -587,7 +605,7 @@ def test_compiled_layers_and_head_give_the_eager_update(tiny_model_path):
     compiled = _trainer(tiny_model_path, *overrides, "trainer.compile=true")
     captured = counters["stats"]["calls_captured"]
     g_eager, g_compiled = _grads_at_step(eager), _grads_at_step(compiled)
-    m_eager, m_compiled = eager.rl_step(BATCH), compiled.rl_step(BATCH)
+    m_eager, m_compiled = eager.rl_step(TrainBatch.whole(BATCH)), compiled.rl_step(TrainBatch.whole(BATCH))
     assert counters["stats"]["calls_captured"] > captured  # dynamo traced the layers and the head
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert math.isclose(m_eager[key], m_compiled[key], rel_tol=1e-5, abs_tol=1e-7), key
@@ -604,7 +622,7 @@ def test_compiled_layers_and_head_give_the_eager_update(tiny_model_path):
 
     compiled.policy.set_compiled(True)
     steps = []
-    result, rows = _compile_vs_eager(compiled, BATCH, 40, lambda fn: (steps.append(fn()), 0.25 if len(steps) % 2 else 0.5)[1], repeats=2)
+    result, rows = _compile_vs_eager(compiled, TrainBatch.whole(BATCH), 40, lambda fn: (steps.append(fn()), 0.25 if len(steps) % 2 else 0.5)[1], repeats=2)
     assert len(steps) == 5 and all(math.isfinite(m["actor/pg_loss"]) for m in steps)
     assert result == {"compile_vs_eager": 2.0, "compiled_tokens_per_s": 160.0, "eager_tokens_per_s": 80.0}
     assert rows[0].startswith("compiled RL step 0.250 s, eager 0.500 s: compile_vs_eager = 2.00")
@@ -726,7 +744,7 @@ def test_a_mixture_of_experts_trains_and_exports_its_experts_one_by_one(tmp_path
     path = resolve_model("tiny-random-moe")
     trainer = _trainer(path, "trainer.lr=1e-2")
     before = {name: w.clone() for name, w in trainer.named_weights()}
-    metrics = trainer.rl_step(BATCH)
+    metrics = trainer.rl_step(TrainBatch.whole(BATCH))
     assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
     after = dict(trainer.named_weights())
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.gate.weight"):
@@ -747,7 +765,7 @@ def test_a_non_finite_reward_or_gradient_skips_the_update_and_non_finite_weights
     trainer = _trainer(tiny_model_path, "trainer.lr=1e-2")
     before = {name: w.clone() for name, w in trainer.named_weights()}
     nan_reward = [_traj("a", "g", [1, 2, 3], [5, 6, 7], float("nan")), *BATCH[1:]]
-    out = trainer.rl_step(nan_reward)
+    out = trainer.rl_step(TrainBatch.whole(nan_reward))
     assert out["actor/skipped_updates"] == 1.0 and out["actor/nonfinite_reward"] == 1.0
     assert all(torch.equal(w, before[name]) for name, w in trainer.named_weights())
 
@@ -760,11 +778,11 @@ def test_a_non_finite_reward_or_gradient_skips_the_update_and_non_finite_weights
                 p.grad.fill_(float("nan"))
 
     trainer._rl_micro_step = poisoned
-    out = trainer.rl_step(BATCH)
+    out = trainer.rl_step(TrainBatch.whole(BATCH))
     assert out["actor/skipped_updates"] == 1.0 and math.isnan(out["actor/grad_norm"])
     assert all(torch.equal(w, before[name]) for name, w in trainer.named_weights())
     trainer._rl_micro_step = original
-    assert trainer.rl_step(BATCH)["actor/skipped_updates"] == 0.0  # a finite batch trains again
+    assert trainer.rl_step(TrainBatch.whole(BATCH))["actor/skipped_updates"] == 0.0  # a finite batch trains again
     assert not all(torch.equal(w, before[name]) for name, w in trainer.named_weights())
     trainer.save_checkpoint(tmp_path / "finite")
 

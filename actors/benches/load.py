@@ -121,7 +121,7 @@ def _round(graph, rows, count: int, tag: str) -> dict:
     results = [graph.group_result(stats) for _, stats in groups]
     elapsed = time.perf_counter() - start
     failed = [r for r in results if not isinstance(r, list)]
-    trajectories = [t for (refs, _), r in zip(groups, results) if isinstance(r, list) for t in ray.get(refs)]
+    trajectories = [t for (refs, _), r in zip(groups, results) if isinstance(r, list) for t in ray.get(refs.trajectories)]
     busy1, requests1 = _engine_busy(graph)
     uids = [t.uid for t in trajectories]
     expected = {f"{tag}-{g}/{i}" for g in range(count // GROUP) for i in range(GROUP)}

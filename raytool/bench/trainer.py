@@ -19,6 +19,7 @@ import time
 import torch
 
 from raytool.config import RunConfig
+from raytool.types import TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     # ReTool-like shapes: a short prompt, long multi-turn responses, GRPO groups of 4.
     n, prompt, response = (64, 256, (1024, 4096)) if cuda else (8, 96, (64, 320))
     trajectories = _batch(vocab, n, prompt, response)
+    batch = TrainBatch.whole(trajectories)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     groups = micro_batches(lengths, cfg.trainer.micro_batch_tokens)
@@ -134,7 +136,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    timed(lambda: trainer.rl_step(trajectories))  # warm-up (allocator, kernels, thread pools; compiles where on), before the plain loop's model exists
+    timed(lambda: trainer.rl_step(batch))  # warm-up (allocator, kernels, thread pools; compiles where on), before the plain loop's model exists
     trainer_peak = torch.cuda.max_memory_allocated() if cuda else None
 
     plain = _PlainLoop(cfg, model_path, device, trainer.dtype, trajectories)
@@ -151,7 +153,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     ours, theirs, host = [], [], []
     for _ in range(repeats):
         thread_start = time.thread_time()
-        ours.append(timed(lambda: trainer.rl_step(trajectories)))
+        ours.append(timed(lambda: trainer.rl_step(batch)))
         host.append(time.thread_time() - thread_start)
         if plain_fits:
             try:
@@ -168,8 +170,8 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
             f"plain HF loop: not measured, out of memory at {plain_budget}-token micro-batches"]
     # Logged before the compile comparison, so that a run cut off there still shows the step's figures.
     log.info("the RL step and the plain loop:\n%s", "\n".join(rows))
-    dtype_result, dtype_rows = ({}, []) if cuda else _bf16_vs_fp32(cfg, model_path, trainer, trajectories, timed, repeats)
-    compile_result, compile_rows = _compile_vs_eager(trainer, trajectories, tokens, timed, repeats)
+    dtype_result, dtype_rows = ({}, []) if cuda else _bf16_vs_fp32(cfg, model_path, trainer, batch, timed, repeats)
+    compile_result, compile_rows = _compile_vs_eager(trainer, batch, tokens, timed, repeats)
     result = {
         "tokens_per_step": tokens,
         "trainer_tokens_per_s": tokens / ours_s,
@@ -237,7 +239,7 @@ def _planned_peak(cfg: RunConfig, model_path: str, measured: float | None) -> di
     return {"planned_peak_gib": predicted / 2**30, "trainer_peak_gib": measured / 2**30, "planned_vs_measured": predicted / measured}
 
 
-def _bf16_vs_fp32(cfg: RunConfig, model_path: str, trainer, trajectories, timed, repeats: int) -> tuple[dict, list[str]]:
+def _bf16_vs_fp32(cfg: RunConfig, model_path: str, trainer, batch: TrainBatch, timed, repeats: int) -> tuple[dict, list[str]]:
     """On a CPU: the RL step in the other compute dtype too (same batch, alternating), where the
     CPU computes bf16 natively; elsewhere bf16 is emulated, many times slower, and not timed."""
     import msgspec
@@ -251,26 +253,26 @@ def _bf16_vs_fp32(cfg: RunConfig, model_path: str, trainer, trajectories, timed,
     other_dtype = "float32" if trainer.dtype == torch.bfloat16 else "bfloat16"
     other = Trainer(msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, compute_dtype=other_dtype)),
                     model_path, device="cpu")
-    timed(lambda: other.rl_step(trajectories))
-    other_s, ours_s = _alternating(timed, [lambda: other.rl_step(trajectories), lambda: trainer.rl_step(trajectories)], repeats)
+    timed(lambda: other.rl_step(batch))
+    other_s, ours_s = _alternating(timed, [lambda: other.rl_step(batch), lambda: trainer.rl_step(batch)], repeats)
     fp32_s, bf16_s = (other_s, ours_s) if other_dtype == "float32" else (ours_s, other_s)
     return ({"cpu_bf16_native": True, "bf16_vs_fp32": fp32_s / bf16_s, "fp32_step_s": fp32_s, "bf16_step_s": bf16_s},
             [f"bf16 RL step {bf16_s:.3f} s, fp32 {fp32_s:.3f} s: bf16_vs_fp32 = {fp32_s / bf16_s:.2f} ({why})"])
 
 
-def _compile_vs_eager(trainer, trajectories, tokens: int, timed, repeats: int) -> tuple[dict, list[str]]:
+def _compile_vs_eager(trainer, batch: TrainBatch, tokens: int, timed, repeats: int) -> tuple[dict, list[str]]:
     """The RL step with trainer.compile on and off, on the same trainer (switched in place,
     alternating after a warm-up that compiles), whichever the config chose. Each state takes
     one step of the model, so the two keep training rather than repeat one update."""
     policy = trainer.policy
     chosen = trainer.cfg.trainer.compile
     policy.set_compiled(not chosen)
-    compile_s = timed(lambda: trainer.rl_step(trajectories))  # the other state's first step: compiles when that is on
+    compile_s = timed(lambda: trainer.rl_step(batch))  # the other state's first step: compiles when that is on
 
     def step(state: bool):
         def run():
             policy.set_compiled(state)
-            return trainer.rl_step(trajectories)
+            return trainer.rl_step(batch)
         return run
 
     # the configured state runs last in each round, so the trainer is left as configured

@@ -36,7 +36,7 @@ from raytool import storage
 from raytool.training.export import HF_FILES, MAX_SHARD_BYTES, export_dtype, is_fused_moe, write_hf_to
 from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right, to_device
 from raytool.training.model import DTYPES, PolicyModel, causal_sdpa, load_lm, load_sharded, merged_named_weights, single_process_quiet, trainable_state
-from raytool.types import SFTExample, Trajectory, trained
+from raytool.types import Routes, SFTExample, TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -370,14 +370,13 @@ class Trainer:
 
     # -- RL ------------------------------------------------------------------------------------------
 
-    def rl_step(self, trajectories: list[Trajectory], batch_rewards: list[float] | None = None,
-                batch_groups: list | None = None, index: list[int] | None = None, batch_trained: list[bool] | None = None) -> dict:
-        """One policy update on finished trajectories; returns metrics (the same on every rank).
+    def rl_step(self, batch: TrainBatch) -> dict:
+        """One policy update on this rank's part of a batch; returns metrics (the same on every rank).
 
-        `trajectories` are this rank's own; `batch_rewards`/`batch_groups`/`batch_trained` are the
-        whole batch's (all ranks), `index` the position of each own trajectory in it. One process:
-        leave them. A trajectory not trained (stopped by its wall-clock limit: raytool.types.trained)
-        counts in neither its group's advantage statistics nor the loss.
+        `batch.sequences` are this rank's own; its rewards, groups and `trained` are the whole
+        batch's (all ranks). One process: `TrainBatch.whole(trajectories)`. A trajectory not trained
+        (stopped by its wall-clock limit: raytool.types.trained) counts in neither its group's
+        advantage statistics nor the loss.
 
         Its phases, top to bottom: every collective is in this body, in the same order on every
         rank, each decision before one made on what every rank holds alike (the config, the whole
@@ -386,11 +385,8 @@ class Trainer:
         a = self.cfg.algorithm
         on_policy = a.ppo_epochs == 1 and a.mini_batches == 1  # the policy cannot change between the old log-probs and the update
         start = time.perf_counter()
-        if batch_rewards is None:  # one process: the whole batch is its own
-            batch_rewards, batch_groups = [t.reward for t in trajectories], [t.group_id for t in trajectories]
-            batch_trained, index = [trained(t.finish_reason) for t in trajectories], list(range(len(trajectories)))
-        batch_trained = batch_trained if batch_trained is not None else [True] * len(batch_rewards)
-        index, seqs, route_counts = self._own_sequences(trajectories, index, batch_trained)
+        batch_rewards, batch_groups, batch_trained = batch.rewards, batch.groups, batch.trained
+        index, seqs, route_counts = self._own_sequences(batch)
 
         # 1. The reference's and the old policy's log-probs (forwards).
         if self.router_tap is not None:
@@ -450,15 +446,13 @@ class Trainer:
                       "adv/abs_mean": adv[kept].abs().mean().item() if kept else 0.0, "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
                       "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9), "actor/skipped_updates": float(self.skipped_updates - skipped_before)}
 
-    def _own_sequences(self, trajectories: list[Trajectory], index: list[int], batch_trained: list[bool]) -> tuple[list[int], list[_Seq], list[float]]:
-        """This rank's trained trajectories as sequences -> (their places in the batch, the sequences,
-        r3's [replayed, total] counts or [])."""
-        own = [(i, t) for i, t in zip(index, trajectories) if batch_trained[i]]  # the rest: no forward, no loss
-        index, trajectories = [i for i, _ in own], [t for _, t in own]
-        seqs = [_Seq(ids=t.prompt_ids + t.response_ids, mask=[0] * (len(t.prompt_ids) - 1) + list(t.response_mask),
-                     rollout=[0.0] * (len(t.prompt_ids) - 1) + list(t.rollout_logprobs)) for t in trajectories]
-        route_counts = self._engine_routes(seqs, trajectories) if self.cfg.trainer.router_replay == "r3" else []
-        return index, seqs, route_counts
+    def _own_sequences(self, batch: TrainBatch) -> tuple[list[int], list[_Seq], list[float]]:
+        """This rank's trained sequences -> (their places in the batch, the sequences, r3's
+        [replayed, total] counts or [])."""
+        own = [(i, x) for i, x in zip(batch.index, batch.sequences) if batch.trained[i]]  # the rest: no forward, no loss
+        seqs = [_Seq(ids=x.ids, mask=x.mask, rollout=x.logprobs) for _, x in own]
+        route_counts = self._engine_routes(seqs, [x.routes for _, x in own]) if self.cfg.trainer.router_replay == "r3" else []
+        return [i for i, _ in own], seqs, route_counts
 
     def _own_reward_kl(self, seqs: list[_Seq], index: list[int], batch: int) -> torch.Tensor:
         """[batch] the KL of this rank's sequences summed over their tokens, at their places (0 elsewhere)."""
@@ -550,15 +544,15 @@ class Trainer:
         acc = sums.setdefault("actor/pg_loss", torch.zeros(2, dtype=self.sum_dtype, device=self.device))
         acc += torch.stack([pg_loss.detach().to(self.sum_dtype), torch.ones((), dtype=self.sum_dtype, device=self.device)])
 
-    def _engine_routes(self, seqs: list[_Seq], trajectories: list[Trajectory]) -> list[float]:
+    def _engine_routes(self, seqs: list[_Seq], engine: list[Routes | None]) -> list[float]:
         """r3: each sequence's engine routes, where they are complete and of this model's shape (the
         others train on their own routing, never on misaligned routes); returns [replayed, total]."""
         tap = self.router_tap
         shapes = set()
-        for x, t in zip(seqs, trajectories):
-            routes = routes_array(t.routes, len(x.ids), tap.num_layers, tap.top_k)
-            if t.routes is not None and routes is None:
-                shapes.add((t.routes.layers, t.routes.top_k))
+        for x, given in zip(seqs, engine):
+            routes = routes_array(given, len(x.ids), tap.num_layers, tap.top_k)
+            if given is not None and routes is None:
+                shapes.add((given.layers, given.top_k))
             x.routes = routes if routes is not None and covers(routes, x.scored()) else None
         if shapes:
             log.warning("router replay: routes of %s (layers, experts per token) for a model of %s: those trajectories train without replay",

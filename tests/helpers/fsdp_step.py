@@ -17,7 +17,7 @@ from raytool.config import load_config
 from raytool.training import Trainer
 from raytool.training.trainer import _Seq
 from raytool.training.batching import split_across_ranks
-from raytool.types import Trajectory
+from raytool.types import TrainBatch, TrainSequence, Trajectory
 
 
 def batch() -> list[list[Trajectory]]:
@@ -59,7 +59,7 @@ def main(model: str, out: str) -> None:
     with torch.no_grad():
         logprobs, _ = trainer._logprobs(trainer.policy, [_Seq(ids=t.prompt_ids + t.response_ids, mask=[0] * (len(t.prompt_ids) - 1) + t.response_mask)
                                                          for t in everything], temperature=1.0)
-    metrics = trainer.rl_step(own, rewards, group_ids, index)
+    metrics = trainer.rl_step(TrainBatch([TrainSequence.of(t) for t in own], index, rewards, group_ids, [True] * len(rewards)))
     weights = {name: w.clone() for name, w in trainer.named_weights()}  # a collective: every rank
     trainer.save_checkpoint(out + ".ckpt")
     if rank == 0:

@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from raytool.types import TrainBatch
+
 
 def modules(model_path: str) -> dict:
     """PolicyModel.use_fused_kernels on a plain and on a LoRA-wrapped model, on the CPU: no kernel runs."""
@@ -58,7 +60,7 @@ def step(model_path: str, dtype: str) -> dict:
                 logprobs += lp.float().tolist()
                 entropies += ent.float().tolist()
         grads[kernels] = _grads_at_first_step(trainer)
-        metrics = [trainer.rl_step(batch) for _ in range(2)]
+        metrics = [trainer.rl_step(TrainBatch.whole(batch)) for _ in range(2)]
         out[kernels] = {"logprobs": logprobs, "entropies": entropies,
                         "metrics": [{k: m[k] for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm")} for m in metrics]}
         del trainer

@@ -16,7 +16,7 @@ import torch
 from raytool.config import load_config
 from raytool.models import resolve_model
 from raytool.training import Trainer
-from raytool.types import Trajectory
+from raytool.types import TrainBatch, Trajectory
 
 
 def main(model: str, out: str) -> None:
@@ -29,7 +29,7 @@ def main(model: str, out: str) -> None:
         ids = torch.randint(3, vocab, (512,), generator=g).tolist()
         batch.append(Trajectory(uid=str(k), group_id="g", prompt_ids=ids[:16], response_ids=ids[16:], response_mask=[1] * 496,
                                 rollout_logprobs=[0.0] * 496, messages=[], ground_truth="", reward=float(k % 2)))
-    trainer.rl_step(batch)
+    trainer.rl_step(TrainBatch.whole(batch))
     with open(out, "w") as f:
         json.dump({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)
 

@@ -173,8 +173,8 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
     from safetensors.torch import load_file
 
     from actors.compose import build
-    from raytool.streaming import RolloutBatch, RolloutGroup, TrajectoryStats
-    from raytool.types import Trajectory
+    from raytool.streaming import GroupRefs, RolloutBatch, RolloutGroup, TrajectoryStats
+    from raytool.types import TrainSequence, Trajectory
 
     # micro_batch_tokens=6 with 3 trajectories: rank 0 runs two micro-batches, rank 1 one (plus a dummy).
     cfg = load_config(None, TINY + ["rollout.engine=hf", "trainer.num_workers=2", "trainer.num_cpus=0.5", "rollout.num_cpus=0.5",
@@ -185,7 +185,8 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
             return Trajectory(uid=uid, group_id="g", prompt_ids=[1, 2, 3], response_ids=resp, response_mask=[1] * len(resp),
                               rollout_logprobs=[0.0] * len(resp), messages=[], ground_truth="", reward=reward)
 
-        ref = ray.put([traj("a", [5, 6, 7], 1.0), traj("b", [8, 9], 0.0), traj("c", [5, 6], 1.0)])
+        trajectories = [traj("a", [5, 6, 7], 1.0), traj("b", [8, 9], 0.0), traj("c", [5, 6], 1.0)]
+        ref = GroupRefs(ray.put(trajectories), ray.put([TrainSequence.of(t) for t in trajectories]))
         stats = [TrajectoryStats(r, r, n, n, 1, 0, 0, {}, 0, 0, "answer", 0.0, "", 0, 0, {0: n}) for r, n in ((1.0, 3), (0.0, 2), (1.0, 2))]
         metrics = graph.trainer.rl_step(RolloutBatch([RolloutGroup("g", 0, None, ref, stats, 0)], version=0))
         assert metrics["actor/grad_norm"] > 0

@@ -285,7 +285,7 @@ def test_validation_rolls_out_again_a_group_whose_agent_worker_died(ray_cluster,
         def __init__(self, marker: str, always: bool):
             self.marker, self.always = marker, always
 
-        @ray.method(num_returns=2)
+        @ray.method(num_returns=3)
         def run_group(self, messages, ground_truth, group_id, n, agent_name, extra, sampling, attempt):
             if self.always or not os.path.exists(self.marker):
                 Path(self.marker).touch()
@@ -293,13 +293,13 @@ def test_validation_rolls_out_again_a_group_whose_agent_worker_died(ray_cluster,
             from raytool.streaming import TrajectoryStats
 
             stat = TrajectoryStats(1.0, 1.0, 1, 1, 1, 0, 0, {}, 0, 0, f"attempt-{attempt}", 0.0, "", 0, 0, {})
-            return [group_id] * n, [stat] * n
+            return [group_id] * n, [stat] * n, []
 
     row = PromptRow(prompt=[{"role": "user", "content": "1+1?"}], ground_truth="2", data_source="t")
     cfg = load_config(None, ["rollout.max_group_retries=1"])
     graph = Graph(cfg, "", {}, None, [], [], [DiesFirst.remote(str(tmp_path / "died"), False)], None)
     stats, refs = graph.rollout([row], "val", n=2)
-    assert [x.finish_reason for x in stats] == ["attempt-1", "attempt-1"] and ray.get(refs[0]) == ["val0", "val0"]
+    assert [x.finish_reason for x in stats] == ["attempt-1", "attempt-1"] and ray.get(refs[0].trajectories) == ["val0", "val0"]
     graph = Graph(cfg, "", {}, None, [], [], [DiesFirst.remote(str(tmp_path / "always"), True)], None)
     with pytest.raises(RaytoolError, match=r"group val0 failed 2 times \(rollout.max_group_retries=1\): agent worker: "):
         graph.rollout([row], "val", n=2)
