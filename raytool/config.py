@@ -274,6 +274,7 @@ class TrainerConfig(_Section):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # forward/backward dtype (auto: bfloat16 on GPU/NPU and on CPUs with native bf16, float32 on other CPUs); weights and optimizer state are always float32
     micro_batch_tokens: Positive | Literal["auto"] = "auto"  # token budget of one forward/backward micro-batch (padded tokens; packed tokens when packing); auto: 4096 on a CPU, 16384 on an accelerator
     packing: bool | Literal["auto"] = "auto"  # sequences end to end in one row (auto: only with a varlen flash-attention kernel)
+    prefix_sharing: bool | Literal["auto"] = "auto"  # the samples of a GRPO group as one tree per row: their shared prompt (and any later turns they agree on) run once, each sample attending to its own prefix (the same log-probs and gradients from fewer tokens); true: always, auto: in the micro-batches where it saves tokens; not with packing, sequence parallelism or mixture-of-experts models
     activation_checkpointing: bool | Literal["auto"] = "auto"  # recompute decoder layers in backward; auto: off on a CPU, on an accelerator on only when the planner finds that the micro-batch's activations would not fit without it
     compile: bool | Literal["auto"] = "auto"  # torch.compile each decoder layer and the LM head's log-prob chunk (CUDA GPUs and CPUs; not with NPU, SP or 4-bit); auto: on for CUDA GPUs (1.45x measured on an H100), off on CPUs and where it cannot run
     kernels: bool | Literal["auto"] = "auto"  # Liger-Kernel's fused Triton RMSNorm, SwiGLU and RoPE in the trainer's model (CUDA GPUs; pip install 'raytool[gpu]'; the log-prob head is raytool's own chunked one either way); auto: off everywhere until a GPU run has measured them to pay (`raytool bench trainer`, the device check's kernels variant)
@@ -598,6 +599,8 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
     if sp > 1 and cfg.model.attn_implementation.startswith("flash_attention"):
         raise ConfigError(f"{source}: config key 'trainer.sequence_parallel_size' > 1 runs attention in PyTorch SDPA; model.attn_implementation "
                           f"{cfg.model.attn_implementation} with sequence parallelism is not supported yet: set model.attn_implementation=sdpa")
+    if cfg.trainer.prefix_sharing is True and (why := no_prefix_sharing(cfg)):
+        raise ConfigError(f"{source}: config key 'trainer.prefix_sharing' is true, but {why}: set it auto or false")
     validate_async(cfg, source)
     validate_sandbox_lifetime(cfg, source)
     if cfg.cluster.env_vars.get("VLLM_ASCEND_ENABLE_NZ", "0") != "0":
@@ -663,6 +666,20 @@ def validate_4bit(cfg: RunConfig, source: str) -> None:
            "keeps the 4-bit base on the GPU: set trainer.cpu_offload false" if t.cpu_offload else "")
     if why:
         raise ConfigError(f"{source}: config key 'trainer.load_in_4bit' {why}, or set it false")
+
+
+def no_prefix_sharing(cfg: RunConfig) -> str:
+    """Why the trainer cannot train shared prefixes as trees under `cfg` ("": it can)."""
+    t, attention = cfg.trainer, cfg.model.attn_implementation
+    if t.packing is True or attention.startswith("flash_attention"):
+        return f"packed sequences (trainer.packing, model.attn_implementation {attention}) run a varlen kernel, which takes no tree mask"
+    if attention not in ("sdpa", "eager"):
+        return f"model.attn_implementation {attention} takes no tree mask (sdpa and eager do)"
+    if t.sequence_parallel_size > 1:
+        return "sequence parallelism (trainer.sequence_parallel_size > 1) splits sequences, not trees"
+    if t.router_replay != "off":
+        return f"trainer.router_replay={t.router_replay} replays routes per sequence position"
+    return ""
 
 
 def validate_async(cfg: RunConfig, source: str = "config") -> None:

@@ -341,7 +341,9 @@ def test_two_fsdp_ranks_compute_the_single_process_gradient(tiny_model_path, tmp
 
     script = str(Path(__file__).parent / "helpers" / "fsdp_step.py")
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    extra = [f"algorithm.loss_agg={agg}"]
+    # one row per sequence on both sides: a rank holds part of a group, so shared-prefix trees would
+    # differ from the single process's and round differently (their exactness: test_prefix_sharing.py)
+    extra = [f"algorithm.loss_agg={agg}", "trainer.prefix_sharing=false"]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, script, tiny_model_path, str(tmp_path / "one.pt"), *extra], check=True, env=env, timeout=300)
     subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", script, tiny_model_path, str(tmp_path / "two.pt"), *extra],

@@ -38,7 +38,8 @@ def _batch(vocab: int, n: int, prompt: int, response: tuple[int, int], seed: int
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        p = [rng.randrange(3, vocab) for _ in range(prompt)]
+        if i % 4 == 0:  # a GRPO group's samples share its prompt
+            p = [rng.randrange(3, vocab) for _ in range(prompt)]
         r = [rng.randrange(3, vocab) for _ in range(rng.randint(*response))]
         ledger = TokenLedger(p)
         ledger.generated(TokenOutput(r, [-1.0] * len(r), "stop"))
@@ -172,6 +173,7 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
     log.info("the RL step and the plain loop:\n%s", "\n".join(rows))
     dtype_result, dtype_rows = ({}, []) if cuda else _bf16_vs_fp32(cfg, model_path, trainer, batch, timed, repeats)
     compile_result, compile_rows = _compile_vs_eager(trainer, batch, tokens, timed, repeats)
+    sharing_result, sharing_rows = _sharing_vs_unshared(trainer, batch, timed, repeats)
     result = {
         "tokens_per_step": tokens,
         "trainer_tokens_per_s": tokens / ours_s,
@@ -186,10 +188,11 @@ def bench(cfg: RunConfig, repeats: int = 3) -> tuple[str, dict]:
         "kernels": cfg.trainer.kernels,
         **dtype_result,
         **compile_result,
+        **sharing_result,
     }
     if cuda:
         result.update(_gpu_figures(cfg, model_path, result, params, tokens, ours_s, peak_mem, trainer_peak, min(host), len(groups)))
-    return _table(cfg, n, tokens, ours_s, result, rows + dtype_rows + compile_rows, plain_fits, plain_budget, cuda), result
+    return _table(cfg, n, tokens, ours_s, result, rows + dtype_rows + compile_rows + sharing_rows, plain_fits, plain_budget, cuda), result
 
 
 
@@ -281,6 +284,29 @@ def _compile_vs_eager(trainer, batch: TrainBatch, tokens: int, timed, repeats: i
     first = f"first step {compile_s:.1f} s" + (" (compiling)" if not chosen else "")
     return ({"compile_vs_eager": off_s / on_s, "compiled_tokens_per_s": tokens / on_s, "eager_tokens_per_s": tokens / off_s},
             [f"compiled RL step {on_s:.3f} s, eager {off_s:.3f} s: compile_vs_eager = {off_s / on_s:.2f} ({first})"])
+
+
+def _sharing_vs_unshared(trainer, batch: TrainBatch, timed, repeats: int) -> tuple[dict, list[str]]:
+    """The RL step with each group's shared prompt run once (trainer.prefix_sharing, as the
+    config chose) and with one row per sequence, on the same trainer, alternating; and the tokens
+    each runs through the model per step (rows x width)."""
+    chosen = trainer.prefix_sharing
+    if not chosen:
+        return {"prefix_sharing": False}, ["prefix sharing: off for this trainer (trainer.prefix_sharing)"]
+    row_tokens = {}
+
+    def step(mode: str):
+        def run():
+            trainer.prefix_sharing = mode
+            row_tokens[mode] = trainer.rl_step(batch)["perf/update_row_tokens"]
+        return run
+
+    unshared_s, shared_s = _alternating(timed, [step(""), step(chosen)], repeats)  # the chosen one last: the trainer is left as configured
+    ratio = row_tokens[chosen] / row_tokens[""]
+    return ({"prefix_sharing": True, "sharing_vs_unshared": unshared_s / shared_s, "row_tokens_per_step": row_tokens[chosen],
+             "unshared_row_tokens_per_step": row_tokens[""], "row_tokens_shared_vs_unshared": ratio},
+            [f"shared prefixes {shared_s:.3f} s, one row per sequence {unshared_s:.3f} s: sharing_vs_unshared = {unshared_s / shared_s:.2f}; "
+             f"tokens through the model per step {row_tokens[chosen]:.0f} vs {row_tokens['']:.0f} ({ratio:.2f}x)"])
 
 
 def largest_that_fits(run, budget: int, reset, floor: int = 512) -> int:

@@ -5,7 +5,13 @@
   with a varlen attention kernel (flash-attention), since under plain SDPA transformers turns
   packed position_ids into a dense block mask (measured on an H100: 2x slower at 16k tokens).
 
-Either way the trainer scores only the positions it needs: `Layout.select` are flat indices of
+- shared prefixes (a tree per row): the sequences of one GRPO group as one trie, each token once
+  however many of them share it (the prompt, and any later turns they agree on), each token
+  attending to its ancestors alone (a [R, 1, T, T] boolean mask; position ids continue from its
+  parent): the same log-probs, losses and gradients as one row per sequence, from fewer tokens
+  (AReaL's tree training). Needs an attention that takes a mask (SDPA or eager), not a varlen kernel.
+
+Every layout scores only the positions it needs: `Layout.select` are flat indices of
 the positions whose next token is trained on, and `Layout.rows/cols` put the results back into a
 [sequences, longest - 1] grid where column t holds log p(ids[t + 1] | ids[:t + 1]).
 """
@@ -57,6 +63,62 @@ def packed_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]
     return groups
 
 
+def prefix_tree(seqs: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """The trie of `seqs` -> (its tokens, each in creation order, so a parent always comes first;
+    each token's parent, -1 for a first token; each sequence's path: the trie position of each of
+    its tokens). Two sequences share a trie token exactly when they agree on every token up to it."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    paths: list[list[int]] = []
+    children: dict[tuple[int, int], int] = {}  # (parent, token) -> its trie position
+    for s in seqs:
+        node, path = -1, []
+        for token in s:
+            child = children.get((node, token))
+            if child is None:
+                child = children[(node, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+            path.append(child)
+            node = child
+        paths.append(path)
+    return tokens, parents, paths
+
+
+def tree_size(seqs: list[list[int]]) -> int:
+    """The number of tokens of the trie of `seqs`: in lexicographic order, each sequence adds its
+    tokens after the longest prefix it shares with the one before it."""
+    ordered = sorted(seqs)
+    size = 0
+    for before, s in zip([[]] + ordered, ordered):
+        shared = 0
+        for a, b in zip(before, s):
+            if a != b:
+                break
+            shared += 1
+        size += len(s) - shared
+    return size
+
+
+def shared_prefix_units(seqs: list[list[int]], groups: list, max_tokens: int) -> list[list[int]]:
+    """Sequence indices grouped into the trees a micro-batch holds: the sequences of one group
+    (None: a group of its own), in lexicographic order, as few trees as keep each within
+    `max_tokens` (a sequence longer than that stands alone)."""
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(i if g is None else ("g", g), []).append(i)
+    units: list[list[int]] = []
+    for indices in members.values():
+        current: list[int] = []
+        for i in sorted(indices, key=lambda i: seqs[i]):
+            if current and tree_size([seqs[j] for j in current + [i]]) > max_tokens:
+                units.append(current)
+                current = []
+            current.append(i)
+        units.append(current)
+    return units
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """`t` (on the host) on `device` without stalling the host. A plain `.to(cuda)` from pageable
     memory waits for the device's queue to drain (PyTorch synchronizes the stream after a blocking
@@ -89,6 +151,7 @@ class Layout:
     shape: tuple[int, int]  # (B, W): sequences x (longest - 1)
     cu_seqlens: torch.Tensor | None = None  # packed: int32 [B + 1], where each sequence starts in the row, then its end
     longest: int = 0  # the longest sequence's length
+    attention_mask: torch.Tensor | None = None  # shared prefixes: bool [R, 1, T, T], True where a token attends to another
 
     def varlen_kwargs(self) -> dict:
         """A packed row's sequence bounds as transformers' flash-attention kwargs: computed here on
@@ -104,12 +167,16 @@ class Layout:
         return grid.index_put((self.rows, self.cols), values)
 
 
-def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: bool, device) -> Layout:
+def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: bool, device, trees: list[list[int]] | None = None) -> Layout:
     """`scored[b]` holds the columns t of sequence b to score (predicting seqs[b][t + 1]); a
     micro-batch with nothing to score still scores its first position, so that every rank runs
-    a backward pass through every parameter (FSDP's collectives must match across ranks)."""
+    a backward pass through every parameter (FSDP's collectives must match across ranks).
+    `trees`: the sequence indices of each row's trie (shared prefixes), instead of one row per
+    sequence."""
     if not any(scored):
         scored = [[0]] + [[] for _ in seqs[1:]]
+    if trees is not None:
+        return _tree_layout(seqs, scored, trees, pad_id, device)
     rows, cols, labels, flat = [], [], [], []
     if packed:
         offset = 0
@@ -133,6 +200,40 @@ def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: 
         select=as_long(flat), labels=as_long(labels), rows=as_long(rows), cols=as_long(cols),
         shape=(len(seqs), max(len(s) for s in seqs) - 1),
         cu_seqlens=to_device(bounds, device) if bounds is not None else None, longest=max(len(s) for s in seqs),
+    )
+
+
+def _tree_layout(seqs: list[list[int]], scored: list[list[int]], trees: list[list[int]], pad_id: int, device) -> Layout:
+    """One row per trie of `trees`, right-padded: a token sees its ancestors and itself, a pad
+    only itself (its output is never read; a row with nothing to attend to would be NaN)."""
+    import numpy as np
+
+    built = [prefix_tree([seqs[b] for b in tree]) for tree in trees]
+    width = max(len(tokens) for tokens, _, _ in built)
+    ids = torch.full((len(trees), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(trees), width), dtype=torch.long)
+    mask = np.zeros((len(trees), 1, width, width), dtype=bool)
+    rows, cols, labels, flat = [], [], [], []
+    for r, (tree, (tokens, parents, paths)) in enumerate(zip(trees, built)):
+        ids[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        depth = np.zeros(width, dtype=np.int64)
+        seen = mask[r, 0]
+        for i, parent in enumerate(parents):  # a parent comes before its children: its row is complete
+            if parent >= 0:
+                seen[i] = seen[parent]
+                depth[i] = depth[parent] + 1
+            seen[i, i] = True
+        pads = np.arange(len(tokens), width)
+        seen[pads, pads] = True
+        positions[r] = torch.from_numpy(depth)
+        for b, path in zip(tree, paths):
+            for t in scored[b]:
+                rows.append(b), cols.append(t), labels.append(seqs[b][t + 1]), flat.append(r * width + path[t])
+    as_long = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), device)  # noqa: E731
+    return Layout(
+        input_ids=to_device(ids, device), position_ids=to_device(positions, device), select=as_long(flat), labels=as_long(labels),
+        rows=as_long(rows), cols=as_long(cols), shape=(len(seqs), max(len(s) for s in seqs) - 1), longest=width,
+        attention_mask=to_device(torch.from_numpy(mask), device),
     )
 
 

@@ -121,6 +121,7 @@ class PolicyModel(nn.Module):
         with_entropy: bool = False,
         entropy_grad: bool = False,
         varlen: dict | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids [R, T]; select [N] flat indices into R*T of the positions to score; labels [N]
         the token that follows each. Returns log-probs [N] and entropies [N] (or None).
@@ -128,7 +129,8 @@ class PolicyModel(nn.Module):
         No attention mask: sequences are right-padded (a causal model never lets a real token see
         a later pad, and SDPA takes its causal fast path) or packed with position_ids restarting
         at 0 per sequence (a varlen kernel keeps them apart; `varlen`, Layout.varlen_kwargs(), gives
-        a flash-attention kernel the sequences' bounds)."""
+        a flash-attention kernel the sequences' bounds). Or rows of shared-prefix trees, whose
+        `attention_mask` (bool [R, 1, T, T], batching.Layout) says which tokens each one sees."""
         trunk, head = self._parts()
         slicing = None
         if self.sp_group is not None:  # this rank runs its slice of the sequence; `select` becomes its own positions
@@ -138,6 +140,8 @@ class PolicyModel(nn.Module):
             sequence_parallel.set_micro_batch(self.sp_group, slicing.positions, packed=position_ids is not None)
             input_ids, position_ids, select, labels = slicing.input_ids, slicing.local_positions, slicing.local_select, labels[slicing.mine]
         flash = varlen if varlen and self.lm.config._attn_implementation.startswith("flash_attention") else {}
+        if attention_mask is not None:
+            flash = {"attention_mask": _as_attention_mask(attention_mask, self.lm.config._attn_implementation)}
         hidden = trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False, **flash).last_hidden_state
         hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, select)
         inv_t = 1.0 / temperature if temperature > 0 else 1.0
@@ -156,6 +160,14 @@ class PolicyModel(nn.Module):
         if slicing is not None:
             logp, entropy = slicing.gather(logp), (slicing.gather(entropy) if entropy is not None else None)
         return logp, entropy
+
+
+def _as_attention_mask(allowed: torch.Tensor, implementation: str) -> torch.Tensor:
+    """A boolean [R, 1, T, T] mask (True: attends) as the attention takes it: SDPA as it is,
+    eager attention as a bias added to its scores (0 where it attends, the float32 minimum elsewhere)."""
+    if implementation != "eager":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill_(~allowed, torch.finfo(torch.float32).min)
 
 
 def load_lm(model_path: str, *, attn_implementation: str, activation_checkpointing: bool, lora_rank: int = 0,

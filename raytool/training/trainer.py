@@ -27,14 +27,14 @@ import torch.distributed as dist
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
 from raytool.algos.correction import CORRECTION_METRICS, rollout_correction
 from raytool.resolve import with_trainer_autos
-from raytool.config import RunConfig
+from raytool.config import RunConfig, no_prefix_sharing
 from raytool.errors import RaytoolError
 from raytool.moe import RouterTap, covers, find_routers, load_imbalance, moe_classes_without_replay, replay_tensor, routes_array, split_recording, valid_tokens
 from raytool.resolve import with_rollout_correction
 from raytool import device as device_info
 from raytool import storage
 from raytool.training.export import HF_FILES, MAX_SHARD_BYTES, export_dtype, is_fused_moe, write_hf_to
-from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right, to_device
+from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right, shared_prefix_units, to_device, tree_size
 from raytool.training.model import DTYPES, PolicyModel, causal_sdpa, load_lm, load_sharded, merged_named_weights, single_process_quiet, trainable_state
 from raytool.types import Routes, SFTExample, TrainBatch
 
@@ -65,6 +65,7 @@ class _Seq:
     old: list[float] | torch.Tensor | None = None  # log-probs before this update, when the update is not purely on-policy (on the device)
     ref: list[float] | torch.Tensor | None = None  # reference-policy log-probs, when a KL term is on (on the device)
     routes: np.ndarray | None = None  # MoE router replay: the experts of each position of ids, [len(ids), layers, k] (-1: the router's own)
+    group: int | None = None  # its GRPO group in the batch (shared prefixes are trained once per group); None: a group of its own
 
     def scored(self) -> list[int]:
         return [t for t, m in enumerate(self.mask) if m]
@@ -166,6 +167,7 @@ class Trainer:
         self.skipped_updates = 0  # optimizer steps skipped for a non-finite gradient norm (this process's life)
         self.rl_updates = 0  # optimizer steps of the RL phase (drive its learning-rate schedule)
         self.router_tap = self._router_tap()  # MoE models: expert load, and router replay when on
+        self.prefix_sharing = self._prefix_sharing()  # "always", "saving" (auto: where it saves tokens) or ""
 
     def _router_tap(self) -> RouterTap | None:
         t = self.cfg.trainer
@@ -183,6 +185,18 @@ class Trainer:
             log.info("trainer.router_replay=r2 with one update per batch: the update's forward is the old policy's own, so there is "
                      "nothing to replay (r2 replays it in the later updates of algorithm.ppo_epochs / mini_batches > 1)")
         return RouterTap(self.lm)
+
+    def _prefix_sharing(self) -> str:
+        """trainer.prefix_sharing for this model and layout: "always" (true), "saving" (auto, where a
+        micro-batch's trees are smaller than its padded rows) or "" (off)."""
+        setting = self.cfg.trainer.prefix_sharing
+        why = no_prefix_sharing(self.cfg) or (self.packed and "trainer.packing runs a varlen kernel, which takes no tree mask") or (
+            self.router_tap is not None and f"{self.model_path} is a mixture-of-experts model, whose router statistics count sequence positions")
+        if setting is True and why:
+            raise ValueError(f"config key 'trainer.prefix_sharing' is true, but {why}: set it auto or false")
+        if setting is False or why:
+            return ""
+        return "always" if setting is True else "saving"
 
     @contextlib.contextmanager
     def _routing(self, group: list[_Seq], counting: bool = False):
@@ -258,8 +272,7 @@ class Trainer:
         collective, so every rank runs as many micro-batches as the busiest one: the others add a
         dummy whose mask is all 0 (it contributes exactly nothing to the loss or the gradients).
         All batches' counts agree in one all-reduce (one read back from the device)."""
-        split = packed_micro_batches if self.packed else micro_batches
-        plans = [[[seqs[i] for i in g] for g in split([len(x.ids) for x in seqs], self.cfg.trainer.micro_batch_tokens)] for seqs in batches]
+        plans = [self._micro_batches(seqs) for seqs in batches]
         if self.world_size > 1:
             counts = torch.tensor([len(groups) for groups in plans], device=self.device)
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)
@@ -268,12 +281,48 @@ class Trainer:
                 groups += [[dummy]] * (count - len(groups))
         return plans
 
+    def _micro_batches(self, seqs: list[_Seq]) -> list[list[_Seq]]:
+        """`seqs` in micro-batches of at most trainer.micro_batch_tokens: padded rows, packed rows,
+        or, sharing prefixes, each group's trees (their size, not their sequences', is what counts)."""
+        budget = self.cfg.trainer.micro_batch_tokens
+        if not self.prefix_sharing:
+            split = packed_micro_batches if self.packed else micro_batches
+            return [[seqs[i] for i in g] for g in split([len(x.ids) for x in seqs], budget)]
+        units = shared_prefix_units([x.ids for x in seqs], [x.group for x in seqs], budget)
+        sizes = [tree_size([seqs[i].ids for i in unit]) for unit in units]
+        return [[seqs[i] for u in g for i in units[u]] for g in micro_batches(sizes, budget)]
+
+    def _trees(self, group: list[_Seq]) -> list[list[int]] | None:
+        """The rows of `group`'s shared-prefix layout (the indices of each group's sequences), or
+        None for one row per sequence: sharing is off, or (auto) its rows hold no fewer tokens."""
+        if not self.prefix_sharing:
+            return None
+        rows: dict = {}
+        for i, x in enumerate(group):
+            rows.setdefault(i if x.group is None else ("g", x.group), []).append(i)
+        trees = list(rows.values())
+        if self.prefix_sharing == "saving":
+            widest = max(tree_size([group[i].ids for i in tree]) for tree in trees)
+            if len(trees) * widest >= len(group) * max(len(x.ids) for x in group):
+                return None
+        return trees
+
+    def _row_tokens(self, group: list[_Seq]) -> int:
+        """The tokens a forward of `group` runs: its rows times their width (padding and each shared
+        prefix once included), or its sequences' tokens end to end when packed."""
+        if self.packed:
+            return sum(len(x.ids) for x in group)
+        trees = self._trees(group)
+        if trees is None:
+            return len(group) * max(len(x.ids) for x in group)
+        return len(trees) * max(tree_size([group[i].ids for i in tree]) for tree in trees)
+
     def _logprobs(self, model: PolicyModel, group: list[_Seq], *, temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
         """Log-probs (and entropies) of the scored tokens of `group`, as [B, W] grids."""
-        lay = layout([x.ids for x in group], [x.scored() for x in group], self.pad_id, self.packed, self.device)
+        lay = layout([x.ids for x in group], [x.scored() for x in group], self.pad_id, self.packed, self.device, trees=self._trees(group))
         logp, ent = model(lay.input_ids, lay.select, lay.labels, position_ids=lay.position_ids, temperature=temperature,
                           chunk_tokens=self.cfg.trainer.logprob_chunk_tokens, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                          varlen=lay.varlen_kwargs())
+                          varlen=lay.varlen_kwargs(), attention_mask=lay.attention_mask)
         return lay.to_grid(logp), (lay.to_grid(ent) if ent is not None else None)
 
     def _grid(self, group: list[_Seq], field: str, width: int) -> torch.Tensor:
@@ -424,12 +473,13 @@ class Trainer:
             first = self._plan(seqs)
             if first:
                 self._replay_diagnostics(first[0], sums)
-        tokens, grad_norms, skipped_before, lr = 0, [], self.skipped_updates, self._rl_lr()
+        tokens, computed, grad_norms, skipped_before, lr = 0, 0, [], self.skipped_updates, self._rl_lr()
         for k, plan in enumerate(plans):
             n_tokens, n_seqs = max(counts[2 * k], 1.0), max(counts[2 * k + 1], 1.0)
             lr = self._rl_lr()
             for group in plan:
                 tokens += sum(len(x.ids) for x in group)
+                computed += self._row_tokens(group)
                 self._rl_micro_step(group, on_policy, n_tokens, n_seqs, sums)
             grad_norms.append(self._optimizer_step(lr))
             self.rl_updates += 1
@@ -437,20 +487,21 @@ class Trainer:
         # 5. Metrics: the declared names reduced in one all-reduce, then the token count.
         self._routing_metrics(sums)
         out = {**self._reduce_metrics(sums), **metrics}
-        (tokens,) = self._global_sums([tokens])
+        tokens, computed = self._global_sums([tokens, computed])
         elapsed = time.perf_counter() - start
         self._note_compile_time(len(grad_norms), elapsed)
         if route_counts:  # the rest had no (complete) engine routes: trained on their own routing
             out["router/replayed_seq_frac"] = counts[2 * len(minis)] / max(counts[2 * len(minis) + 1], 1.0)
         return out | {"actor/grad_norm": float(torch.stack(grad_norms).to(self.sum_dtype).mean()), "actor/lr": lr,
                       "adv/abs_mean": adv[kept].abs().mean().item() if kept else 0.0, "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
-                      "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9), "actor/skipped_updates": float(self.skipped_updates - skipped_before)}
+                      "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9), "perf/update_tokens": tokens, "perf/update_row_tokens": computed,
+                      "actor/skipped_updates": float(self.skipped_updates - skipped_before)}
 
     def _own_sequences(self, batch: TrainBatch) -> tuple[list[int], list[_Seq], list[float]]:
         """This rank's trained sequences -> (their places in the batch, the sequences, r3's
         [replayed, total] counts or [])."""
         own = [(i, x) for i, x in zip(batch.index, batch.sequences) if batch.trained[i]]  # the rest: no forward, no loss
-        seqs = [_Seq(ids=x.ids, mask=x.mask, rollout=x.logprobs) for _, x in own]
+        seqs = [_Seq(ids=x.ids, mask=x.mask, rollout=x.logprobs, group=batch.groups[i]) for i, x in own]
         route_counts = self._engine_routes(seqs, [x.routes for _, x in own]) if self.cfg.trainer.router_replay == "r3" else []
         return [i for i, _ in own], seqs, route_counts
 
