@@ -88,6 +88,20 @@ def test_shared_prefixes_give_the_unshared_log_probs_losses_and_gradients(tiny_m
         assert shared < sum(len(t.prompt_ids) + len(t.response_ids) for t in batch)
 
 
+@pytest.mark.parametrize("overrides", [["trainer.lora_rank=4"], ["trainer.activation_checkpointing=true"], ["trainer.micro_batch_tokens=160"]],
+                         ids=["lora", "activation-checkpointing", "trees-split-by-the-budget"])
+def test_shared_prefixes_compose_with_lora_activation_checkpointing_and_the_token_budget(tiny_model_path, qwen, overrides):
+    batch = _batch(qwen, "multi-turn, shared later turns")
+    plain_metrics, plain_grads, plain_logp, _ = _step(tiny_model_path, batch, "false", *overrides)
+    tree_metrics, tree_grads, tree_logp, _ = _step(tiny_model_path, batch, "true", *overrides)
+    assert torch.allclose(tree_logp, plain_logp, atol=1e-5)
+    assert tree_metrics["actor/pg_loss"] == pytest.approx(plain_metrics["actor/pg_loss"], rel=1e-5, abs=1e-6)
+    assert plain_grads.keys() == tree_grads.keys() and plain_grads
+    for name, g in plain_grads.items():
+        assert torch.allclose(tree_grads[name], g, rtol=1e-4, atol=1e-6), name
+    assert tree_metrics["perf/update_row_tokens"] < plain_metrics["perf/update_row_tokens"]
+
+
 def test_a_group_shares_its_prompt_once_and_every_later_turn_its_samples_agree_on(qwen):
     batch = _batch(qwen, "multi-turn, shared later turns")
     seqs = [t.prompt_ids + t.response_ids for t in batch]

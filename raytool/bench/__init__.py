@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "scale": "actors.benches.scale:bench",
     "sandbox": "raytool.bench.sandbox:bench",
     "trainer": "raytool.bench.trainer:bench",
+    "trl": "actors.benches.trl:bench",
     "weight-sync": "raytool.bench.weight_sync:bench",
 }
 

@@ -307,15 +307,15 @@ class Trainer:
                 return None
         return trees
 
-    def _row_tokens(self, group: list[_Seq]) -> int:
-        """The tokens a forward of `group` runs: its rows times their width (padding and each shared
-        prefix once included), or its sequences' tokens end to end when packed."""
+    def _row_tokens(self, group: list[_Seq]) -> tuple[int, int]:
+        """The tokens a forward of `group` runs -> (as it runs: its rows times their width, padding
+        and each shared prefix once included, or its sequences end to end when packed; with one
+        row per sequence)."""
         if self.packed:
-            return sum(len(x.ids) for x in group)
+            return sum(len(x.ids) for x in group), sum(len(x.ids) for x in group)
+        apart = len(group) * max(len(x.ids) for x in group)
         trees = self._trees(group)
-        if trees is None:
-            return len(group) * max(len(x.ids) for x in group)
-        return len(trees) * max(tree_size([group[i].ids for i in tree]) for tree in trees)
+        return (apart if trees is None else len(trees) * max(tree_size([group[i].ids for i in tree]) for tree in trees)), apart
 
     def _logprobs(self, model: PolicyModel, group: list[_Seq], *, temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
         """Log-probs (and entropies) of the scored tokens of `group`, as [B, W] grids."""
@@ -473,13 +473,14 @@ class Trainer:
             first = self._plan(seqs)
             if first:
                 self._replay_diagnostics(first[0], sums)
-        tokens, computed, grad_norms, skipped_before, lr = 0, 0, [], self.skipped_updates, self._rl_lr()
+        tokens, computed, unshared, grad_norms, skipped_before, lr = 0, 0, 0, [], self.skipped_updates, self._rl_lr()
         for k, plan in enumerate(plans):
             n_tokens, n_seqs = max(counts[2 * k], 1.0), max(counts[2 * k + 1], 1.0)
             lr = self._rl_lr()
             for group in plan:
                 tokens += sum(len(x.ids) for x in group)
-                computed += self._row_tokens(group)
+                ran, apart = self._row_tokens(group)
+                computed, unshared = computed + ran, unshared + apart
                 self._rl_micro_step(group, on_policy, n_tokens, n_seqs, sums)
             grad_norms.append(self._optimizer_step(lr))
             self.rl_updates += 1
@@ -487,7 +488,7 @@ class Trainer:
         # 5. Metrics: the declared names reduced in one all-reduce, then the token count.
         self._routing_metrics(sums)
         out = {**self._reduce_metrics(sums), **metrics}
-        tokens, computed = self._global_sums([tokens, computed])
+        tokens, computed, unshared = self._global_sums([tokens, computed, unshared])
         elapsed = time.perf_counter() - start
         self._note_compile_time(len(grad_norms), elapsed)
         if route_counts:  # the rest had no (complete) engine routes: trained on their own routing
@@ -495,6 +496,7 @@ class Trainer:
         return out | {"actor/grad_norm": float(torch.stack(grad_norms).to(self.sum_dtype).mean()), "actor/lr": lr,
                       "adv/abs_mean": adv[kept].abs().mean().item() if kept else 0.0, "actor/skipped_seq_frac": 1.0 - counts[-2] / max(counts[-1], 1.0),
                       "perf/train_tokens_per_s": tokens / max(elapsed, 1e-9), "perf/update_tokens": tokens, "perf/update_row_tokens": computed,
+                      "perf/update_row_tokens_unshared": unshared,
                       "actor/skipped_updates": float(self.skipped_updates - skipped_before)}
 
     def _own_sequences(self, batch: TrainBatch) -> tuple[list[int], list[_Seq], list[float]]:
