@@ -12,15 +12,19 @@ def test_the_work_both_do_is_one_turn_the_boxed_reward_no_kl_and_one_update():
 
     cfg = same_work(load_config(None, ["algorithm.kl_loss_coef=0.1", "algorithm.ppo_epochs=2", "trainer.sft_warmup_steps=3"]), 48)
     assert (cfg.agent.max_turns, cfg.agent.max_response_tokens, cfg.rollout.max_tokens_per_turn, cfg.rollout.top_p) == (1, 48, 48, 1.0)
-    assert (cfg.reward.fn, cfg.algorithm.kl_loss_coef, cfg.algorithm.ppo_epochs, cfg.algorithm.mini_batches) == ("boxed_match", 0.0, 1, 1)
+    assert cfg.reward.fn.endswith("actors/benches/trl.py:raytool_reward")
+    assert (cfg.algorithm.kl_loss_coef, cfg.algorithm.ppo_epochs, cfg.algorithm.mini_batches) == (0.0, 1, 1)
     assert cfg.trainer.sft_warmup_steps == 0 and cfg.async_.max_staleness == 0
 
 
-def test_trl_is_scored_by_raytools_boxed_match():
-    from actors.benches.trl import boxed_reward
+def test_trl_and_raytool_score_a_completion_alike():
+    from actors.benches.trl import raytool_reward, trl_reward
 
-    completions = [[{"role": "assistant", "content": "so \\boxed{42}"}], [{"role": "assistant", "content": "\\boxed{41}"}], "plain \\boxed{7}"]
-    assert boxed_reward(completions, ["42", "42", "7"], prompts=None) == [1.0, 0.0, 1.0]
+    completions = [[{"role": "assistant", "content": "so \\boxed{42}"}], [{"role": "assistant", "content": "\\boxed{41}"}], "no answer", "1234567890 12"]
+    truths = ["42", "42", "7", "7"]
+    assert trl_reward(completions, truths, prompts=None) == pytest.approx([1.02, 0.02, 0.0, 0.1])
+    assert [raytool_reward({"response": c[-1]["content"] if isinstance(c, list) else c}, t, {}) for c, t in zip(completions, truths)] == (
+        trl_reward(completions, truths))
 
 
 def test_the_report_times_the_steps_after_the_warm_up_and_compares_them():

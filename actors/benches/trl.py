@@ -3,7 +3,8 @@
 Both train the run config's model from the same weights on the task's training prompts (as chat
 messages, with the agent's system prompt), `data.prompts_per_step` prompts x `rollout.n` samples
 per step, one assistant turn of at most `max_new_tokens` tokens sampled at `rollout.temperature`
-(top-p 1), scored by the same reward (the last \\boxed{} against the answer), with the same learning
+(top-p 1), scored by the same reward (`score`: the last \\boxed{} against the answer, plus a small
+dense term so that a group's rewards vary and both train every step), with the same learning
 rate, clip range, gradient clip, token-mean loss, group-normalised advantages, no KL term, one
 update per batch, in the same compute dtype. TRL runs as it does out of the box (its own
 `model.generate`); raytool as it runs (its rollout server, its trainer, the weight sync).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import msgspec
 import torch
@@ -40,15 +42,28 @@ from raytool.training.trainer import compute_dtype
 MAX_NEW_TOKENS = 64
 
 
+def score(text: str, ground_truth: str) -> float:
+    """The bench's reward: 1 for the right boxed answer, plus 0.01 per digit written (at most 10
+    counted): an untrained model rarely boxes the answer within a few dozen tokens, and a group
+    whose rewards are all equal trains nothing (raytool skips it; TRL runs it for no change)."""
+    digits = min(sum(c.isdigit() for c in text), 10)
+    return float(judge(last_boxed(text), ground_truth, verifier=None)["acc"]) + 0.01 * digits
+
+
+def raytool_reward(view: dict, ground_truth: str, extra: dict) -> float:
+    """`score` as raytool's reward workers call it (reward.fn = this file:raytool_reward)."""
+    return score(view["response"], ground_truth)
+
+
 def same_work(cfg: RunConfig, max_new_tokens: int = MAX_NEW_TOKENS) -> RunConfig:
-    """`cfg` as the work TRL can do too: one turn of at most `max_new_tokens`, the boxed answer's
-    reward, no KL, one update per batch, no warm-up, the synchronous loop."""
+    """`cfg` as the work TRL can do too: one turn of at most `max_new_tokens`, the bench's reward,
+    no KL, one update per batch, no warm-up, the synchronous loop."""
     replace = msgspec.structs.replace
     return replace(
         cfg,
         agent=replace(cfg.agent, max_turns=1, max_response_tokens=max_new_tokens),
         rollout=replace(cfg.rollout, max_tokens_per_turn=max_new_tokens, top_p=1.0, top_k=-1),
-        reward=replace(cfg.reward, fn="boxed_match"),
+        reward=replace(cfg.reward, fn=f"{Path(__file__).resolve()}:raytool_reward"),
         algorithm=replace(cfg.algorithm, kl_loss_coef=0.0, kl_reward_coef=0.0, ppo_epochs=1, mini_batches=1, loss_agg="token-mean",
                           entropy_coeff=0.0),
         trainer=replace(cfg.trainer, sft_warmup_steps=0),
@@ -56,10 +71,10 @@ def same_work(cfg: RunConfig, max_new_tokens: int = MAX_NEW_TOKENS) -> RunConfig
     )
 
 
-def boxed_reward(completions: list, ground_truth: list[str], **_) -> list[float]:
-    """TRL's reward function: raytool's `boxed_match` on each completion's text."""
+def trl_reward(completions: list, ground_truth: list[str], **_) -> list[float]:
+    """`score` as TRL calls a reward function: each completion (its messages, or its text) with its row's answer."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [float(judge(last_boxed(text), truth, verifier=None)["acc"]) for text, truth in zip(texts, ground_truth)]
+    return [score(text, truth) for text, truth in zip(texts, ground_truth)]
 
 
 def trl_config(cfg: RunConfig, out_dir: str, steps: int, bf16: bool):
@@ -77,7 +92,7 @@ def trl_config(cfg: RunConfig, out_dir: str, steps: int, bf16: bool):
     )
 
 
-def bench(cfg: RunConfig, steps: int = 4) -> tuple[str, dict]:
+def bench(cfg: RunConfig, steps: int = 3) -> tuple[str, dict]:
     try:
         import datasets
         from transformers import TrainerCallback
@@ -118,7 +133,7 @@ def bench(cfg: RunConfig, steps: int = 4) -> tuple[str, dict]:
         stream = rollout_stream(graph, cfg, PromptLoader(task.train, cfg.data.prompts_per_step, seed=cfg.data.seed))
         bf16 = compute_dtype(cfg.trainer.compute_dtype, torch.device("cpu")) == torch.bfloat16  # TRL on the CPU, as raytool's trainer here
         with tempfile.TemporaryDirectory(prefix="raytool-bench-trl-") as out:
-            trainer = GRPOTrainer(model=model_path, reward_funcs=boxed_reward, args=trl_config(cfg, out, steps + 1, bf16),
+            trainer = GRPOTrainer(model=model_path, reward_funcs=trl_reward, args=trl_config(cfg, out, steps + 1, bf16),
                                   train_dataset=datasets.Dataset.from_list(rows), callbacks=[Alternate(stream)])
             trainer.train()
         stream.drain()
@@ -143,7 +158,8 @@ def report(cfg: RunConfig, ours: list[dict], theirs: list[float], tokens: list[f
         "raytool_tokens_per_s": ours_tokens / ours_s, "trl_tokens_per_s": theirs_tokens / theirs_s,
         "raytool_train_s": statistics.median(m["timing/train_s"] for m in ours[1:]),
         "raytool_rollout_s": statistics.median(m["timing/rollout_s"] for m in ours[1:]),
-        "trainer_row_tokens_per_step": row_tokens, "trainer_row_tokens_unshared": unshared, "shared_vs_unshared_tokens": row_tokens / unshared,
+        "trainer_row_tokens_per_step": row_tokens, "trainer_row_tokens_unshared": unshared,
+        "shared_vs_unshared_tokens": row_tokens / unshared if unshared else None,
         "steps_timed": len(theirs) - 1, "compute_dtype": "bfloat16" if bf16 else "float32", "model": cfg.model.path,
         "prompts_x_samples": [cfg.data.prompts_per_step, cfg.rollout.n], "max_new_tokens": cfg.rollout.max_tokens_per_turn,
     }
@@ -155,6 +171,7 @@ def report(cfg: RunConfig, ours: list[dict], theirs: list[float], tokens: list[f
         f"{'raytool':10}{ours_s:>9.2f}{result['raytool_tokens_per_s']:>10.0f}   (rollout {result['raytool_rollout_s']:.2f} s, "
         f"train {result['raytool_train_s']:.2f} s)",
         f"raytool_vs_trl {result['raytool_vs_trl']:.2f} (step time; below 1: raytool is faster)",
-        f"trainer tokens per step: {row_tokens:.0f} with shared prefixes, {unshared:.0f} without ({result['shared_vs_unshared_tokens']:.2f}x)",
+        f"trainer tokens per step: {row_tokens:.0f} with shared prefixes, {unshared:.0f} without"
+        + (f" ({result['shared_vs_unshared_tokens']:.2f}x)" if unshared else ""),
     ]
     return "\n".join(lines), result
