@@ -59,7 +59,7 @@ def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cl
         # agent_name: openai rows on the agent workers: the agent's own loop through each worker's gateway, scored
         row = PromptRow(prompt=[Message("user", "6 * 7 + 1?")], ground_truth="43", data_source="t", agent_name="openai")
         stats, refs = graph.rollout([row, row], "oa")
-        trajs = [t for ref in refs for t in ray.get(ref)]
+        trajs = [t for ref in refs for t in ray.get(ref.trajectories)]
         assert len(trajs) == 4 and {(t.agent_name, t.num_turns, t.finish_reason, t.reward) for t in trajs} == {("openai", 3, "answer", 1.0)}
         assert all(t.messages[-1].content == SCRIPT[2] and sum(t.response_mask) > 0 for t in trajs)
 
