@@ -6,8 +6,9 @@ per step, one assistant turn of at most `max_new_tokens` tokens sampled at `roll
 (top-p 1), scored by the same reward (`score`: the last \\boxed{} against the answer, plus a small
 dense term so that a group's rewards vary and both train every step), with the same learning
 rate, clip range, gradient clip, token-mean loss, group-normalised advantages, no KL term, one
-update per batch, in the same compute dtype. TRL runs as it does out of the box (its own
-`model.generate`); raytool as it runs (its rollout server, its trainer, the weight sync).
+update per batch, in the same compute dtype, on the CPU (TRL with `use_cpu`: the comparison of
+issue 57). TRL runs as it does out of the box (its own `model.generate`); raytool as it runs (its
+rollout server, its trainer, the weight sync).
 
 The rounds alternate in one process: TRL's training loop calls raytool's step after each of its own
 (a `TrainerCallback`), so that a noisy machine slows both alike. The first step of each is a
