@@ -86,18 +86,8 @@ def prefix_tree(seqs: list[list[int]]) -> tuple[list[int], list[int], list[list[
 
 
 def tree_size(seqs: list[list[int]]) -> int:
-    """The number of tokens of the trie of `seqs`: in lexicographic order, each sequence adds its
-    tokens after the longest prefix it shares with the one before it."""
-    ordered = sorted(seqs)
-    size = 0
-    for before, s in zip([[]] + ordered, ordered):
-        shared = 0
-        for a, b in zip(before, s):
-            if a != b:
-                break
-            shared += 1
-        size += len(s) - shared
-    return size
+    """The number of tokens of the trie of `seqs` (`prefix_tree`)."""
+    return len(prefix_tree(seqs)[0])
 
 
 def shared_prefix_units(seqs: list[list[int]], groups: list, max_tokens: int) -> list[list[int]]:

@@ -312,7 +312,8 @@ class Trainer:
         and each shared prefix once included, or its sequences end to end when packed; with one
         row per sequence)."""
         if self.packed:
-            return sum(len(x.ids) for x in group), sum(len(x.ids) for x in group)
+            end_to_end = sum(len(x.ids) for x in group)
+            return end_to_end, end_to_end
         apart = len(group) * max(len(x.ids) for x in group)
         trees = self._trees(group)
         return (apart if trees is None else len(trees) * max(tree_size([group[i].ids for i in tree]) for tree in trees)), apart
