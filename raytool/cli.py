@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -141,6 +142,15 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 to serve other machines)")
     _address(p)
+    tinker = p.add_argument_group("the Tinker API (docs/tinker.md)")
+    tinker.add_argument("--tinker", action="store_true", help="serve the Tinker API (forward_backward, optim_step, sample ...) instead of the OpenAI one")
+    tinker.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                        help="a base model clients may ask for by NAME, from PATH (a built-in name or an HF directory); repeatable "
+                             "(default: model.path, under its own name)")
+    tinker.add_argument("--api-key", help="the key clients must send (TINKER_API_KEY, starting with tml-); default: any")
+    tinker.add_argument("--checkpoints", default="runs/tinker", help="where tinker:// checkpoints and sampler weights are written (default runs/tinker)")
+    tinker.add_argument("--session-ttl", type=float, default=600.0, metavar="S", help="release a session after S seconds without calls (default 600)")
+    tinker.add_argument("--max-training-models", type=int, default=4, metavar="N", help="training models held at once (default 4)")
 
 
 def _chaos_flags(p: argparse.ArgumentParser) -> None:
@@ -407,6 +417,14 @@ def _chaos(cfg, args, resume=None) -> int:
 
 
 def _serve(cfg, args, resume=None) -> int:
+    if args.tinker:
+        if importlib.util.find_spec("tinker") is None:
+            raise ConfigError("raytool serve --tinker speaks the tinker client's own schema: install the extra, pip install 'raytool[tinker]'")
+        entry("raytool.tinker.server:serve_config")(cfg, args)
+        return 0
+    given = [flag for flag, value in (("--model", args.model), ("--api-key", args.api_key)) if value]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: for the Tinker API (raytool serve --tinker)")
     entry("actors.serve:serve")(cfg, args.host, args.port, args.address)
     return 0
 

@@ -230,3 +230,13 @@ class SFTExample(msgspec.Struct):
 
     input_ids: list[int]
     loss_mask: list[int]
+
+
+class Datum(msgspec.Struct, frozen=True):
+    """A sequence with a loss of the caller's own (the Tinker API's `Datum`): the model reads
+    `tokens`; position t predicts `targets[t]`; `inputs` are the loss's per-position values by name
+    (weights, the sampler's log-probs, advantages), each as long as `tokens`."""
+
+    tokens: list[int]
+    targets: list[int]
+    inputs: dict[str, list[float]] = {}

@@ -157,22 +157,27 @@ class Layout:
         return grid.index_put((self.rows, self.cols), values)
 
 
-def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: bool, device, trees: list[list[int]] | None = None) -> Layout:
+def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: bool, device, trees: list[list[int]] | None = None,
+           targets: list[list[int] | None] | None = None) -> Layout:
     """`scored[b]` holds the columns t of sequence b to score (predicting seqs[b][t + 1]); a
     micro-batch with nothing to score still scores its first position, so that every rank runs
     a backward pass through every parameter (FSDP's collectives must match across ranks).
     `trees`: the sequence indices of each row's trie (shared prefixes), instead of one row per
-    sequence."""
+    sequence. `targets[b]` (None: the next tokens): the token column t of sequence b predicts
+    instead of seqs[b][t + 1] (a Tinker datum's `target_tokens`); not with `trees`."""
     if not any(scored):
         scored = [[0]] + [[] for _ in seqs[1:]]
     if trees is not None:
+        if targets is not None and any(t is not None for t in targets):
+            raise ValueError("shared-prefix rows score the next tokens: targets of their own need one row per sequence")
         return _tree_layout(seqs, scored, trees, pad_id, device)
+    label = (lambda b, s, t: s[t + 1]) if targets is None else (lambda b, s, t: s[t + 1] if targets[b] is None else targets[b][t])
     rows, cols, labels, flat = [], [], [], []
     if packed:
         offset = 0
         for b, (s, cs) in enumerate(zip(seqs, scored)):
             for t in cs:
-                rows.append(b), cols.append(t), labels.append(s[t + 1]), flat.append(offset + t)
+                rows.append(b), cols.append(t), labels.append(label(b, s, t)), flat.append(offset + t)
             offset += len(s)
         ids = torch.tensor([[x for s in seqs for x in s]])
         positions = torch.tensor([[p for s in seqs for p in range(len(s))]])
@@ -182,7 +187,7 @@ def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: 
         width = ids.size(1)
         for b, (s, cs) in enumerate(zip(seqs, scored)):
             for t in cs:
-                rows.append(b), cols.append(t), labels.append(s[t + 1]), flat.append(b * width + t)
+                rows.append(b), cols.append(t), labels.append(label(b, s, t)), flat.append(b * width + t)
         positions = bounds = None
     as_long = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), device)  # noqa: E731
     return Layout(

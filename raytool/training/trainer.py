@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from raytool.algos import get_adv_estimator, get_policy_loss, kl_penalty, masked_aggregate
 from raytool.algos.correction import CORRECTION_METRICS, rollout_correction
+from raytool.algos.datum_losses import get_datum_loss
 from raytool.resolve import with_trainer_autos
 from raytool.config import RunConfig, no_prefix_sharing
 from raytool.errors import RaytoolError
@@ -36,7 +37,7 @@ from raytool import storage
 from raytool.training.export import HF_FILES, MAX_SHARD_BYTES, export_dtype, is_fused_moe, write_hf_to
 from raytool.training.batching import layout, micro_batches, packed_micro_batches, pad_right, shared_prefix_units, to_device, tree_size
 from raytool.training.model import DTYPES, PolicyModel, causal_sdpa, load_lm, load_sharded, merged_named_weights, single_process_quiet, trainable_state
-from raytool.types import Routes, SFTExample, TrainBatch
+from raytool.types import Datum, Routes, SFTExample, TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class _Seq:
     ref: list[float] | torch.Tensor | None = None  # reference-policy log-probs, when a KL term is on (on the device)
     routes: np.ndarray | None = None  # MoE router replay: the experts of each position of ids, [len(ids), layers, k] (-1: the router's own)
     group: int | None = None  # its GRPO group in the batch (shared prefixes are trained once per group); None: a group of its own
+    targets: list[int] | None = None  # a caller's own loss (Datum): what each position predicts, instead of the next token
+    inputs: dict[str, list[float]] | None = None  # and its loss's per-position inputs
 
     def scored(self) -> list[int]:
         return [t for t, m in enumerate(self.mask) if m]
@@ -295,7 +298,7 @@ class Trainer:
     def _trees(self, group: list[_Seq]) -> list[list[int]] | None:
         """The rows of `group`'s shared-prefix layout (the indices of each group's sequences), or
         None for one row per sequence: sharing is off, or (auto) its rows hold no fewer tokens."""
-        if not self.prefix_sharing:
+        if not self.prefix_sharing or any(x.targets is not None for x in group):
             return None
         rows: dict = {}
         for i, x in enumerate(group):
@@ -320,7 +323,9 @@ class Trainer:
 
     def _logprobs(self, model: PolicyModel, group: list[_Seq], *, temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
         """Log-probs (and entropies) of the scored tokens of `group`, as [B, W] grids."""
-        lay = layout([x.ids for x in group], [x.scored() for x in group], self.pad_id, self.packed, self.device, trees=self._trees(group))
+        targets = [x.targets for x in group] if any(x.targets is not None for x in group) else None
+        lay = layout([x.ids for x in group], [x.scored() for x in group], self.pad_id, self.packed, self.device, trees=self._trees(group),
+                     targets=targets)
         logp, ent = model(lay.input_ids, lay.select, lay.labels, position_ids=lay.position_ids, temperature=temperature,
                           chunk_tokens=self.cfg.trainer.logprob_chunk_tokens, with_entropy=with_entropy, entropy_grad=entropy_grad,
                           varlen=lay.varlen_kwargs(), attention_mask=lay.attention_mask)
@@ -394,15 +399,16 @@ class Trainer:
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.params, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay)
 
-    def _optimizer_step(self, lr: float) -> torch.Tensor:
-        """Clip, step, zero the gradients; returns the gradient norm before clipping, on the device
-        (reading it back would wait for the step: the caller reads it once, at the end)."""
+    def _optimizer_step(self, lr: float, clip: float | None = None) -> torch.Tensor:
+        """Clip (to `clip`, default trainer.grad_clip; inf: measure only), step, zero the gradients;
+        returns the gradient norm before clipping, on the device (reading it back would wait for the
+        step: the caller reads it once, at the end)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for p in self.params:  # a step with no gradient still moves AdamW's moments: keep it
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.grad_clip if clip is None else clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):  # a non-finite loss or gradient (the same norm on every rank): skip, as verl does
@@ -712,6 +718,50 @@ class Trainer:
     @torch.no_grad()
     def sft_val_loss(self, examples: list[SFTExample]) -> float:
         return self.sft_loss(examples, train=False)[0]
+
+    # -- a caller's own loss (the Tinker API: raytool.tinker) ---------------------------------------------
+
+    def forward_backward(self, datums: list[Datum], loss: str, config: dict | None = None, *, backward: bool = True) -> tuple[list[list[float]], dict]:
+        """The policy's log-prob of each datum's targets and, with `backward`, the gradients of loss
+        `loss` (raytool.algos.datum_losses, a sum over positions) added to those of earlier calls:
+        they add up until `optim_step`. Returns (each datum's log-probs, {"loss:sum": the loss, and
+        "<name>:mean" for each of the loss's own metrics, averaged over micro-batches}). One process
+        (LoRA or full weights)."""
+        if self.world_size > 1:
+            raise RuntimeError("forward_backward runs on one trainer process (the Tinker service's trainer), not on an FSDP group")
+        fn = get_datum_loss(loss)
+        options = {**fn.config, **(config or {})}
+        seqs = [_Seq(ids=list(d.tokens) + [d.targets[-1]], mask=[1] * len(d.targets), targets=list(d.targets), inputs=d.inputs) for d in datums]
+        where = {id(x): i for i, x in enumerate(seqs)}
+        logprobs: list[list[float]] = [[] for _ in seqs]
+        total, metrics, parts = 0.0, {}, 0
+        with torch.set_grad_enabled(backward):
+            for group in self._plan(seqs):
+                logp, _ = self._logprobs(self.policy, group, temperature=1.0)
+                width = logp.size(1)
+                mask = self._grid(group, "mask", width)
+                inputs = {name: to_device(pad_right([x.inputs.get(name) or [fn.fill[name]] * len(x.targets) for x in group], 0.0, torch.float32)[:, :width],
+                                          self.device) for name in {name for x in group for name in x.inputs}}
+                value, extra = fn(logp.float(), inputs, mask, **options)
+                if backward:
+                    value.backward()
+                total += float(value.detach())
+                parts += 1
+                for k, v in extra.items():
+                    metrics[k] = metrics.get(k, 0.0) + float(v)
+                rows = logp.detach().float().cpu()
+                for row, x in enumerate(group):
+                    logprobs[where[id(x)]] = rows[row, : len(x.targets)].tolist()
+        return logprobs, {"loss:sum": total, **{f"{k}:mean": v / parts for k, v in metrics.items()}}
+
+    def optim_step(self, lr: float, *, betas: tuple[float, float], eps: float, weight_decay: float, grad_clip: float) -> dict:
+        """One AdamW step on the gradients `forward_backward` added up, with these hyperparameters
+        (grad_clip 0: no clipping); the gradients are zeroed after it."""
+        for group in self.optimizer.param_groups:
+            group.update(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        skipped = self.skipped_updates
+        grad_norm = self._optimizer_step(lr, clip=grad_clip if grad_clip > 0 else math.inf)
+        return {"optim/grad_norm": float(grad_norm), "optim/lr": lr, "optim/skipped": float(self.skipped_updates - skipped)}
 
     # -- weights ---------------------------------------------------------------------------------------
 
