@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "rollout": "actors.benches.rollout:bench",
     "scale": "actors.benches.scale:bench",
     "sandbox": "raytool.bench.sandbox:bench",
+    "tinker": "raytool.bench.tinker:bench",
     "trainer": "raytool.bench.trainer:bench",
     "trl": "actors.benches.trl:bench",
     "weight-sync": "raytool.bench.weight_sync:bench",

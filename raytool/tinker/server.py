@@ -81,10 +81,7 @@ def build_app(service: TinkerService, api_key: str | None = None) -> web.Applica
 
     @routes.post("/api/v1/sessions/{session_id}/finish")
     async def finish(request):
-        sid = request.match_info["session_id"]
-        if sid in service.sessions:
-            service.sessions[sid].seen = float("-inf")
-            service.release_idle()
+        service.finish(request.match_info["session_id"])
         return web.json_response(None)
 
     @routes.post("/api/v1/create_model")

@@ -121,14 +121,22 @@ class TinkerService:
         now = time.monotonic()
         gone = [s for s in self.sessions.values() if now - s.seen > self.session_ttl_s]
         for s in gone:
-            for mid in s.models:
-                self.training.pop(mid, None)
-            for sid in s.samplers:
-                self.samplers.pop(sid, None)
-            del self.sessions[s.id]
-            log.warning("tinker: released session %s after %.0f s without calls (%d training models, %d samplers)",
-                        s.id, now - s.seen, len(s.models), len(s.samplers))
+            self._release(s, f"after {now - s.seen:.0f} s without calls (--session-ttl {self.session_ttl_s:g})")
         return [s.id for s in gone]
+
+    def finish(self, sid: str) -> None:
+        """The client ended its session: release it now."""
+        if sid in self.sessions:
+            self._release(self.sessions[sid], "its client finished it")
+
+    def _release(self, s: _Session, why: str) -> None:
+        for mid in s.models:
+            self.training.pop(mid, None)
+        for sid in s.samplers:
+            self.samplers.pop(sid, None)
+        del self.sessions[s.id]
+        log.log(logging.INFO if why.startswith("its client") else logging.WARNING, "tinker: released session %s, %s (%d training models, %d samplers)",
+                s.id, why, len(s.models), len(s.samplers))
 
     def model(self, mid: str) -> _Model:
         m = self.training.get(mid)
@@ -240,6 +248,9 @@ class TinkerService:
         unknown = sorted(set(req.config) - set(fn.config))
         if unknown:
             raise Refused(f"loss_fn_config key(s) {unknown} are not taken by loss '{req.loss_fn}'; it takes {sorted(fn.config) or 'none'}")
+        needed = [k for k, v in fn.config.items() if v is None and k not in req.config]
+        if needed:
+            raise Refused(f"loss '{req.loss_fn}' needs loss_fn_config key(s) {needed}")
         if not req.data:
             raise Refused("forward_backward: no data")
         vocab = m.trainer.lm.config.vocab_size

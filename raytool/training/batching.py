@@ -164,14 +164,12 @@ def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: 
     a backward pass through every parameter (FSDP's collectives must match across ranks).
     `trees`: the sequence indices of each row's trie (shared prefixes), instead of one row per
     sequence. `targets[b]` (None: the next tokens): the token column t of sequence b predicts
-    instead of seqs[b][t + 1] (a Tinker datum's `target_tokens`); not with `trees`."""
+    instead of seqs[b][t + 1] (a Tinker datum's `target_tokens`)."""
     if not any(scored):
         scored = [[0]] + [[] for _ in seqs[1:]]
-    if trees is not None:
-        if targets is not None and any(t is not None for t in targets):
-            raise ValueError("shared-prefix rows score the next tokens: targets of their own need one row per sequence")
-        return _tree_layout(seqs, scored, trees, pad_id, device)
     label = (lambda b, s, t: s[t + 1]) if targets is None else (lambda b, s, t: s[t + 1] if targets[b] is None else targets[b][t])
+    if trees is not None:
+        return _tree_layout(seqs, scored, trees, pad_id, device, label)
     rows, cols, labels, flat = [], [], [], []
     if packed:
         offset = 0
@@ -198,7 +196,7 @@ def layout(seqs: list[list[int]], scored: list[list[int]], pad_id: int, packed: 
     )
 
 
-def _tree_layout(seqs: list[list[int]], scored: list[list[int]], trees: list[list[int]], pad_id: int, device) -> Layout:
+def _tree_layout(seqs: list[list[int]], scored: list[list[int]], trees: list[list[int]], pad_id: int, device, label) -> Layout:
     """One row per trie of `trees`, right-padded: a token sees its ancestors and itself, a pad
     only itself (its output is never read; a row with nothing to attend to would be NaN)."""
     import numpy as np
@@ -223,7 +221,7 @@ def _tree_layout(seqs: list[list[int]], scored: list[list[int]], trees: list[lis
         positions[r] = torch.from_numpy(depth)
         for b, path in zip(tree, paths):
             for t in scored[b]:
-                rows.append(b), cols.append(t), labels.append(seqs[b][t + 1]), flat.append(r * width + path[t])
+                rows.append(b), cols.append(t), labels.append(label(b, seqs[b], t)), flat.append(r * width + path[t])
     as_long = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), device)  # noqa: E731
     return Layout(
         input_ids=to_device(ids, device), position_ids=to_device(positions, device), select=as_long(flat), labels=as_long(labels),

@@ -298,7 +298,7 @@ class Trainer:
     def _trees(self, group: list[_Seq]) -> list[list[int]] | None:
         """The rows of `group`'s shared-prefix layout (the indices of each group's sequences), or
         None for one row per sequence: sharing is off, or (auto) its rows hold no fewer tokens."""
-        if not self.prefix_sharing or any(x.targets is not None for x in group):
+        if not self.prefix_sharing:
             return None
         rows: dict = {}
         for i, x in enumerate(group):
@@ -731,7 +731,9 @@ class Trainer:
             raise RuntimeError("forward_backward runs on one trainer process (the Tinker service's trainer), not on an FSDP group")
         fn = get_datum_loss(loss)
         options = {**fn.config, **(config or {})}
-        seqs = [_Seq(ids=list(d.tokens) + [d.targets[-1]], mask=[1] * len(d.targets), targets=list(d.targets), inputs=d.inputs) for d in datums]
+        # one group: the datums' shared prefixes (a GRPO group's prompt) are run once where that saves tokens (trainer.prefix_sharing)
+        seqs = [_Seq(ids=list(d.tokens) + [d.targets[-1]], mask=[1] * len(d.targets), targets=list(d.targets), inputs=d.inputs, group=0)
+                for d in datums]
         where = {id(x): i for i, x in enumerate(seqs)}
         logprobs: list[list[float]] = [[] for _ in seqs]
         total, metrics, parts = 0.0, {}, 0
