@@ -34,7 +34,7 @@ KEY = "tml-raytool-test"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     models = {"tiny": resolve_model("tiny-random"), COOKBOOK_MODEL: resolve_model("smollm2-135m-instruct")}
-    service = TinkerService(models, tmp_path_factory.mktemp("tinker"), load_config(None, ["trainer.compute_dtype=float32"]), poll_s=5.0)
+    service = TinkerService(models, tmp_path_factory.mktemp("tinker"), load_config(None, ["trainer.compute_dtype=float32", "model.dtype=float32"]), poll_s=5.0)
     stop, ready, bound = threading.Event(), threading.Event(), []
     thread = threading.Thread(target=serve, args=(service, "127.0.0.1", 0), kwargs=dict(api_key=KEY, stop=stop, ready=ready, bound=bound),
                               daemon=True)
@@ -224,22 +224,26 @@ def _cookbook_dir(root: Path) -> Path:
                                                                                 {"content": a, "role": "assistant"}], "category": "Open QA"}) + "\n")
     gsm8k = root / "openai" / "gsm8k"
     (gsm8k / "main").mkdir(parents=True)
-    (gsm8k / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n---\n")
-    with open(gsm8k / "main" / "train.jsonl", "w") as f:
-        for i in range(8):  # the loop's own few-shot question (SmolLM2-135M sometimes copies its \boxed{3}), and sums
-            question, answer = ("How many r's are in strawberry?", 3) if i % 2 == 0 else (f"What is {i} plus 2?", i + 2)
-            f.write(json.dumps({"question": question, "answer": f"The answer is <<{answer}={answer}>>{answer}.\n#### {answer}"}) + "\n")
+    (gsm8k / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n"
+                                     "  - split: test\n    path: main/test.jsonl\n---\n")
+    for split, rows in (("train", 4), ("test", 2)):
+        with open(gsm8k / "main" / f"{split}.jsonl", "w") as f:
+            for i in range(rows):  # rl_loop's own few-shot question (SmolLM2-135M sometimes copies its \boxed{3}), and sums
+                question, answer = ("How many r's are in strawberry?", 3) if i % 2 == 0 else (f"What is {i} plus 2?", i + 2)
+                f.write(json.dumps({"question": question, "answer": f"The answer is <<{answer}={answer}>>{answer}.\n#### {answer}"}) + "\n")
     return root
 
 
 def _recipe(name: str, url: str, cwd: Path, *args: str) -> list[dict]:
-    env = {**os.environ, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env = {**os.environ, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
+           "HF_DATASETS_CACHE": str(cwd / "datasets-cache")}  # its own: datasets' cache would serve another test's copy
     log_path = cwd / f"{name}-run"
     proc = subprocess.run([sys.executable, "-m", f"tinker_cookbook.recipes.{name}", f"base_url={url}", f"model_name={COOKBOOK_MODEL}",
                            f"log_path={log_path}", "lora_rank=8", "save_every=0", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Training completed" in proc.stdout + proc.stderr
+    assert "sampler_weights/final" in (log_path / "checkpoints.jsonl").read_text()
     return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -254,5 +258,15 @@ def test_cookbook_rl_loop_runs_unmodified_and_computes_rewards(server, tmp_path)
                    "loss_fn=importance_sampling")
     assert len(rows) == 2
     assert all(0.0 <= r["reward/total"] <= 1.0 for r in rows)
-    saved = list((tmp_path / "rl_loop-run").glob("checkpoints.jsonl"))
-    assert saved and "sampler_weights/final" in saved[0].read_text()
+
+
+def test_cookbook_rl_trainer_trains_on_its_math_environment(server, tmp_path):
+    """rl_basic: the cookbook's own RL trainer (tinker_cookbook.rl.train) over its GSM8K MathEnv."""
+    rows = _recipe("rl_basic", server[1], _cookbook_dir(tmp_path), "dataset_builder=tinker_cookbook.recipes.math_rl.math_env:Gsm8kDatasetBuilder",
+                   "dataset_builder.batch_size=2", "dataset_builder.group_size=4", "dataset_builder.renderer_name=qwen3_instruct",
+                   f"dataset_builder.model_name_for_tokenizer={COOKBOOK_MODEL}", "max_tokens=24", "eval_every=0")
+    steps = [r for r in rows if "env/all/reward/total" in r]
+    assert len(steps) == 2  # 4 rows in batches of 2
+    # the trainer's log-probs of the sampled tokens are the sampler's: each sampler holds the weights just trained
+    # (whether a step trains depends on its samples: a group whose rewards are all equal is dropped by the cookbook)
+    assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-3 for r in steps)

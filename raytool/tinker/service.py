@@ -17,8 +17,10 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 _ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _MLP = ["gate_proj", "up_proj", "down_proj"]
 BASE = ""  # the snapshot key of a base model's own weights
+HELD_SNAPSHOTS = 2  # sampler weights kept in host memory (the latest): a swap back to one of them reads no file
 
 
 @dataclass
@@ -90,8 +93,11 @@ class TinkerService:
     engine of the samplers."""
 
     def __init__(self, models: dict[str, str], root: str | Path, cfg: RunConfig, *, engine: str = "hf", session_ttl_s: float = 600.0,
-                 max_training_models: int = 4, poll_s: float = 20.0):
+                 max_training_models: int = 4, poll_s: float = 20.0, device: str | None = None):
+        from raytool.device import detect
+
         self.models, self.root, self.cfg = dict(models), Path(root), cfg
+        self.device = device or detect().kind  # the trainers' and the engines' (a GPU or NPU where this process has one)
         self.engine_name, self.session_ttl_s, self.max_training_models, self.poll_s = engine, session_ttl_s, max_training_models, poll_s
         self.root.mkdir(parents=True, exist_ok=True)
         self.sessions: dict[str, _Session] = {}
@@ -99,6 +105,8 @@ class TinkerService:
         self.samplers: dict[str, _Sampler] = {}
         self.engines: dict[str, _Engine] = {}
         self.futures: dict[str, asyncio.Future] = {}
+        self._held: OrderedDict[str, tuple[dict, dict, bool]] = OrderedDict()  # snapshot -> (tensors, meta, unwritten)
+        self._held_lock = threading.Lock()
         self._train = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")  # a model's calls in arrival order
         self._load = ThreadPoolExecutor(1, thread_name_prefix="tinker-load")  # engine starts and weight swaps
 
@@ -200,7 +208,7 @@ class TinkerService:
     def _new_trainer(self, base: str, lora: dict | None, seed: int | None):
         from raytool.training import Trainer
 
-        return Trainer(self._trainer_config(lora, seed), self.base_path(base))
+        return Trainer(self._trainer_config(lora, seed), self.base_path(base), device=self.device)
 
     def _model_id(self, s: _Session, seq: int) -> str:
         """The client's own name for its model_seq_id-th training model (it derives it when it creates one from a checkpoint)."""
@@ -371,23 +379,42 @@ class TinkerService:
 
     def save_for_sampler(self, mid: str, name: str | None, ttl_seconds: int | None) -> str:
         """Snapshot the model's weights (LoRA merged) for samplers: under `name` a persistent
-        tinker://<model>/sampler_weights/<name>; without one an ephemeral snapshot and a sampler of it."""
-        from safetensors.torch import save_file
-
+        tinker://<model>/sampler_weights/<name>; without one an ephemeral snapshot and a sampler of it.
+        The latest snapshots stay in host memory (an ephemeral one is written out only when it leaves)."""
         m = self.model(mid)
         path = f"tinker://{mid}/sampler_weights/{self._name(name, m, 'sampler')}"
-        where = self._local(path, "sampler_weights")
+        self._local(path, "sampler_weights")
 
         def run():
-            where.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in m.trainer.named_weights()}, str(where / "model.safetensors"))
-            (where / "tinker.json").write_text(json.dumps({"base_model": m.base, "ephemeral": name is None, "ttl_seconds": ttl_seconds}))
+            tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in m.trainer.named_weights()}
+            meta = {"base_model": m.base, "ephemeral": name is None, "ttl_seconds": ttl_seconds}
+            if name is not None:
+                self._write(path, tensors, meta)
+            self._hold(path, tensors, meta, written=name is not None)
             if name is not None:
                 return {"type": "save_weights_for_sampler", "path": path}
             sid = self._new_sampler(self.sessions[m.session], m.base, path, None)
             return {"type": "save_weights_for_sampler", "sampling_session_id": sid}
 
         return self.submit(run)
+
+    def _hold(self, snapshot: str, tensors: dict, meta: dict, *, written: bool) -> None:
+        """Keep `snapshot` in memory, the last HELD_SNAPSHOTS of them; one that leaves unwritten is written out."""
+        with self._held_lock:
+            self._held[snapshot] = (tensors, meta, not written)
+            self._held.move_to_end(snapshot)
+            leaving = [self._held.popitem(last=False) for _ in range(len(self._held) - HELD_SNAPSHOTS)]
+        for key, (t, meta_of, unwritten) in leaving:
+            if unwritten:
+                self._write(key, t, meta_of)
+
+    def _write(self, snapshot: str, tensors: dict, meta: dict) -> None:
+        from safetensors.torch import save_file
+
+        where = self._local(snapshot, "sampler_weights")
+        where.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(where / "model.safetensors"))
+        (where / "tinker.json").write_text(json.dumps(meta))
 
     def _new_sampler(self, s: _Session, base: str, snapshot: str, path: str | None) -> str:
         sid = f"sampler-{uuid.uuid4().hex[:12]}"
@@ -427,15 +454,26 @@ class TinkerService:
 
     def _engine_now(self, base: str) -> _Engine:
         if base not in self.engines:
+            from raytool.device import engine_dtype
             from raytool.engines import EngineOptions, make_engine
 
-            self.engines[base] = _Engine(make_engine(self.engine_name, self.base_path(base), EngineOptions(seed=self.cfg.trainer.seed)))
+            dtype, _ = engine_dtype(self.cfg.model.dtype, self.device != "cpu", self.engine_name)
+            options = EngineOptions(seed=self.cfg.trainer.seed, device=self.device, dtype=dtype)
+            self.engines[base] = _Engine(make_engine(self.engine_name, self.base_path(base), options))
         return self.engines[base]
 
     def _swap(self, e: _Engine, base: str, snapshot: str) -> None:
-        """Load `snapshot`'s weights (BASE: the model directory's own) into the engine."""
+        """Load `snapshot`'s weights (BASE: the model directory's own) into the engine: from memory
+        where it is held, else from its files."""
         from safetensors.torch import load_file
 
+        with self._held_lock:
+            held = self._held.get(snapshot)
+            if held is not None:
+                self._held.move_to_end(snapshot)
+        if held is not None:
+            e.engine.load_weights(held[0].items())
+            return
         if snapshot == BASE:
             files = sorted(Path(self.base_path(base)).glob("*.safetensors"))
         else:
