@@ -197,6 +197,8 @@ def test_refusals_are_the_clients_own_errors_naming_the_cause(server, client):
     assert owner in service.release_idle()
     with pytest.raises(tinker.NotFoundError, match="unknown model_id .* its session was released"):
         tc.forward_backward([_datum(TOKENS)], "cross_entropy").result()
+    with pytest.raises(tinker.NotFoundError, match=f"unknown session '{owner}'"):
+        client.create_lora_training_client(base_model="tiny", rank=4).result()
 
 
 def test_a_wrong_key_is_refused(server):
