@@ -31,10 +31,9 @@ COOKBOOK_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
 KEY = "tml-raytool-test"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    models = {"tiny": resolve_model("tiny-random"), COOKBOOK_MODEL: resolve_model("smollm2-135m-instruct")}
-    service = TinkerService(models, tmp_path_factory.mktemp("tinker"), load_config(None, ["trainer.compute_dtype=float32", "model.dtype=float32"]), poll_s=5.0)
+def _serving(models: dict, root, engine: str):
+    cfg = load_config(None, ["trainer.compute_dtype=float32", "model.dtype=float32", f"rollout.engine={engine}"])
+    service = TinkerService(models, root, cfg, poll_s=5.0)
     stop, ready, bound = threading.Event(), threading.Event(), []
     thread = threading.Thread(target=serve, args=(service, "127.0.0.1", 0), kwargs=dict(api_key=KEY, stop=stop, ready=ready, bound=bound),
                               daemon=True)
@@ -42,7 +41,13 @@ def server(tmp_path_factory):
     assert ready.wait(60)
     yield service, f"http://127.0.0.1:{bound[0]}"
     stop.set()
-    thread.join(30)
+    thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    models = {"tiny": resolve_model("tiny-random"), COOKBOOK_MODEL: resolve_model("smollm2-135m-instruct")}
+    yield from _serving(models, tmp_path_factory.mktemp("tinker"), "hf")
 
 
 @pytest.fixture
@@ -145,6 +150,25 @@ def test_sampler_samples_the_trained_weights_and_scores_prompts_as_the_trainer(c
     assert not np.allclose(np.array(base_scored[1:]), trained, atol=1e-3)
     # and the trained sampler still gets its own back (the engine swaps weights per request)
     np.testing.assert_allclose(np.array(sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()[1:]), trained, atol=2e-4)
+
+
+def test_a_vllm_sampler_holds_the_trained_weights_swapped_in_by_raytools_weight_sync(tmp_path):
+    """rollout.engine=vllm: the samplers' engine takes each snapshot through its weight receivers."""
+    for service, url in _serving({"tiny": resolve_model("tiny-random")}, tmp_path, "vllm"):
+        with tinker.ServiceClient(base_url=url, api_key=KEY) as client:
+            tc = client.create_lora_training_client(base_model="tiny", rank=8).result()
+            tc.forward_backward([_datum(TOKENS)], "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            res = sampler.sample(prompt=types.ModelInput.from_ints(TOKENS[:6]), num_samples=2,
+                                 sampling_params=types.SamplingParams(max_tokens=4)).result()
+            assert [len(s.tokens) for s in res.sequences] == [4, 4] and all(len(s.logprobs) == 4 for s in res.sequences)
+            trained = tc.forward([_datum(TOKENS)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+            scored = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
+            np.testing.assert_allclose(np.array(scored[1:], dtype=np.float32), trained, atol=1e-4)
+            base = client.create_sampling_client(base_model="tiny").compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
+            assert not np.allclose(np.array(base[1:]), trained, atol=1e-3)
+            assert service.engines["tiny"].version == 2  # two swaps: the snapshot, then the base model's own weights
 
 
 def test_checkpoints_restore_the_weights_and_the_optimizer(client):

@@ -205,13 +205,17 @@ class HFEngine:
 
         return await asyncio.to_thread(receive)
 
-    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, prompt_ids: list[int]) -> list[float]:
         """log p(prompt[t] | prompt[:t]) for t >= 1 under the weights the engine holds (one forward)."""
-        check_weights_complete(self.policy_version)
-        with self._weights_lock, torch.no_grad():
-            ids = torch.tensor([prompt_ids], device=self.device)
-            logits = self.model(input_ids=ids).logits[0, :-1].float()
-            return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+
+        def score() -> list[float]:
+            with self._weights_lock, torch.no_grad():
+                check_weights_complete(self.policy_version)
+                ids = torch.tensor([prompt_ids], device=self.device)
+                logits = self.model(input_ids=ids).logits[0, :-1].float()
+                return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+
+        return await asyncio.to_thread(score)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model by HF parameter name; returns how many were loaded."""

@@ -49,6 +49,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -302,6 +303,23 @@ class VLLMEngine:
             versions=versions if any(v != version for v in versions) else [],
             routes=routes.routes(),
         )
+
+    async def prompt_logprobs(self, prompt_ids: list[int]) -> list[float]:
+        """log p(prompt[t] | prompt[:t]) for t >= 1 under the weights the engine holds: vLLM's prompt
+        log-probs (of the untempered distribution), from one prefill."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_weights_complete(self.policy_version)
+        final = None
+        request = f"prompt-logprobs-{uuid.uuid4().hex}"
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), VSamplingParams(max_tokens=1, prompt_logprobs=0),
+                                           request):
+            final = out
+        if final is None or final.prompt_logprobs is None:
+            raise RuntimeError(f"vLLM returned no prompt log-probs (request {request})")
+        check_weights_complete(self.policy_version)
+        return [step[tok].logprob for tok, step in zip(prompt_ids[1:], final.prompt_logprobs[1:])]
 
     async def _generate_part(self, prompt_ids: list[int], sampling: SamplingParams, part_id: str):
         """One vLLM request: its token ids, their log-probs, the policy version of each, vLLM's finish

@@ -211,9 +211,9 @@ def serve_config(cfg, args) -> None:
         models[name] = resolve_model(path)
     service = TinkerService(models, args.checkpoints, cfg, session_ttl_s=args.session_ttl, max_training_models=args.max_training_models)
     where = f"http://{args.host}:{args.port}"
-    print(f"Tinker API at {where} (base models: {', '.join(models)}; checkpoints in {args.checkpoints}); samplers run the hf engine "
-          f"in this process. Point a client at it: TINKER_BASE_URL={where} TINKER_API_KEY={args.api_key or 'tml-<anything>'}; Ctrl-C stops it",
-          flush=True)
+    print(f"Tinker API at {where} (base models: {', '.join(models)}; checkpoints in {args.checkpoints}; trainers and {service.engine_name} "
+          f"samplers on {service.device} in this process). Point a client at it: TINKER_BASE_URL={where} "
+          f"TINKER_API_KEY={args.api_key or 'tml-<anything>'}; Ctrl-C stops it", flush=True)
     try:
         serve(service, args.host, args.port, api_key=args.api_key)
     except KeyboardInterrupt:

@@ -24,9 +24,10 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import msgspec
+import torch
 
 from raytool.algos.datum_losses import DATUM_LOSSES
 from raytool.config import RunConfig
@@ -41,6 +42,7 @@ _ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _MLP = ["gate_proj", "up_proj", "down_proj"]
 BASE = ""  # the snapshot key of a base model's own weights
 HELD_SNAPSHOTS = 2  # sampler weights kept in host memory (the latest): a swap back to one of them reads no file
+SWAP_TIMEOUT_S = 300.0  # a swap of sampler weights into an engine that takes longer has failed
 
 
 @dataclass
@@ -73,9 +75,11 @@ class _Sampler:
 @dataclass
 class _Engine:
     engine: Any
-    loaded: str = BASE
+    loaded: str | None = BASE  # the snapshot it holds (None: a swap is under way, or failed)
     in_flight: int = 0
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    sender: Any = None  # raytool.weightsync.sender.WeightSender to its receivers, made at its first swap
+    version: int = 0
 
 
 @dataclass
@@ -90,15 +94,18 @@ class TinkerService:
     `root`: where checkpoints (tinker://<model>/weights/<name>) and sampler weights
     (tinker://<model>/sampler_weights/<name>) are written. `cfg`: the trainer settings every training
     model starts from (compute dtype, micro-batch budget, LoRA alpha ...); `engine`: the rollout
-    engine of the samplers."""
+    engine of the samplers (default rollout.engine)."""
 
-    def __init__(self, models: dict[str, str], root: str | Path, cfg: RunConfig, *, engine: str = "hf", session_ttl_s: float = 600.0,
+    def __init__(self, models: dict[str, str], root: str | Path, cfg: RunConfig, *, engine: str | None = None, session_ttl_s: float = 600.0,
                  max_training_models: int = 4, poll_s: float = 20.0, device: str | None = None):
         from raytool.device import detect
 
         self.models, self.root, self.cfg = dict(models), Path(root), cfg
         self.device = device or detect().kind  # the trainers' and the engines' (a GPU or NPU where this process has one)
-        self.engine_name, self.session_ttl_s, self.max_training_models, self.poll_s = engine, session_ttl_s, max_training_models, poll_s
+        self.engine_name = engine or cfg.rollout.engine
+        if self.engine_name not in ("vllm", "hf"):
+            raise ValueError(f"config key 'rollout.engine': the Tinker service samples with vllm or hf, not '{self.engine_name}'")
+        self.session_ttl_s, self.max_training_models, self.poll_s = session_ttl_s, max_training_models, poll_s
         self.root.mkdir(parents=True, exist_ok=True)
         self.sessions: dict[str, _Session] = {}
         self.training: dict[str, _Model] = {}
@@ -453,6 +460,7 @@ class TinkerService:
         return {"sampler_id": sid, "base_model": sp.base, "model_path": sp.path}
 
     def _engine_now(self, base: str) -> _Engine:
+        """The rollout engine of `base` (made on first use: rollout.engine, on this process's device)."""
         if base not in self.engines:
             from raytool.device import engine_dtype
             from raytool.engines import EngineOptions, make_engine
@@ -462,9 +470,9 @@ class TinkerService:
             self.engines[base] = _Engine(make_engine(self.engine_name, self.base_path(base), options))
         return self.engines[base]
 
-    def _swap(self, e: _Engine, base: str, snapshot: str) -> None:
-        """Load `snapshot`'s weights (BASE: the model directory's own) into the engine: from memory
-        where it is held, else from its files."""
+    def _weights(self, base: str, snapshot: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """`snapshot`'s weights (BASE: the model directory's own): from memory where they are held,
+        else from their files."""
         from safetensors.torch import load_file
 
         with self._held_lock:
@@ -472,14 +480,27 @@ class TinkerService:
             if held is not None:
                 self._held.move_to_end(snapshot)
         if held is not None:
-            e.engine.load_weights(held[0].items())
+            yield from held[0].items()
             return
         if snapshot == BASE:
             files = sorted(Path(self.base_path(base)).glob("*.safetensors"))
         else:
             files = [self._local(snapshot, "sampler_weights") / "model.safetensors"]
         for f in files:
-            e.engine.load_weights(load_file(str(f)).items())
+            yield from load_file(str(f)).items()
+
+    async def _swap(self, e: _Engine, base: str, snapshot: str) -> None:
+        """Load `snapshot`'s weights into the engine by raytool's weight sync (the engine's own
+        receivers, as a trainer's sync reaches a rollout server), each swap a new version."""
+        from raytool.weightsync.sender import WeightSender
+
+        loop = asyncio.get_running_loop()
+        if e.sender is None:
+            e.sender = WeightSender(await e.engine.bind_weight_receivers("127.0.0.1"), send_timeout_s=SWAP_TIMEOUT_S)
+        e.version += 1
+        receiving = asyncio.ensure_future(e.engine.receive_weights(e.version, SWAP_TIMEOUT_S))
+        sending = loop.run_in_executor(self._load, lambda: e.sender.send(self._weights(base, snapshot), e.version))
+        await asyncio.gather(receiving, sending)
 
     @contextlib.asynccontextmanager
     async def _holding(self, base: str, snapshot: str):
@@ -492,7 +513,8 @@ class TinkerService:
             while e.loaded != snapshot and e.in_flight:
                 await e.changed.wait()
             if e.loaded != snapshot:
-                await loop.run_in_executor(self._load, self._swap, e, base, snapshot)
+                e.loaded = None  # until the swap completes: a failed one leaves no sampler believing it holds its weights
+                await self._swap(e, base, snapshot)
                 e.loaded = snapshot
             e.in_flight += 1
         try:
@@ -552,7 +574,7 @@ class TinkerService:
                                                            stop_token_ids=stop_ids, stop=stop_strings,
                                                            seed=None if seed is None else int(seed) + i), seq)
                     for i, seq in enumerate(rid_seqs)))
-                scored = await asyncio.to_thread(engine.prompt_logprobs, prompt) if with_prompt else None
+                scored = await engine.prompt_logprobs(prompt) if with_prompt else None
             from raytool.tinker.wire import encode_sample_response
 
             for o in outs:
