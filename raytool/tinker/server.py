@@ -29,22 +29,12 @@ def _future(rid: str, **extra) -> web.Response:
     return web.json_response({"request_id": rid, **extra})
 
 
-def build_app(service: TinkerService, api_key: str | None = None) -> web.Application:
-    routes = web.RouteTableDef()
+async def _body(request: web.Request) -> dict:
+    return await request.json() if request.can_read_body else {}
 
-    @web.middleware
-    async def guard(request: web.Request, handler):
-        if api_key is not None and request.headers.get("X-API-Key") != api_key:
-            return web.json_response({"detail": "wrong or missing API key (X-API-Key; TINKER_API_KEY on the client)"}, status=Unauthorized.status)
-        try:
-            return await handler(request)
-        except Refused as exc:
-            return web.json_response({"detail": str(exc)}, status=exc.status)
-        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-            return web.json_response({"detail": f"{request.method} {request.path}: malformed request ({type(exc).__name__}: {exc})"}, status=400)
 
-    async def body(request: web.Request) -> dict:
-        return await request.json() if request.can_read_body else {}
+def _session_routes(routes: web.RouteTableDef, service: TinkerService) -> None:
+    """The client's configuration, health, capabilities, telemetry and its session's life."""
 
     @routes.post("/api/v1/client/config")
     async def client_config(request):
@@ -68,12 +58,12 @@ def build_app(service: TinkerService, api_key: str | None = None) -> web.Applica
 
     @routes.post("/api/v1/create_session")
     async def create_session(request):
-        await body(request)
+        await _body(request)
         return web.json_response({"type": "create_session", "session_id": service.create_session()})
 
     @routes.post("/api/v1/session_heartbeat")
     async def heartbeat(request):
-        sid = (await body(request))["session_id"]
+        sid = (await _body(request))["session_id"]
         if sid not in service.sessions:  # 410: the client's heartbeat loop stops; its next call is told why
             return web.json_response({"detail": f"session '{sid}' has ended"}, status=410)
         service.session(sid)
@@ -84,9 +74,13 @@ def build_app(service: TinkerService, api_key: str | None = None) -> web.Applica
         service.finish(request.match_info["session_id"])
         return web.json_response(None)
 
+
+def _model_routes(routes: web.RouteTableDef, service: TinkerService) -> None:
+    """Training models, their saves and loads, samplers, and the futures of every queued call."""
+
     @routes.post("/api/v1/create_model")
     async def create_model(request):
-        b = await body(request)
+        b = await _body(request)
         optimizer = (b.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise Refused(f"optimizer '{optimizer}' is not served here; raytool trains with Adam (AdamOptimizerConfig)")
@@ -94,7 +88,7 @@ def build_app(service: TinkerService, api_key: str | None = None) -> web.Applica
 
     @routes.post("/api/v1/get_info")
     async def get_info(request):
-        return web.json_response(service.info((await body(request))["model_id"]))
+        return web.json_response(service.info((await _body(request))["model_id"]))
 
     @routes.post("/api/v1/forward_backward")
     async def forward_backward(request):
@@ -105,18 +99,18 @@ def build_app(service: TinkerService, api_key: str | None = None) -> web.Applica
 
     @routes.post("/api/v1/optim_step")
     async def optim_step(request):
-        b = await body(request)
+        b = await _body(request)
         return _future(service.optim_step(b["model_id"], b.get("adam_params") or b.get("optimizer_params") or b.get("optim_params") or {}),
                        model_id=b["model_id"])
 
     @routes.post("/api/v1/save_weights")
     async def save_weights(request):
-        b = await body(request)
+        b = await _body(request)
         return _future(service.save_state(b["model_id"], b.get("path"), b.get("ttl_seconds")), model_id=b["model_id"])
 
     @routes.post("/api/v1/load_weights")
     async def load_weights(request):
-        b = await body(request)
+        b = await _body(request)
         if b.get("weights_access_token"):
             raise Refused("load_weights: weights_access_token (another account's checkpoint) is not served here")
         if b.get("session_id"):
@@ -126,14 +120,14 @@ def build_app(service: TinkerService, api_key: str | None = None) -> web.Applica
 
     @routes.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request):
-        b = await body(request)
+        b = await _body(request)
         if b.get("kind", "snapshot") != "snapshot":
             raise Refused(f"save_weights_for_sampler: kind '{b['kind']}' is not served here; raytool serves snapshot samplers")
         return _future(service.save_for_sampler(b["model_id"], b.get("path"), b.get("ttl_seconds")), model_id=b["model_id"])
 
     @routes.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request):
-        b = await body(request)
+        b = await _body(request)
         sid = service.create_sampler(b["session_id"], b.get("base_model"), b.get("model_path"))
         return web.json_response({"type": "create_sampling_session", "sampling_session_id": sid})
 
@@ -143,15 +137,32 @@ def build_app(service: TinkerService, api_key: str | None = None) -> web.Applica
 
     @routes.post("/api/v1/asample")
     async def asample(request):
-        rid, sequence_ids = service.sample(await body(request))
+        rid, sequence_ids = service.sample(await _body(request))
         return _future(rid, sample_sequence_ids=sequence_ids)
 
     @routes.post("/api/v1/retrieve_future")
     async def retrieve(request):
-        out = await service.retrieve((await body(request))["request_id"])
+        out = await service.retrieve((await _body(request))["request_id"])
         if isinstance(out, Result) and isinstance(out.body, bytes):
             return web.Response(body=out.body, content_type=PROTO)
         return web.json_response(out.body if isinstance(out, Result) else out)
+
+
+def build_app(service: TinkerService, api_key: str | None = None) -> web.Application:
+    routes = web.RouteTableDef()
+    _session_routes(routes, service)
+    _model_routes(routes, service)
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if api_key is not None and request.headers.get("X-API-Key") != api_key:
+            return web.json_response({"detail": "wrong or missing API key (X-API-Key; TINKER_API_KEY on the client)"}, status=Unauthorized.status)
+        try:
+            return await handler(request)
+        except Refused as exc:
+            return web.json_response({"detail": str(exc)}, status=exc.status)
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+            return web.json_response({"detail": f"{request.method} {request.path}: malformed request ({type(exc).__name__}: {exc})"}, status=400)
 
     served = sorted({f"{r.method} {r.path}" for r in routes if isinstance(r, web.RouteDef)})
 

@@ -590,6 +590,8 @@ class TinkerService:
             f.cancel()
         for e in self.engines.values():
             with contextlib.suppress(Exception):
+                if e.sender is not None:
+                    e.sender.close()
                 e.engine.shutdown()
         self._train.shutdown(wait=False, cancel_futures=True)
         self._load.shutdown(wait=False, cancel_futures=True)
