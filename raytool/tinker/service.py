@@ -32,7 +32,7 @@ import torch
 from raytool.algos.datum_losses import DATUM_LOSSES
 from raytool.config import RunConfig
 from raytool.tinker.errors import Refused, Unknown
-from raytool.tinker.wire import ForwardBackward
+from raytool.tinker.wire import ForwardBackward, encode_forward_backward_output, encode_sample_response
 from raytool.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -136,21 +136,21 @@ class TinkerService:
         now = time.monotonic()
         gone = [s for s in self.sessions.values() if now - s.seen > self.session_ttl_s]
         for s in gone:
-            self._release(s, f"after {now - s.seen:.0f} s without calls (--session-ttl {self.session_ttl_s:g})")
+            self._release(s, f"after {now - s.seen:.0f} s without calls (--session-ttl {self.session_ttl_s:g})", logging.WARNING)
         return [s.id for s in gone]
 
     def finish(self, sid: str) -> None:
         """The client ended its session: release it now."""
         if sid in self.sessions:
-            self._release(self.sessions[sid], "its client finished it")
+            self._release(self.sessions[sid], "its client finished it", logging.INFO)
 
-    def _release(self, s: _Session, why: str) -> None:
+    def _release(self, s: _Session, why: str, level: int) -> None:
         for mid in s.models:
             self.training.pop(mid, None)
         for sid in s.samplers:
             self.samplers.pop(sid, None)
         del self.sessions[s.id]
-        log.log(logging.INFO if why.startswith("its client") else logging.WARNING, "tinker: released session %s, %s (%d training models, %d samplers)",
+        log.log(level, "tinker: released session %s, %s (%d training models, %d samplers)",
                 s.id, why, len(s.models), len(s.samplers))
 
     def model(self, mid: str) -> _Model:
@@ -284,8 +284,6 @@ class TinkerService:
 
         def run():
             logprobs, metrics = m.trainer.forward_backward(req.data, req.loss_fn, req.config, backward=not req.forward_only)
-            from raytool.tinker.wire import encode_forward_backward_output
-
             return Result(encode_forward_backward_output(logprobs, metrics))
 
         return self.submit(run)
@@ -337,16 +335,18 @@ class TinkerService:
 
         return self.submit(run)
 
-    def _checkpoint_meta(self, path: str) -> tuple[Path, dict]:
-        where = self._local(path, "weights")
+    def _saved(self, path: str, kind: str) -> tuple[Path, dict]:
+        """The directory of a saved tinker://<model>/<kind>/<name> and its tinker.json (Unknown when none is there)."""
+        where = self._local(path, kind)
         meta_file = where / "tinker.json"
         if not meta_file.is_file():
-            raise Unknown(f"no checkpoint at '{path}' (save_state writes one)")
+            writer = "save_state" if kind == "weights" else "save_weights_for_sampler"
+            raise Unknown(f"nothing saved at '{path}' ({writer} writes there)")
         return where, json.loads(meta_file.read_text())
 
     def load_state(self, mid: str, path: str, optimizer: bool) -> str:
         m = self.model(mid)
-        where, meta = self._checkpoint_meta(path)
+        where, meta = self._saved(path, "weights")
         if meta["base_model"] != m.base or (meta["lora"] or {}).get("rank") != (m.lora or {}).get("rank"):
             raise Refused(f"'{path}' holds {meta['base_model']} (LoRA rank {(meta['lora'] or {}).get('rank')}); model {mid} is {m.base} "
                           f"(LoRA rank {(m.lora or {}).get('rank')}): create a training client from the checkpoint instead")
@@ -365,7 +365,7 @@ class TinkerService:
 
     def create_from_state(self, session_id: str, seq: int, path: str, optimizer: bool, base: str | None) -> str:
         s = self.session(session_id)
-        where, meta = self._checkpoint_meta(path)
+        where, meta = self._saved(path, "weights")
         base = base or meta["base_model"]
         if base != meta["base_model"]:
             raise Refused(f"'{path}' was trained from '{meta['base_model']}', not '{base}'")
@@ -429,17 +429,10 @@ class TinkerService:
         s.samplers.add(sid)
         return sid
 
-    def _snapshot_of(self, path: str) -> tuple[str, dict]:
-        where = self._local(path, "sampler_weights")
-        meta_file = where / "tinker.json"
-        if not meta_file.is_file():
-            raise Unknown(f"no sampler weights at '{path}' (save_weights_for_sampler writes them)")
-        return path, json.loads(meta_file.read_text())
-
     def create_sampler(self, session_id: str, base: str | None, model_path: str | None) -> str:
         s = self.session(session_id)
         if model_path:
-            snapshot, meta = self._snapshot_of(model_path)
+            snapshot, (_, meta) = model_path, self._saved(model_path, "sampler_weights")
             if base and base != meta["base_model"]:
                 raise Refused(f"'{model_path}' holds weights of '{meta['base_model']}', not '{base}'")
             return self._new_sampler(s, meta["base_model"], snapshot, model_path)
@@ -530,7 +523,7 @@ class TinkerService:
             sp = self.sampler(req["sampling_session_id"])
             base, snapshot = sp.base, sp.snapshot
         elif req.get("model_path"):
-            snapshot, meta = self._snapshot_of(req["model_path"])
+            snapshot, (_, meta) = req["model_path"], self._saved(req["model_path"], "sampler_weights")
             base = meta["base_model"]
         elif req.get("base_model"):
             base, snapshot = req["base_model"], BASE
@@ -575,8 +568,6 @@ class TinkerService:
                                                            seed=None if seed is None else int(seed) + i), seq)
                     for i, seq in enumerate(rid_seqs)))
                 scored = await engine.prompt_logprobs(prompt) if with_prompt else None
-            from raytool.tinker.wire import encode_sample_response
-
             for o in outs:
                 if o.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"a sample ended with '{o.finish_reason}'")
