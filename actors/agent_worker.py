@@ -109,7 +109,7 @@ class AgentLoopWorker:
         """Score `traj` on the next reward worker; a call that raises or scores longer than
         reward.call_timeout_s (the worker times the scoring, not the wait for its slot) is tried
         again on the next one after a backoff, up to reward.retries times, then the trajectory is
-        infra-failed. A worker that hangs whole is the watchdog's (actors.watchdog): it is killed
+        infra-failed. A worker that hangs whole is the watchdog's (actors.drivers.watchdog): it is killed
         and the call raises."""
         r = self.cfg.reward
         view = reward_view(traj, self.cfg.agent.max_response_tokens, partial(self.tokenizer.decode, skip_special_tokens=True))

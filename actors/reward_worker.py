@@ -16,7 +16,7 @@ from raytool.rewards import RewardError, make_reward_fn
 @ray.remote
 class RewardWorker:
     """Scores one trajectory at a time, on a thread: the actor's event loop stays free to answer
-    heartbeats (actors.watchdog) while a slow reward fn runs."""
+    heartbeats (actors.drivers.watchdog) while a slow reward fn runs."""
 
     def __init__(self, cfg: RewardConfig, namespace: str | None = None):
         self.namespace = namespace  # the run's: where its gateway is, for a judge that is the run's own model

@@ -101,7 +101,7 @@ class TrainerWorker:
 
     def send_weights(self, addresses: list[str], version: int, bucket_bytes: int, timeout_s: float, attempt: int = 0) -> dict:
         """Rank 0 streams; the other ranks take part in gathering full tensors from their shards."""
-        if self.cfg.model.dtype not in DTYPES:  # actors.compose.build resolves model.dtype before any engine starts
+        if self.cfg.model.dtype not in DTYPES:  # actors.drivers.compose.build resolves model.dtype before any engine starts
             raise ValueError(f"model.dtype {self.cfg.model.dtype!r} was not resolved before the weight sync")
         weights = self.trainer.named_weights(DTYPES[self.cfg.model.dtype])
         if self.rank != 0:

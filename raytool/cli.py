@@ -259,7 +259,7 @@ def _eval(cfg, args, resume=None) -> int:
     if args.n is not None:
         cfg = msgspec.structs.replace(cfg, eval=msgspec.structs.replace(cfg.eval, n=args.n))
     validate(cfg, "--n")
-    metrics = entry("actors.evaluate:run_eval")(cfg, args.model, args.data, args.address)
+    metrics = entry("actors.drivers.evaluate:run_eval")(cfg, args.model, args.data, args.address)
     print(table(metrics, cfg.eval.n))
     if args.json:
         print(json.dumps({"model": args.model, "n": cfg.eval.n, **metrics}))
@@ -298,7 +298,7 @@ def _rehearse(args) -> int:
         print("raytool: rehearse needs a recipe: raytool rehearse -c examples/<recipe>.yaml", file=sys.stderr)
         return 2
     try:
-        r, checks, timings = entry("actors.rehearse:rehearse")(args.config, args.overrides, args.workdir, args.stages, args.stage_timeout)
+        r, checks, timings = entry("actors.drivers.rehearse:rehearse")(args.config, args.overrides, args.workdir, args.stages, args.stage_timeout)
     except (RehearsalError, ConfigError, OSError) as exc:
         print(f"raytool: {exc}", file=sys.stderr)
         return 2
@@ -315,7 +315,7 @@ def _resume_path(args) -> str | Path | None:
     """What --resume points at: a checkpoint or run directory; `latest`: --run-dir, else the newest run."""
     if getattr(args, "resume", None) != "latest":
         return getattr(args, "resume", None)
-    return args.run_dir or entry("actors.checkpoint:latest_run_dir")()
+    return args.run_dir or entry("actors.drivers.checkpoint:latest_run_dir")()
 
 
 def _config_path(args, resume: str | Path | None) -> str | Path | None:
@@ -397,20 +397,20 @@ def _config(args) -> int:
 
 
 def _train(cfg, args, resume) -> int:
-    entry("actors.pipeline:run")(cfg, args.run_dir, args.address, resume, args.overwrite)  # it ends on its summary, which names the run directory
+    entry("actors.drivers.pipeline:run")(cfg, args.run_dir, args.address, resume, args.overwrite)  # it ends on its summary, which names the run directory
     return 0
 
 
 def _sft(cfg, args, resume) -> int:
-    run_dir = entry("actors.sft:run_sft")(cfg, args.run_dir, args.address, resume, args.overwrite)
+    run_dir = entry("actors.drivers.sft:run_sft")(cfg, args.run_dir, args.address, resume, args.overwrite)
     print(f"run directory: {run_dir.resolve()}")
     return 0
 
 
 def _chaos(cfg, args, resume=None) -> int:
-    report = entry("actors.chaos:run_chaos")(cfg, args.run_dir, args.kinds, args.kill_every, args.hang, args.seed,
+    report = entry("actors.drivers.chaos:run_chaos")(cfg, args.run_dir, args.kinds, args.kill_every, args.hang, args.seed,
                                              per_step=args.per_step, max_faults=args.max_faults)
-    print(entry("actors.chaos:table")(report))
+    print(entry("actors.drivers.chaos:table")(report))
     if args.json:
         print(json.dumps(report))
     return 0 if report["ok"] else 1
@@ -425,7 +425,7 @@ def _serve(cfg, args, resume=None) -> int:
     given = [flag for flag, value in (("--model", args.model), ("--api-key", args.api_key)) if value]
     if given:
         raise ConfigError(f"{', '.join(given)}: for the Tinker API (raytool serve --tinker)")
-    entry("actors.serve:serve")(cfg, args.host, args.port, args.address)
+    entry("actors.drivers.serve:serve")(cfg, args.host, args.port, args.address)
     return 0
 
 

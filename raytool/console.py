@@ -57,7 +57,7 @@ def configured(verbose: bool):
     in the full format). Python warnings become log records (`py.warnings`), so that they reach
     run.log rather than the console. The logging setup before it comes back after it (a CLI
     command run in a process that goes on, as tests do). Ray's own driver logger is routed where
-    the driver attaches to Ray (actors.session.connect)."""
+    the driver attaches to Ray (actors.drivers.session.connect)."""
     root = logging.getLogger()
     saved = (list(root.handlers), root.level, warnings.showwarning)
     root.setLevel(logging.INFO)

@@ -150,7 +150,7 @@ class ControlPlane:
     # -- membership -------------------------------------------------------------------------------
 
     def snapshot(self) -> Membership:
-        return Membership(self.incarnation, self.epoch, list(self.names), self._reasons(), self.policy_version)
+        return Membership(self.incarnation, self.epoch, list(self.names), self._reasons())
 
     def _reasons(self) -> dict[str, str]:
         """Why each ejected server is out: its ejection's cause, with its latest probe's answer."""
@@ -346,7 +346,6 @@ class ControlPlane:
         if version > self.policy_version:
             self.policy_version = version
             self._record()
-            self._changed_now()
         for name in acked:
             if self.stale.pop(name, None) is not None:
                 log.info("re-admitting rollout server %s after its weight re-sync (v%d)", name, version)

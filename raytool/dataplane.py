@@ -56,18 +56,20 @@ class InvalidRequest(ValueError):
 
 
 class Membership(msgspec.Struct, frozen=True):
-    """The control plane's word on who serves: a snapshot, numbered per control-plane process."""
+    """The control plane's word on who serves: a snapshot, numbered per control-plane process. It
+    changes only when a server leaves or comes back: the policy version is not in it (the control
+    plane owns it; each answer names the version it was sampled with), so a weight sync that every
+    server took sends no plane anything."""
 
     incarnation: str  # the control plane process that made it (a restarted one starts a new count)
     epoch: int  # bumped on every change
     servers: list[str]
     ejected: dict[str, str]  # server -> why
-    policy_version: int
 
     def problem(self, known: list[str]) -> str | None:
         """Why this snapshot cannot be applied by a plane that routes to `known`, or None."""
-        if not self.incarnation or self.epoch < 0 or self.policy_version < 0:
-            return f"bad header (incarnation={self.incarnation!r}, epoch={self.epoch}, policy_version={self.policy_version})"
+        if not self.incarnation or self.epoch < 0:
+            return f"bad header (incarnation={self.incarnation!r}, epoch={self.epoch})"
         if sorted(self.servers) != sorted(known):
             return f"servers {sorted(self.servers)} are not this plane's {sorted(known)}"
         if not set(self.ejected) <= set(known):

@@ -4,7 +4,7 @@
 raylet, dashboard, and the raylet's agents and workers). When the driver exits normally it stops
 them; when it is killed (`kill -9`, the OOM killer, a lost SSH session) the GCS and raylet go, but
 the raylet's DashboardAgent and RuntimeEnvAgent were found still running 98 s later. So a driver
-that starts a local instance (`actors.pipeline.connect`) also starts `python -m raytool.reaper
+that starts a local instance (`actors.drivers.pipeline.connect`) also starts `python -m raytool.reaper
 PID`: it notes the driver's descendants every `POLL_S`, and once the driver is gone it ends every
 one of them still running (SIGTERM, then SIGKILL after `TERM_WAIT_S`). A process is matched by pid
 and start time, so a pid the system reused is never touched. Plain Python (psutil), no Ray.

@@ -7,7 +7,7 @@ batches, the shipped fixtures (tests/fixtures/sources) in the real data sets' sc
 SandboxFusion-compatible server, and a directory playing the shared mount. This module decides
 those swaps (each an `Override` the user sees), how far the topology is scaled down where this
 host's cores or memory forbid, the stages' command lines, and judges the measurements the Ray
-layer (actors/rehearse.py) brings back.
+layer (actors/drivers/rehearse.py) brings back.
 """
 
 from __future__ import annotations

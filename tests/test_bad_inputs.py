@@ -64,7 +64,7 @@ def test_bad_input_is_one_line_before_anything_starts(files, capsys, argv, line)
 
 
 def test_overwrite_removes_only_the_earlier_runs_outputs(files):
-    from actors.checkpoint import earlier_run, remove_earlier_run
+    from actors.drivers.checkpoint import earlier_run, remove_earlier_run
 
     earlier = Path(files["d"], "earlier")
     (earlier / "notes.txt").write_text("mine")

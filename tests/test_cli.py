@@ -136,7 +136,7 @@ def test_a_checkpoint_is_renamed_into_place_only_when_complete(tmp_path, where):
 
     import msgspec
 
-    from actors.checkpoint import find_checkpoint, save_checkpoint
+    from actors.drivers.checkpoint import find_checkpoint, save_checkpoint
     from raytool import storage
     from raytool.config import load_config
 
@@ -176,7 +176,7 @@ def test_a_resume_without_run_dir_continues_the_run_directory_its_checkpoint_nam
     and says in one line where it writes when that directory is not on this machine."""
     import logging
 
-    from actors.checkpoint import RUN_DIR_FILE, resumed_run_dir
+    from actors.drivers.checkpoint import RUN_DIR_FILE, resumed_run_dir
 
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "shared" / "runs" / "rl"
@@ -186,7 +186,7 @@ def test_a_resume_without_run_dir_continues_the_run_directory_its_checkpoint_nam
     (checkpoint / RUN_DIR_FILE).write_text(str(run_dir))
     assert resumed_run_dir(str(checkpoint)) == run_dir
     (checkpoint / RUN_DIR_FILE).write_text("/elsewhere/runs/rl")
-    with caplog.at_level(logging.WARNING, logger="actors.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="actors.drivers.checkpoint"):
         assert resumed_run_dir(str(checkpoint)) == Path("runs") / "rl"
     assert "its run directory /elsewhere/runs/rl is not on this machine" in caplog.text
 

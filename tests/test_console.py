@@ -19,7 +19,7 @@ def _record(name: str, level: int, message: str = "m") -> logging.LogRecord:
 def test_the_console_shows_its_own_lines_raytools_warnings_and_every_error_only():
     keep = console.OwnLines().filter
     assert keep(_record("raytool.console", logging.INFO))
-    assert keep(_record("actors.pipeline", logging.WARNING)) and keep(_record("raytool.streaming", logging.WARNING))
+    assert keep(_record("actors.drivers.pipeline", logging.WARNING)) and keep(_record("raytool.streaming", logging.WARNING))
     assert keep(_record("vllm.engine", logging.ERROR))
     assert not keep(_record("raytool.resolve", logging.INFO))  # raytool's other information: run.log
     counted = _record("raytool.data.rows", logging.INFO, "train.parquet: 3 rows used, 1 skipped")
@@ -29,12 +29,12 @@ def test_the_console_shows_its_own_lines_raytools_warnings_and_every_error_only(
     assert not keep(_record("vllm.platforms", logging.WARNING))
     fmt = console.ConsoleFormat()
     assert fmt.format(_record("raytool.console", logging.INFO, "step 1")) == "step 1"
-    assert fmt.format(_record("actors.watchdog", logging.WARNING, "lost")) == "warning: lost"
+    assert fmt.format(_record("actors.drivers.watchdog", logging.WARNING, "lost")) == "warning: lost"
     assert fmt.format(_record("vllm.engine", logging.ERROR, "boom")) == "error (vllm.engine): boom"
 
 
 def test_python_warnings_and_others_information_reach_run_log_not_the_console(capsys, tmp_path, monkeypatch):
-    from actors.session import ray_logs_through_root
+    from actors.drivers.session import ray_logs_through_root
 
     root, ray_logger = logging.getLogger(), logging.getLogger("ray")
     monkeypatch.setattr(ray_logger, "handlers", list(ray_logger.handlers))  # put back after the test
@@ -70,7 +70,7 @@ def test_verbose_shows_everything(capsys):
 
 def test_a_command_leaves_logging_as_it_found_it(monkeypatch, tmp_path):
     """`main` run in a process that goes on (tests, notebooks): its console comes and goes with it."""
-    from actors import pipeline
+    from actors.drivers import pipeline
     from raytool.cli import main
 
     root, ray_logger = logging.getLogger(), logging.getLogger("ray")
@@ -125,7 +125,7 @@ def test_the_banner_fits_in_eight_lines_on_any_cluster(tmp_path):
 
 
 def test_a_run_that_fails_of_anything_ends_on_one_line_naming_its_log(monkeypatch, capsys, tmp_path):
-    from actors import pipeline
+    from actors.drivers import pipeline
     from raytool.cli import main
 
     def failing_run(*args, **kwargs):
@@ -142,7 +142,7 @@ def test_a_run_that_fails_of_anything_ends_on_one_line_naming_its_log(monkeypatc
 @pytest.mark.parametrize("signal_exc, code, name", [(KeyboardInterrupt(), 130, "SIGINT (Ctrl-C)"), (SystemExit(15), 143, "SIGTERM")])
 def test_a_signal_ends_a_run_in_one_line_with_its_resume_command(monkeypatch, capsys, tmp_path, signal_exc, code, name):
     """Ctrl-C printed a 35-line traceback, and SIGTERM (Ray's handler: sys.exit(15)) a stack dump."""
-    from actors import pipeline
+    from actors.drivers import pipeline
     from raytool.cli import main
 
     def stopped(*args, **kwargs):
@@ -156,7 +156,7 @@ def test_a_signal_ends_a_run_in_one_line_with_its_resume_command(monkeypatch, ca
 
 def test_trace_samples_are_taken_from_as_many_groups_as_they_need(monkeypatch):
     """logging.trace_samples=5 with groups of 2 wrote 2 trajectories: the first group's."""
-    from actors import pipeline
+    from actors.drivers import pipeline
     from raytool.streaming import GroupRefs, RolloutBatch, RolloutGroup
 
     monkeypatch.setattr(pipeline.ray, "get", lambda ref: ref)  # each group's trajectories "ref" is its trajectories here

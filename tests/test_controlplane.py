@@ -144,8 +144,9 @@ def test_sync_plans_number_their_passes_go_to_the_healthy_and_the_waiting_and_a_
         assert await control.plan_resync() is None  # nobody waits for weights
         plan = await control.plan_sync()
         assert (plan.version, plan.attempt, sorted(plan.targets)) == (1, 1, SERVERS)
+        epoch = control.epoch
         control.synced(1, ["s0", "s2"], {"s1": "TimeoutError: no bucket 0 within 300s"})
-        assert control.policy_version == 1 and changes[-1].policy_version == 1
+        assert control.policy_version == 1 and control.epoch == epoch + 1 and changes[-1].ejected.keys() == {"s1"}  # the ejection, one change
         assert control.ejected["s1"] == "weight sync v1 failed: TimeoutError: no bucket 0 within 300s"
         again = await control.plan_sync(1, ["s0"])  # a broken chain's second pass: the same version, a new attempt
         assert (again.version, again.attempt, list(again.targets)) == (1, 2, ["s0"])
@@ -157,6 +158,21 @@ def test_sync_plans_number_their_passes_go_to_the_healthy_and_the_waiting_and_a_
         # A server alive but never acking (hung in its load): the control plane, the one to decide, restarts it.
         control.synced(2, ["s0"], {"s2": "s2 did not ack weight sync v2 within 330s"}, ["s2"])
         assert servers.restarted == ["s2"] and control.ejected["s2"].startswith("weight sync v2 failed: s2 did not ack")
+
+    asyncio.run(main())
+
+
+def test_a_sync_every_server_took_changes_no_membership_and_wakes_no_plane():
+    async def main():
+        control, changes, _, _ = make(FakeServers())
+        first = await control.membership()
+        poll = asyncio.ensure_future(control.membership(first.incarnation, first.epoch, timeout_s=0.2))
+        plan = await control.plan_sync()
+        control.synced(plan.version, sorted(plan.targets), {})
+        assert control.policy_version == 1 and control.epoch == first.epoch and changes == []
+        assert await poll == first  # the long poll ran out: nothing was sent to any plane
+        control.synced(2, ["s0", "s2"], {"s1": "no ack"})  # an ejection is a change
+        assert control.epoch == first.epoch + 1 and list(changes[-1].ejected) == ["s1"]
 
     asyncio.run(main())
 
@@ -177,12 +193,14 @@ def test_a_restarted_holder_keeps_the_version_and_rebuilds_the_rest_from_the_ser
         servers = FakeServers(version=0)
         servers.mode["s0"] = "down"
         control, _, _, _ = make(servers, record=kept[-1])
-        assert (await control.membership()).policy_version == 7
+        await control.membership()
+        assert control.policy_version == 7
         assert sorted(control.stale) == ["s1", "s2"] and control.ejected["s0"] == "no answer after the manager restarted: ActorDiedError: s0 is dead"
         # A server on a newer version than the record (a sync that ended as the holder died) raises it.
         servers = FakeServers(version=9)
         control, _, _, _ = make(servers, record=Record(policy_version=8))
-        assert (await control.membership()).policy_version == 9 and not control.stale
+        await control.membership()
+        assert control.policy_version == 9 and not control.stale
 
     asyncio.run(main())
 

@@ -67,7 +67,7 @@ class FakeControl:
         self.reports: list[tuple[str, str]] = []
 
     def snapshot(self) -> Membership:
-        return Membership("cp1", self.epoch, list(SERVERS), dict(self.ejected), 0)
+        return Membership("cp1", self.epoch, list(SERVERS), dict(self.ejected))
 
     async def report(self, server, kind, cause):
         self.reports.append((server, kind))
@@ -210,17 +210,17 @@ def test_with_no_server_left_a_call_waits_for_one_then_says_who_is_out():
 
 def test_membership_updates_malformed_refused_whole_older_ignored_new_incarnation_taken(caplog):
     plane = DataPlane(list(SERVERS), FakeServers(), FakeControl().report)
-    assert plane.apply(Membership("a", 3, list(SERVERS), {"s1": "dead"}, 7))
-    assert plane.router.ejected == {"s1": "dead"} and plane.membership.policy_version == 7
-    with caplog.at_level(logging.ERROR):
-        assert not plane.apply(Membership("a", 4, list(SERVERS), {"s0": "x", "s9": "y"}, 8))  # s9 unknown: nothing applied
-        assert not plane.apply(Membership("a", 5, ["s0", "s1"], {}, 8))
-        assert not plane.apply({"epoch": 9})
-    assert plane.router.ejected == {"s1": "dead"} and plane.membership.policy_version == 7
-    assert "ejects unknown servers ['s9']" in caplog.text and "not a Membership" in caplog.text
-    assert not plane.apply(Membership("a", 2, list(SERVERS), {}, 9))  # older: ignored
+    assert plane.apply(Membership("a", 3, list(SERVERS), {"s1": "dead"}))
     assert plane.router.ejected == {"s1": "dead"}
-    assert plane.apply(Membership("b", 0, list(SERVERS), {}, 7))  # a restarted control plane counts from 0 again
+    with caplog.at_level(logging.ERROR):
+        assert not plane.apply(Membership("a", 4, list(SERVERS), {"s0": "x", "s9": "y"}))  # s9 unknown: nothing applied
+        assert not plane.apply(Membership("a", 5, ["s0", "s1"], {}))
+        assert not plane.apply({"epoch": 9})
+    assert plane.router.ejected == {"s1": "dead"}
+    assert "ejects unknown servers ['s9']" in caplog.text and "not a Membership" in caplog.text
+    assert not plane.apply(Membership("a", 2, list(SERVERS), {}))  # older: ignored
+    assert plane.router.ejected == {"s1": "dead"}
+    assert plane.apply(Membership("b", 0, list(SERVERS), {}))  # a restarted control plane counts from 0 again
     assert plane.router.ejected == {}
 
 

@@ -285,7 +285,7 @@ def test_the_in_run_warm_up_trains_on_sft_train_files_when_named_and_says_so(tok
     """The generated task's traces are the warm-up's data only when sft.train_files names none."""
     import random
 
-    from actors.pipeline import warmup_examples
+    from actors.drivers.pipeline import warmup_examples
     from raytool.config import load_config
     from raytool.data.task import load_task
 

@@ -1,6 +1,7 @@
 """The layout's rules, read from the code's own imports (no module is run): no import cycle in
 `raytool/` or `actors/`, counting the imports inside functions too (a lazy import that closes a
-loop is still a loop), and `raytool/` never imports Ray."""
+loop is still a loop), `raytool/` never imports Ray, and the rooms of `actors/` (actors, drivers,
+benches) import only downward."""
 
 from __future__ import annotations
 
@@ -89,6 +90,20 @@ def test_no_import_cycle_in_raytool_or_actors():
 def test_the_cycle_check_finds_a_loop_through_a_lazy_import():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _room(module: str) -> int:
+    """The floor of an `actors` module: 0 the actors and their shared plumbing, 1 the drivers, 2 the benches."""
+    return {"drivers": 1, "benches": 2}.get(module.split(".")[1] if module.count(".") else "", 0)
+
+
+def test_the_actors_rooms_import_only_downward():
+    """actors/ (the actors) <- actors/drivers/ (what composes and runs them) <- actors/benches/."""
+    modules = _modules()
+    upward = sorted(f"{name} imports {other}" for name, path in modules.items() if name.startswith("actors.")
+                    for other in _imports(path, modules) if other.startswith("actors.") and _room(other) > _room(name))
+    assert upward == []
+    assert _room("actors.agent_worker") == 0 and _room("actors.drivers.pipeline") == 1 and _room("actors.benches.trl") == 2
 
 
 def test_raytool_never_imports_ray():

@@ -596,7 +596,7 @@ def test_a_row_sees_only_its_tools_created_with_its_tools_kwargs_and_its_prompt_
 
 def test_a_row_naming_a_tool_the_run_lacks_stops_the_run_before_any_actor_in_one_line(tokenizer):
     from actors.agent_worker import build_toolset
-    from actors.pipeline import check_row_tools
+    from actors.drivers.pipeline import check_row_tools
     from raytool.config import load_config
     from raytool.data.prompts import PromptRow
     from raytool.data.task import Task

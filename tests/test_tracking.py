@@ -9,7 +9,7 @@ import pytest
 from raytool.config import ConfigError, LoggingConfig, load_config
 from raytool.tracking import Tracker, validate_backends, verl_names
 
-# What actors/pipeline.py logs for a GRPO step, under raytool's own names.
+# What actors/drivers/pipeline.py logs for a GRPO step, under raytool's own names.
 _STEP = {
     "reward/mean": 0.5, "acc/mean": 0.25, "response_length/mean": 60.0, "num_turns/mean": 2.0, "tool/calls_per_traj": 1.5,
     "tool/error_rate": 0.1, "tool/errors/timeout": 0.05, "reward/timeouts": 0.0, "actor/pg_loss": -0.02,

@@ -23,8 +23,8 @@ import tempfile
 
 import msgspec
 
-from actors.compose import build
-from actors.pipeline import connect, grpo_step, rollout_stream, run_sft_warmup, warmup_examples
+from actors.drivers.compose import build
+from actors.drivers.pipeline import connect, grpo_step, rollout_stream, run_sft_warmup, warmup_examples
 from raytool.config import RunConfig
 from raytool.data import PromptLoader
 from raytool.data.task import load_task

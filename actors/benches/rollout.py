@@ -21,8 +21,8 @@ import time
 import msgspec
 import ray
 
-from actors.compose import build
-from actors.session import connect
+from actors.drivers.compose import build
+from actors.drivers.session import connect
 from raytool.config import RunConfig
 from raytool.data import make_splits
 from raytool.data.tool_arith import prompt_row

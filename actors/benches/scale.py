@@ -33,10 +33,10 @@ import psutil
 import ray
 
 from actors.common import actor_options
-from actors.compose import engine_options
+from actors.drivers.compose import engine_options
 from actors.dataplane import data_plane, follow
 from actors.llm_manager import LLMManager
-from actors.session import connect
+from actors.drivers.session import connect
 from actors.rollout_server import RolloutServer
 from raytool.config import RolloutConfig, RunConfig
 from raytool.engines.scripted import SCRIPT

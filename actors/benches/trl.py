@@ -29,8 +29,8 @@ from pathlib import Path
 import msgspec
 import torch
 
-from actors.compose import build
-from actors.pipeline import connect, grpo_step, rollout_stream
+from actors.drivers.compose import build
+from actors.drivers.pipeline import connect, grpo_step, rollout_stream
 from raytool.config import RunConfig
 from raytool.data import PromptLoader
 from raytool.data.prompts import with_system_prompt

@@ -17,7 +17,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from actors.common import live_actors
-from actors.compose import build
+from actors.drivers.compose import build
 from actors.trainer import TrainerGroup
 from raytool.config import load_config
 from raytool.errors import RaytoolError

@@ -36,8 +36,8 @@ def _weights_hash(path: Path) -> str:
 def test_max_staleness_zero_is_the_synchronous_loop_bit_for_bit(ray_cluster, tmp_path):
     """The stream with max_staleness 0 against the loop it replaced, written out here: roll out a
     batch, train on it, sync, repeat. Same seeded run: same metrics, same final weights."""
-    from actors.compose import build
-    from actors.pipeline import run
+    from actors.drivers.compose import build
+    from actors.drivers.pipeline import run
     from raytool.data import PromptLoader
     from raytool.data.task import load_task
     from raytool.streaming import RolloutBatch, RolloutGroup, rollout_metrics
@@ -74,7 +74,7 @@ def test_a_seeded_asynchronous_run_with_partial_rollouts_stays_within_its_stalen
     """Issue 31's command, shortened to 3 steps: 16 seeded trajectories a batch, 3 batches admitted
     at once, so more prompt tokens wait than one engine step takes (with chunked prefill vLLM rewound
     a seeded request's CPU generator and died in step 1, at every restart)."""
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
     from raytool.ledger import audit
 
     cfg = load_config(None, ["model.path=tiny-random", "eval.before_train=false", "eval.after_train=false", "trainer.sft_warmup_steps=0", "trainer.total_steps=3", "trainer.save_every=2",

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 DRIVER = """
 import ray
-from actors.session import connect
+from actors.drivers.session import connect
 
 connect(None)
 

@@ -32,7 +32,7 @@ def test_tiny_run_checkpoints_and_a_resumed_run_repeats_step_three_exactly(ray_c
     import torch
     from safetensors.torch import load_file
 
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
 
     # An entropy bonus trains every sequence (no zero-advantage skipping: the random model earns
     # no reward), so the engine/trainer log-prob mismatch is measured on all of them.
@@ -96,7 +96,7 @@ def test_weight_sync_fan_out_and_a_killed_server_restarted_resynced_and_readmitt
     import psutil
     import ray
 
-    from actors.compose import build
+    from actors.drivers.compose import build
     from raytool.types import SamplingParams
 
     cfg = load_config(None, TINY + ["rollout.num_servers=2", "rollout.num_cpus=0.5", "trainer.num_cpus=0.5",
@@ -172,7 +172,7 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
     import torch
     from safetensors.torch import load_file
 
-    from actors.compose import build
+    from actors.drivers.compose import build
     from raytool.streaming import GroupRefs, RolloutBatch, RolloutGroup, TrajectoryStats
     from raytool.types import TrainSequence, Trajectory
 
@@ -220,7 +220,7 @@ def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_clust
     import ray
 
     from actors.common import wait_until_alive
-    from actors.compose import Graph, build
+    from actors.drivers.compose import Graph, build
 
     cfg = load_config(None, TINY + ["rollout.engine=hf", "rollout.num_servers=3", "rollout.num_cpus=0.3", "trainer.num_cpus=0.5",
                                     f"trainer.weight_sync_in_place={in_place}"])
@@ -267,7 +267,7 @@ def test_training_survives_a_rollout_server_killed_during_step_one(ray_cluster, 
 
     import ray
     from actors.common import live_actors
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
 
     cfg = load_config(None, TINY + [
         "rollout.engine=hf", "rollout.num_servers=2", "rollout.num_cpus=0.5", "trainer.num_cpus=0.5", "trainer.total_steps=3",

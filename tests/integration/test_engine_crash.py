@@ -31,7 +31,7 @@ def test_a_vllm_engine_that_dies_of_the_same_error_as_before_is_not_restarted(ra
     from actors.common import actor_options
     from actors.rollout_server import RolloutServer
     from raytool.engines import EngineOptions
-    from actors.watchdog import ActorLostError, Watchdog
+    from actors.drivers.watchdog import ActorLostError, Watchdog
     from raytool.engines.crash import EngineCrash, EngineDeath
     from raytool.types import SamplingParams
 

@@ -39,7 +39,7 @@ def test_eval_prints_the_table_and_a_last_line_json(ray_cluster, capsys):
 
 
 def test_train_validates_on_schedule_samples_dynamically_and_eval_reads_its_checkpoint(ray_cluster, tmp_path, capsys):
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
 
     cfg = load_config(None, [*TINY, "rollout.engine=hf", "trainer.total_steps=2", "trainer.sft_warmup_steps=1", "eval.before_train=true",
                              "eval.every=2", "eval.n=2", "eval.max_prompts=4", "algorithm.dynamic_sampling=true",

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_killed_and_hung_actors_of_every_light_kind_are_restarted_and_their_groups_rolled_out_again(ray_cluster, tmp_path):
     from actors.common import live_actors
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
     from raytool.ledger import audit
 
     faults = tmp_path / "faults"
@@ -92,7 +92,7 @@ def test_the_watchdog_kills_a_stopped_actor_and_stops_the_run_for_one_dead_for_g
     import ray
 
     from actors.common import wait_until_alive
-    from actors.watchdog import ActorLostError, Watchdog
+    from actors.drivers.watchdog import ActorLostError, Watchdog
 
     @ray.remote(num_cpus=0)
     class Pinger:
@@ -128,7 +128,7 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
     import logging
 
     from actors.common import live_actors
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
     from raytool.ledger import audit
 
     namespace = f"raytool-trainer-fault-{os.getpid()}"
@@ -157,7 +157,7 @@ def test_a_dead_trainer_worker_is_re_formed_from_the_last_checkpoint_and_every_s
     killer = threading.Thread(target=lambda: fault_after_the_checkpoint_of(2, signal.SIGKILL) and fault_after_the_checkpoint_of(4, signal.SIGSTOP),
                               daemon=True)
     killer.start()
-    with caplog.at_level(logging.WARNING, logger="actors.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="actors.drivers.pipeline"):
         run(cfg, run_dir)
     killer.join(timeout=5)
     assert [sig for sig, _ in faults] == [signal.SIGKILL, signal.SIGSTOP], f"the trainer workers were not both faulted: {faults}"
@@ -212,7 +212,7 @@ def test_an_actor_that_dies_while_the_graph_starts_is_waited_for_and_asked_again
     (One stopped then is found by the build's watchdog, `build(watch=True)`, and killed like this.)"""
     import ray
 
-    from actors.compose import wait_started
+    from actors.drivers.compose import wait_started
     from raytool.errors import ActorStartError
 
     @ray.remote(num_cpus=0)
@@ -239,7 +239,7 @@ def test_a_killed_sft_trainer_is_re_formed_from_its_last_checkpoint(ray_cluster,
     import logging
 
     from actors.common import live_actors
-    from actors.sft import run_sft
+    from actors.drivers.sft import run_sft
 
     namespace = f"raytool-sft-fault-{os.getpid()}"
     data = str(Path(__file__).resolve().parents[1] / "fixtures" / "sft_conversations.jsonl")
@@ -260,7 +260,7 @@ def test_a_killed_sft_trainer_is_re_formed_from_its_last_checkpoint(ray_cluster,
 
     killer = threading.Thread(target=kill_after_the_step_2_checkpoint, daemon=True)
     killer.start()
-    with caplog.at_level(logging.WARNING, logger="actors.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="actors.drivers.pipeline"):
         run_sft(cfg, run_dir)
     killer.join(timeout=5)
     assert killed
@@ -276,7 +276,7 @@ def test_validation_rolls_out_again_a_group_whose_agent_worker_died(ray_cluster,
     every attempt is one line naming the group."""
     import ray
 
-    from actors.compose import Graph
+    from actors.drivers.compose import Graph
     from raytool.data.prompts import PromptRow
     from raytool.errors import RaytoolError
 
@@ -309,7 +309,7 @@ def test_a_trainer_that_fails_to_start_beside_the_engines_is_named_and_nothing_o
     """The trainer loads its model while the engines start: its failure there is one line naming the
     trainer and its cause, raised once the others are up, and every actor of the run is gone."""
     from actors.common import actors_left
-    from actors.compose import build
+    from actors.drivers.compose import build
     from raytool.errors import ActorStartError
 
     namespace = f"raytool-trainer-start-{os.getpid()}"
@@ -327,7 +327,7 @@ def test_a_trainer_that_cannot_be_placed_while_the_engines_start_leaves_nothing_
     import ray
 
     from actors.common import actors_left
-    from actors.compose import build
+    from actors.drivers.compose import build
     from raytool.placement import PlacementError
 
     @ray.remote(num_cpus=1.5)

@@ -18,7 +18,7 @@ def test_the_gateway_actor_serves_the_policy_and_records_a_trajectory_url(ray_cl
 
     import ray
 
-    from actors.compose import build
+    from actors.drivers.compose import build
     from raytool.data.prompts import PromptRow
     from raytool.engines.scripted import SCRIPT
     from raytool.types import Message
@@ -89,7 +89,7 @@ def test_raytool_serve_answers_until_stopped_and_then_leaves_nothing_running(ray
 
     import ray
 
-    from actors.serve import serve
+    from actors.drivers.serve import serve
 
     port = free_port()
     cfg = load_config(None, ["model.path=tiny-random", "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "rollout.num_cpus=0.5",

@@ -22,7 +22,7 @@ TINY = ["model.path=tiny-random", "trainer.total_steps=2", "trainer.sft_warmup_s
 
 
 def test_the_judge_example_trains_on_the_judges_scores(ray_cluster, tmp_path, tokenizer):
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
 
     asked = []
 
@@ -49,7 +49,7 @@ def test_a_run_judged_by_its_own_servers_through_its_gateway(ray_cluster, tmp_pa
     """The example as it is (base_url: self), on the scripted engine, which answers any prompt, the
     judge's rubric too, with a turn of its script: each trajectory's judge call goes through the
     run's gateway (started for it) to the run's rollout server, and its reply's last number is the score."""
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
 
     cfg = load_config(REPO / "examples" / "judge_tiny.yaml", [
         *TINY, "rollout.engine=scripted", "rollout.scripted_delay_s=0.01", "agent.format=retool", "rollout.max_tokens_per_turn=64",

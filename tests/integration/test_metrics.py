@@ -123,7 +123,7 @@ def test_actor_metrics_reach_the_heads_prometheus_endpoint(ray_cluster, tiny_mod
 
 
 def test_the_drivers_step_metrics_reach_the_endpoint(ray_cluster):
-    """record_step from the driver process (this one), as actors/pipeline.py calls it."""
+    """record_step from the driver process (this one), as actors/drivers/pipeline.py calls it."""
     from actors.metrics import record_step
 
     record_step(step=7, step_s=12.5, train_s=6.0, sync_s=0.25, trainer_version=5,

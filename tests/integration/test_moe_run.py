@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_tiny_moe_run_trains_syncs_and_exports(ray_cluster, tmp_path, logprob_tolerance):
     from safetensors import safe_open
 
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
 
     cfg = load_config(REPO / "examples" / "tiny_cpu.yaml", [
         "model.path=tiny-random-moe", "rollout.engine=hf", "trainer.router_replay=r3", "trainer.total_steps=2", "trainer.sft_warmup_steps=0", "eval.before_train=false",

@@ -20,7 +20,7 @@ TINY = ["model.path=tiny-random", "trainer.total_steps=2", "rollout.engine=hf", 
 
 
 def test_the_openenv_example_trains_on_the_environments_rewards(ray_cluster, tmp_path, monkeypatch):
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
 
     monkeypatch.chdir(REPO)  # the example names its app and rows by paths relative to the repository
     run_dir = run(load_config(REPO / "examples" / "env_openenv_tiny.yaml", TINY), tmp_path / "openenv")

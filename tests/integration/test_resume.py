@@ -26,7 +26,7 @@ def _first_prompt_by_step(run_dir) -> dict[int, str]:
 def test_resume_at_an_epoch_boundary_trains_the_next_epoch_and_at_the_last_step_trains_nothing(ray_cluster, tmp_path, caplog):
     import logging
 
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
     from raytool.ledger import audit
 
     # 4 prompts, 2 per step: an epoch is 2 steps, and the step-2 checkpoint sits on its boundary.

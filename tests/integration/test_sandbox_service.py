@@ -58,7 +58,7 @@ def test_curl_gets_sandbox_fusions_answer_shape(sandbox_server):
 def test_sandbox_pools_reach_the_server_through_ray(ray_cluster, sandbox_server):
     import ray
 
-    from actors.compose import build_sandbox_pools
+    from actors.drivers.compose import build_sandbox_pools
 
     cfg = load_config(None, ["sandbox.backend=sandbox_fusion", f"sandbox.fusion_url={sandbox_server}", "sandbox.fusion_sessions=true",
                              "sandbox.num_pools=2", "sandbox.timeout_s=2"])
@@ -79,7 +79,7 @@ def test_sandbox_pools_reach_the_server_through_ray(ray_cluster, sandbox_server)
 
 
 def test_training_with_the_sandbox_served_over_http(ray_cluster, sandbox_server, tmp_path):
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
 
     cfg = load_config(REPO / "examples" / "tiny_cpu.yaml", [*TINY, "rollout.engine=hf", "sandbox.backend=sandbox_fusion", f"sandbox.fusion_url={sandbox_server}"])
     run_dir = run(cfg, tmp_path / "run")

@@ -18,8 +18,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def test_sft_then_export_then_rl_from_the_exported_model(ray_cluster, tmp_path, logprob_tolerance):
-    from actors.pipeline import run
-    from actors.sft import run_sft
+    from actors.drivers.pipeline import run
+    from actors.drivers.sft import run_sft
 
     data = str(FIXTURES / "sft_conversations.jsonl")
     cfg = load_config(None, ["model.path=tiny-random", f"sft.train_files=[{data}]", f"sft.val_files=[{data}]", "sft.epochs=2",

@@ -21,7 +21,7 @@ TINY = ["model.path=tiny-random", "trainer.total_steps=2", "eval.before_train=fa
 
 
 def test_the_verifiers_example_trains_on_the_environments_rubric(ray_cluster, tmp_path, monkeypatch):
-    from actors.pipeline import run
+    from actors.drivers.pipeline import run
 
     monkeypatch.chdir(REPO)  # the example names its environment by a path relative to the repository
     cfg = load_config(REPO / "examples" / "env_verifiers_tiny.yaml", TINY)

@@ -8,8 +8,8 @@ import threading
 
 import msgspec
 
-from actors.compose import build
-from actors.session import connect
+from actors.drivers.compose import build
+from actors.drivers.session import connect
 from raytool.config import RunConfig
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import ray
 
-from actors.session import default_run_dir
+from actors.drivers.session import default_run_dir
 from raytool.config import RunConfig, check_resume
 from raytool import storage
 from raytool.errors import RaytoolError

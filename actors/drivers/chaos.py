@@ -3,7 +3,7 @@
 
 Faults reach processes on this machine (the kinds of `raytool.chaos.KINDS`; a trainer rank hit
 re-forms the trainer group from the last checkpoint, so give the run `trainer.save_every`). The run
-is the ordinary `actors.pipeline.run` with a known Ray namespace, so the injector finds exactly this
+is the ordinary `actors.drivers.pipeline.run` with a known Ray namespace, so the injector finds exactly this
 run's actors.
 """
 
@@ -100,13 +100,13 @@ def run_chaos(cfg: RunConfig, run_dir: str | Path | None, kinds: list[str], ever
               per_step: bool = False, max_faults: int | None = None) -> dict:
     """Train per `cfg` under faults -> the report: faults by kind, the checks, steps, wall time.
     `per_step`: at most one fault per step (`every_s` after it is logged); `max_faults`: then stop."""
-    from actors.pipeline import run
-    from actors.session import default_run_dir
+    from actors.drivers.pipeline import run
+    from actors.drivers.session import default_run_dir
     from raytool.engines.vllm_engine import unlink_orphaned_segments
 
     namespace = f"raytool-chaos-{uuid.uuid4().hex[:6]}"
     # The faults are the schedule's own: no restart budget runs out under them (a real run stops in
-    # one line when one does: actors.watchdog, trainer.max_failures).
+    # one line when one does: actors.drivers.watchdog, trainer.max_failures).
     cfg = msgspec.structs.replace(cfg, cluster=msgspec.structs.replace(cfg.cluster, namespace=namespace, max_actor_restarts=-1),
                                   rollout=msgspec.structs.replace(cfg.rollout, max_restarts=-1),
                                   trainer=msgspec.structs.replace(cfg.trainer, max_failures=UNLIMITED))

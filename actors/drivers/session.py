@@ -1,6 +1,6 @@
 """The driver's session: connecting to Ray (a local instance does not outlive its driver), the run
 directory and its log, and the checks of a run's tools before any actor starts. Shared by the
-training driver (actors.pipeline), evaluation, SFT and `raytool serve`; imports no other driver module."""
+training driver (actors.drivers.pipeline), evaluation, SFT and `raytool serve`; imports no other driver module."""
 
 from __future__ import annotations
 

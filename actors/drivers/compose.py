@@ -2,7 +2,7 @@
 
     import ray
     from raytool.config import load_config
-    from actors.compose import build
+    from actors.drivers.compose import build
 
     ray.init()
     graph = build(load_config(overrides=["model.path=tiny-random"]))
@@ -26,7 +26,7 @@ from tqdm import tqdm
 from actors.agent_worker import AgentLoopWorker
 from actors.gateway import GatewayActor
 from actors.common import RESTART_WAIT_S, actor_options, wait_until_alive
-from actors.watchdog import Watchdog
+from actors.drivers.watchdog import Watchdog
 from actors.llm_manager import LLMManager
 from actors.reward_worker import RewardWorker
 from actors.rollout_server import RolloutServer
@@ -63,7 +63,7 @@ class Graph:
     agent_workers: list
     trainer: TrainerGroup | None
     namespace: str = ""  # the Ray namespace its named actors live in
-    watchdog: object = None  # the run's actors.watchdog.Watchdog, if one watches them
+    watchdog: object = None  # the run's actors.drivers.watchdog.Watchdog, if one watches them
     gateway: object = None  # agent.gateway: the GatewayActor serving the OpenAI API over the manager
     gateway_url: str = ""
     _next_worker: itertools.cycle = field(init=False, repr=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from actors.compose import Graph, build
+from actors.drivers.compose import Graph, build
 from raytool.agent.loop import reward_view
 from raytool import storage
 from raytool.config import EvalConfig, RunConfig, load_config
@@ -53,7 +53,7 @@ def evaluate(graph: Graph, rows: list[PromptRow], ecfg: EvalConfig, prefix: str 
 def eval_model_path(model: str, work_dir: Path) -> str:
     """An HF model directory for `--model`: a built-in name or HF directory as it is; a raytool
     checkpoint (or a run directory: its latest) through its `hf/` export, or exported into work_dir."""
-    from actors.checkpoint import find_checkpoint
+    from actors.drivers.checkpoint import find_checkpoint
 
     path = Path(model)
     if not path.is_dir() or (path / "config.json").is_file():
@@ -71,7 +71,7 @@ def eval_model_path(model: str, work_dir: Path) -> str:
 def run_eval(cfg: RunConfig, model: str, data_files: list[str], address: str | None = None) -> dict:
     """`raytool eval`: validation metrics of `model` on data_files (none: the config's validation set)."""
     from actors.agent_worker import build_toolset
-    from actors.session import check_row_tools, connect
+    from actors.drivers.session import check_row_tools, connect
     from raytool.agent.registry import check_agents
     from raytool.agent.render import check_template_kwargs
     from raytool.data.task import Task

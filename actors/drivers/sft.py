@@ -14,10 +14,10 @@ from pathlib import Path
 
 import msgspec
 
-from actors.compose import check_memory, run_namespace, wait_for_resources
-from actors.checkpoint import checkpoint_root, read_state, remove_earlier_run, save_checkpoint, where_to_run
-from actors.pipeline import reforming
-from actors.session import connect, run_log
+from actors.drivers.compose import check_memory, run_namespace, wait_for_resources
+from actors.drivers.checkpoint import checkpoint_root, read_state, remove_earlier_run, save_checkpoint, where_to_run
+from actors.drivers.pipeline import reforming
+from actors.drivers.session import connect, run_log
 from actors.trainer import TrainerGroup
 from raytool import storage
 from raytool.agent.render import as_in_turn

@@ -20,10 +20,10 @@ import ray
 from tqdm import tqdm
 
 from actors.agent_worker import build_toolset
-from actors.checkpoint import checkpoint_root, latest_checkpoint, load_buffer, read_state, remove_earlier_run, save_checkpoint, where_to_run
-from actors.compose import Graph, build, run_namespace
-from actors.session import actors_by_node, check_row_tools, check_tools, connect, dashboard_url, run_log
-from actors.evaluate import evaluate
+from actors.drivers.checkpoint import checkpoint_root, latest_checkpoint, load_buffer, read_state, remove_earlier_run, save_checkpoint, where_to_run
+from actors.drivers.compose import Graph, build, run_namespace
+from actors.drivers.session import actors_by_node, check_row_tools, check_tools, connect, dashboard_url, run_log
+from actors.drivers.evaluate import evaluate
 from actors.metrics import record_step
 from actors.trainer import TrainerLost
 from raytool.agent.registry import check_agents
