@@ -16,6 +16,7 @@ import asyncio
 import importlib
 import itertools
 import logging
+import time
 import uuid
 import zlib
 from functools import partial
@@ -29,6 +30,7 @@ from raytool.agent.loop import reward_view
 from raytool.agent.registry import get_agent_loop, loop_hooks
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig, RunConfig
+from raytool.distill import teacher_logprobs
 from raytool.errors import one_line
 from raytool.models import load_tokenizer
 from raytool.overload import backoff_s, stage_timing
@@ -50,10 +52,12 @@ def build_toolset(agent: AgentConfig, tokenizer, executor) -> ToolSet:
 @ray.remote
 class AgentLoopWorker:
     def __init__(self, model_path: str, manager, servers: list[str], sandbox_pools: list, reward_workers: list, cfg: RunConfig,
-                 namespace: str | None = None, role: str = "agent-worker"):
+                 namespace: str | None = None, role: str = "agent-worker", teacher: tuple | None = None):
         """`manager`, `sandbox_pools`, `reward_workers`: handles, or names in `namespace` (see
         actors.common.named); `servers`: the rollout servers' names, which this worker's data plane
-        calls directly (the manager, the control plane, says which of them serve)."""
+        calls directly (the manager, the control plane, says which of them serve). `teacher`
+        (distill.teacher): the teacher's control plane and servers, (manager, [server names]),
+        which a second data plane calls the same way."""
         for module in cfg.agent.loop_modules:  # where users register their own loops and tools
             importlib.import_module(module)
         self.cfg = cfg
@@ -61,6 +65,11 @@ class AgentLoopWorker:
         self.plane = data_plane(dict(zip(servers, named(servers, namespace))), self.manager, cfg.rollout, role)
         # Ray runs an async actor's constructor in its event loop: membership follows from now on.
         self._following = asyncio.get_running_loop().create_task(follow(self.plane, self.manager))
+        self.teacher = None
+        if teacher is not None:
+            teacher_manager = named(teacher[0], namespace)
+            self.teacher = data_plane(dict(zip(teacher[1], named(teacher[1], namespace))), teacher_manager, cfg.rollout, f"{role} (teacher)")
+            self._following_teacher = asyncio.get_running_loop().create_task(follow(self.teacher, teacher_manager))
         self.sandbox_pools = named(sandbox_pools, namespace)
         self.reward_workers = itertools.cycle(named(reward_workers, namespace))
         # Sandbox sessions are named per attempt of a trajectory and per worker process, so a group
@@ -159,9 +168,23 @@ class AgentLoopWorker:
             traj.timings = {**traj.timings, **stage_timing("sandbox", *cells)}
         # Score now, while sibling trajectories are still rolling out; one stopped by its wall-clock
         # limit is truncated, not answered: it is not scored (nor trained: raytool.types.trained).
-        if not traj.infra_failure and not hooks.scored_by_loop and trained(traj.finish_reason):
-            await self._score(traj, ground_truth, extra)
+        if not traj.infra_failure and trained(traj.finish_reason):
+            await asyncio.gather(*([] if hooks.scored_by_loop else [self._score(traj, ground_truth, extra)]),
+                                 *([self._teach(traj)] if self.teacher is not None else []))
         return traj
+
+    async def _teach(self, traj: Trajectory) -> None:
+        """distill.teacher: the teacher's log-prob of every response token, from one scoring call over
+        the whole sequence on a teacher server (routed, retried and watched like a generate call); a
+        teacher that fails or answers wrong infra-fails the trajectory with the cause (its group is
+        rolled out again)."""
+        start = time.monotonic()
+        try:
+            scores = await self.teacher.score(traj.prompt_ids + traj.response_ids, f"{traj.uid}-teacher", traj.uid)
+            traj.teacher_logprobs = teacher_logprobs(len(traj.prompt_ids), traj.response_mask, scores.logprobs)
+        except Exception as exc:  # the teacher's side failed, not the policy (NoHealthyServer, InvalidRequest, a wrong answer)
+            traj.infra_failure, traj.finish_reason = f"teacher: {one_line(exc)}", "infra_failed"
+        traj.timings = {**traj.timings, **stage_timing("teacher", 0.0, time.monotonic() - start)}
 
     @ray.method(num_returns=3)
     async def run_group(self, messages: list[Message], ground_truth: str, group_id: str, n: int, agent_name: str | None = None,

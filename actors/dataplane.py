@@ -13,7 +13,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from raytool.config import RolloutConfig
 from raytool.dataplane import DataPlane, InvalidRequest, ServerFailed
 from raytool.errors import one_line
-from raytool.types import SamplingParams, ServerHealth, ServerProgress, TokenOutput
+from raytool.types import PromptScores, SamplingParams, ServerHealth, ServerProgress, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,13 @@ class RayTransport:
         self.servers = servers  # name -> RolloutServer handle
 
     async def generate(self, server: str, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
-        ref = self.servers[server].generate.remote(prompt_ids, sampling, request_id)
+        return await self._request(server, self.servers[server].generate.remote(prompt_ids, sampling, request_id))
+
+    async def score(self, server: str, ids: list[int], request_id: str) -> PromptScores:
+        return await self._request(server, self.servers[server].score.remote(ids, request_id))
+
+    @staticmethod
+    async def _request(server: str, ref):
         try:
             return await ref
         except asyncio.CancelledError:  # the caller gave up or the call stalled: free the engine's slot too

@@ -16,7 +16,7 @@ from raytool.controlplane import SyncAck
 from raytool.engines import EngineOptions, make_engine
 from raytool.engines.crash import death, repeats, verdict
 from raytool.errors import RolloutServerError, describe_engine_failure
-from raytool.types import SamplingParams, ServerHealth, ServerProgress, TokenOutput
+from raytool.types import PromptScores, SamplingParams, ServerHealth, ServerProgress, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -63,23 +63,36 @@ class RolloutServer:
         return self.addresses
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+        start = time.perf_counter()
+        out = await self._serve(request_id, self.engine.generate(prompt_ids, sampling, request_id))
+        self.metrics.request_done(len(out.token_ids), time.perf_counter() - start)
+        out.server = self.name
+        out.server_in_flight = self.in_flight
+        return out
+
+    async def score(self, ids: list[int], request_id: str) -> PromptScores:
+        """The engine's log-probs of `ids` under the weights it holds (one prefill): a teacher's
+        word on a student's tokens."""
+        if len(ids) < 2:
+            raise ValueError(f"rollout server {self.name}: scoring needs at least 2 tokens, got {len(ids)}")
+        version = self.engine.policy_version
+        logprobs = await self._serve(request_id, self.engine.prompt_logprobs(ids))
+        return PromptScores(logprobs, self.name, version, self.in_flight)
+
+    async def _serve(self, request_id: str, work):
+        """Run one request on the engine, counted in flight (the stall clock starts when work arrives at an idle engine)."""
         self._check()
         self._exit_if_engine_died()
-        if not self.requests:  # the stall clock starts when work arrives at an idle engine
+        if not self.requests:
             self.engine.stats.progressed()
         self.requests[request_id] = None
-        start = time.perf_counter()
         try:
-            out = await self.engine.generate(prompt_ids, sampling, request_id)
+            return await work
         except Exception as exc:
             self._exit_if_engine_died(exc)
             raise
         finally:
             self.requests.pop(request_id, None)
-        self.metrics.request_done(len(out.token_ids), time.perf_counter() - start)
-        out.server = self.name
-        out.server_in_flight = self.in_flight
-        return out
 
     async def receive_weights(self, version: int, timeout_s: float = 300.0, attempt: int = 0) -> SyncAck:
         """Take one weight sync from the trainer into the live engine; ack after the weights are in.

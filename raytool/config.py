@@ -351,6 +351,17 @@ class ClusterConfig(_Section):
     host_memory_gb: PositiveNumber | None = None  # `raytool plan`: host memory of one node, GiB (None: this machine's; --host-memory-gb overrides)
 
 
+class DistillConfig(_Section):
+    """On-policy distillation: a teacher scores every token the student samples (docs/distillation.md)."""
+
+    teacher: str | None = None  # the teacher model (a hub name, a local path or a bundled name), served by its own rollout servers with rollout.engine and never weight-synced; each trained token's advantage is -(log p_student - log p_teacher) (None: off)
+    num_servers: Positive = 1  # the teacher's rollout servers
+    num_gpus: NonNegative | None = None  # accelerators each teacher server reserves (None: rollout.num_gpus); a teacher larger than the student wants more
+    tensor_parallel_size: Positive | None = None  # the teacher's vLLM tensor parallelism (None: rollout.tensor_parallel_size)
+    kl_coef: NonNegative = 1.0  # weight of the per-token reverse KL in the advantage
+    reward_weight: NonNegative = 0.0  # weight of the task reward's (GRPO) advantage added to it (0: the teacher alone teaches)
+
+
 class RunConfig(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
@@ -362,6 +373,7 @@ class RunConfig(_Section):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     sft: SFTConfig = msgspec.field(default_factory=SFTConfig)
     async_: AsyncConfig = msgspec.field(default_factory=AsyncConfig, name="async")
+    distill: DistillConfig = msgspec.field(default_factory=DistillConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)

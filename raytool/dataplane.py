@@ -36,7 +36,7 @@ from typing import Literal, Protocol
 import msgspec
 
 from raytool.routing import NoHealthyServer, Router
-from raytool.types import SamplingParams, ServerProgress, TokenOutput
+from raytool.types import PromptScores, SamplingParams, ServerProgress, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,9 @@ class Membership(msgspec.Struct, frozen=True):
 class Transport(Protocol):
     async def generate(self, server: str, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
         """The server's answer; raises ServerFailed or InvalidRequest; cancelling it cancels the call on the server."""
+
+    async def score(self, server: str, ids: list[int], request_id: str) -> PromptScores:
+        """The server's log-probs of `ids` (a teacher's); raises ServerFailed or InvalidRequest, like generate."""
 
     async def progress(self, server: str) -> ServerProgress:
         """How long its engine has gone without a token while requests wait; raises ServerFailed."""
@@ -133,6 +136,15 @@ class DataPlane:
         """Route one request; on a server failure drop that server and retry on another. With no
         healthy server left (the only one is restarting, say) wait up to no_server_wait_s for the
         control plane to re-admit one, then raise NoHealthyServer."""
+        return await self._route(lambda name: self.transport.generate(name, prompt_ids, sampling, request_id), session, group)
+
+    async def score(self, ids: list[int], request_id: str, session: str | None = None) -> PromptScores:
+        """A server's log-probs of `ids` (one prefill, no generation), routed, retried and watched
+        for stalls like a generate call."""
+        return await self._route(lambda name: self.transport.score(name, ids, request_id), session, None)
+
+    async def _route(self, call: Callable[[str], Awaitable], session: str | None, group: str | None):
+        """`call(server)` on the server the router picks, again on another after a server failure."""
         self.calls += 1
         tried: set[str] = set()
         deadline = time.monotonic() + self.no_server_wait_s
@@ -148,7 +160,7 @@ class DataPlane:
             start = time.monotonic()
             ok = False
             try:
-                out = await self._answer(name, prompt_ids, sampling, request_id)
+                out = await self._answer(name, call(name))
                 ok = True
                 self.router.observe(name, out.server_in_flight)
                 return out
@@ -162,9 +174,9 @@ class DataPlane:
             tried.add(name)
             self.retries += 1
 
-    async def _answer(self, name: str, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
+    async def _answer(self, name: str, answer: Awaitable):
         """The server's answer; ServerFailed(stalled) when its engine makes no progress for stall_timeout_s."""
-        call = asyncio.ensure_future(self.transport.generate(name, prompt_ids, sampling, request_id))
+        call = asyncio.ensure_future(answer)
         try:
             while True:
                 try:

@@ -26,11 +26,12 @@ log = logging.getLogger(__name__)
 
 # The stages whose queue and service time a trajectory records: `<stage>_queue_s` and `<stage>_s` in
 # Trajectory.timings, summed over its calls to the stage.
-STAGES = ("reward", "sandbox")
+STAGES = ("reward", "sandbox", "teacher")
 
 CONGESTED_RATIO = 2.0  # a stage queued calls this many times longer than it served them: it is the bottleneck
 CONGESTED_MIN_S = 0.5  # ... and a trajectory waited this long for it on average (a burst of quick calls is no signal)
-KNOBS = {"reward": "reward.num_workers, or a judge's reward.judge.concurrency", "sandbox": "sandbox.num_pools or sandbox.max_concurrency"}
+KNOBS = {"reward": "reward.num_workers, or a judge's reward.judge.concurrency", "sandbox": "sandbox.num_pools or sandbox.max_concurrency",
+         "teacher": "distill.num_servers"}
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 

@@ -49,6 +49,7 @@ import msgspec
 from raytool import placement
 from raytool.config import RunConfig
 from raytool.device import engine_dtype
+from raytool.distill import teacher_run
 from raytool.errors import RaytoolError
 from raytool.training.sequence_parallel import check_heads
 
@@ -235,10 +236,17 @@ def accelerator_demands(cfg: RunConfig, with_servers: bool = True) -> list[place
     """What each role takes of the nodes' accelerators: a trainer worker trainer.num_gpus, a
     rollout server rollout.num_gpus, or with vLLM at least tensor_parallel_size (its engine
     shards the model over that many accelerators, all on the server's node)."""
-    r, t, acc = cfg.rollout, cfg.trainer, cfg.cluster.accelerator
-    per_server = max(r.num_gpus, r.tensor_parallel_size) if r.num_gpus and r.engine == "vllm" and r.tensor_parallel_size > 1 else r.num_gpus
-    wanted = [placement.Demand("rollout server", r.num_servers, {acc: per_server}, "rollout.num_servers, rollout.num_gpus, rollout.tensor_parallel_size")]
-    wanted = wanted if with_servers else []
+    t, acc = cfg.trainer, cfg.cluster.accelerator
+
+    def per_server(r) -> float:
+        return max(r.num_gpus, r.tensor_parallel_size) if r.num_gpus and r.engine == "vllm" and r.tensor_parallel_size > 1 else r.num_gpus
+
+    wanted = [placement.Demand("rollout server", cfg.rollout.num_servers, {acc: per_server(cfg.rollout)},
+                               "rollout.num_servers, rollout.num_gpus, rollout.tensor_parallel_size")] if with_servers else []
+    if with_servers and cfg.distill.teacher:
+        teacher = teacher_run(cfg).rollout
+        wanted.append(placement.Demand("teacher server", teacher.num_servers, {acc: per_server(teacher)},
+                                       "distill.num_servers, distill.num_gpus, distill.tensor_parallel_size"))
     wanted.append(placement.Demand("trainer worker", t.num_workers, {acc: t.num_gpus}, "trainer.num_workers, trainer.num_gpus"))
     return [d for d in wanted if d.count and d.bundle[acc]]
 
@@ -458,6 +466,36 @@ def server_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool, gpu_
     return role
 
 
+def kv_cache_problems(r, arch: Architecture, role: RoleMemory, gpu_memory: float, tp_key: str) -> list[str]:
+    """A server on accelerators (rollout settings `r`): its KV cache's tokens (set on `role`), and
+    the problem when they hold less than one sequence."""
+    avail = r.gpu_memory_utilization * gpu_memory
+    weights = role.accelerator["weights (per TP rank)"]
+    kv_tokens = (avail - weights - ACCELERATOR_RESERVE) / kv_bytes_per_token(arch, r.tensor_parallel_size)
+    role.kv_tokens = max(0, int(kv_tokens))
+    longest = r.max_model_len or 0
+    if kv_tokens >= max(longest, 1):
+        return []
+    return [f"a {role.role}'s KV cache holds {max(0, int(kv_tokens))} tokens (weights {_gib(weights)} per TP rank in "
+            f"{_gib(avail)}), less than one {longest}-token sequence: raise {tp_key} or "
+            f"rollout.gpu_memory_utilization, or lower rollout.max_model_len"]
+
+
+def teacher_memory(cfg: RunConfig, cluster: Cluster) -> tuple[RoleMemory, list[str]]:
+    """distill.teacher: one teacher server's memory (its own architecture, accelerators and tensor
+    parallelism) and what does not fit of it."""
+    try:
+        arch = architecture(cfg.distill.teacher)
+    except FileNotFoundError as exc:
+        raise PlanInputError(f"distill.teacher: {exc}") from None
+    tcfg = teacher_run(cfg)
+    on_acc = tcfg.rollout.num_gpus > 0 and cluster.gpus_per_node > 0
+    role = server_memory(tcfg, arch, on_acc, cluster.gpu_memory_gb * GiB)
+    role.role = "teacher server"
+    known = cluster.gpu_memory_gb > 0
+    return role, kv_cache_problems(tcfg.rollout, arch, role, cluster.gpu_memory_gb * GiB, "distill.tensor_parallel_size") if on_acc and known else []
+
+
 def kv_bytes_per_token(arch: Architecture, tp: int) -> float:
     return 2 * arch.layers * arch.kv_dim * 2 / tp
 
@@ -489,15 +527,10 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
             problems.append(f"a trainer worker needs {_gib(need)} of accelerator memory but has {_gib(budget)}: "
                             f"{_trainer_advice(cfg, trainer)}")
     if server_acc and known:
-        avail = r.gpu_memory_utilization * gpu
-        weights = server.accelerator["weights (per TP rank)"]
-        kv_tokens = (avail - weights - ACCELERATOR_RESERVE) / kv_bytes_per_token(arch, r.tensor_parallel_size)
-        longest = r.max_model_len or 0
-        if kv_tokens < max(longest, 1):
-            problems.append(f"a rollout server's KV cache holds {max(0, int(kv_tokens))} tokens (weights {_gib(weights)} per TP rank in "
-                            f"{_gib(avail)}), less than one {longest}-token sequence: raise rollout.tensor_parallel_size or "
-                            f"rollout.gpu_memory_utilization, or lower rollout.max_model_len")
-        server.kv_tokens = max(0, int(kv_tokens))
+        problems += kv_cache_problems(r, arch, server, gpu, "rollout.tensor_parallel_size")
+    teacher = teacher_memory(cfg, cluster) if with_servers and cfg.distill.teacher else None
+    if teacher is not None:
+        problems += teacher[1]
     # host memory of the busiest node: its trainer workers (+ rank 0's loading or export), servers and object store
     trainers_per_node, servers_per_node = busiest_node(cfg, cluster, trainer_acc, server_acc, with_servers)
     loading = loading_peak(arch, t.load_in_4bit)
@@ -520,7 +553,7 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
         check_heads(arch.heads, t.sequence_parallel_size)
     except ValueError as exc:
         problems.append(str(exc))
-    roles = [trainer, server] if with_servers else [trainer]
+    roles = ([trainer, server] if with_servers else [trainer]) + ([teacher[0]] if teacher is not None else [])
     accelerators = {d.role: d.count * d.bundle[cfg.cluster.accelerator] for d in accelerator_demands(cfg, with_servers)}
     return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems, loading, notes,
                 accelerators, cfg.cluster.accelerator, export, store, trainers_per_node, servers_per_node)

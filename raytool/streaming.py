@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from raytool.distill import reverse_kl, tool_turn_agreement
 from raytool.errors import RaytoolError
 from raytool.overload import STAGES, AdmissionWindow, stage_times
 from raytool.types import Trajectory, accuracy, generated_versions, trained
@@ -66,6 +67,9 @@ class TrajectoryStats(msgspec.Struct, frozen=True):
     group: int = -1  # the index of its group, in a batch or a rollout's rows (-1: not placed yet)
     scores: dict[str, float] = {}  # the reward fn's other numbers (reward_extra: each verifiers reward function's value, the judge's score)
     stages: dict[str, tuple[float, float]] = {}  # per stage it used (raytool.overload.STAGES): (seconds queued, seconds served)
+    reverse_kl: float | None = None  # distill.teacher: mean log p_student - log p_teacher over its generated tokens
+    tool_turn_agreement: float | None = None  # distill.teacher: raytool.distill.tool_turn_agreement (None: no tool-call turn)
+    teacher_share: float | None = None  # distill.teacher: the teacher's call's share of the trajectory's time (its rollout, then that call)
 
 
 def trajectory_stats(t: Trajectory) -> TrajectoryStats:
@@ -78,7 +82,15 @@ def trajectory_stats(t: Trajectory) -> TrajectoryStats:
         min_version=min(counts, default=t.policy_version), max_version=max(counts, default=t.policy_version), version_counts=counts,
         scores={k: float(v) for k, v in t.reward_extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("acc", "verify_timeout")},
         stages=stage_times(t.timings),
+        **(distill_stats(t) if t.teacher_logprobs is not None else {}),
     )
+
+
+def distill_stats(t: Trajectory) -> dict:
+    teacher_s = t.timings.get("teacher_s", 0.0)
+    return {"reverse_kl": reverse_kl(t.rollout_logprobs, t.teacher_logprobs, t.response_mask),
+            "tool_turn_agreement": tool_turn_agreement(t.rollout_logprobs, t.teacher_logprobs, t.response_mask),
+            "teacher_share": teacher_s / max(teacher_s + t.timings.get("total_s", 0.0), 1e-9)}
 
 
 def rollout_metrics(stats: list[TrajectoryStats]) -> dict:
@@ -107,6 +119,10 @@ def rollout_metrics(stats: list[TrajectoryStats]) -> dict:
         metrics[f"reward/fn/{name}"] = sum(scored) / len(scored)
     for reason in sorted({s.finish_reason for s in stats}):
         metrics[f"finish/{reason}"] = sum(s.finish_reason == reason for s in stats) / n
+    for key in ("reverse_kl", "tool_turn_agreement", "teacher_share"):
+        known = [v for s in stats if (v := getattr(s, key)) is not None]
+        if known:  # distill.teacher: the student's distance to the teacher on its own samples, and the teacher's time
+            metrics[f"distill/{'rollout_' if key == 'reverse_kl' else ''}{key}"] = sum(known) / len(known)
     for stage in STAGES:  # time queued for the stage apart from time served (raytool.overload)
         used = [s.stages[stage] for s in stats if stage in s.stages]
         if used:

@@ -84,6 +84,16 @@ class TokenOutput(msgspec.Struct):
         return list(self.versions) if self.versions else [self.policy_version] * len(self.token_ids)
 
 
+class PromptScores(msgspec.Struct):
+    """A server's log-probs of a whole token sequence under its weights (no generation): a teacher's
+    word on a student's tokens (distill.teacher)."""
+
+    logprobs: list[float]  # log p(ids[t] | ids[:t]) for t >= 1: aligned with ids[1:]
+    server: str = ""
+    policy_version: int = 0
+    server_in_flight: int = 0
+
+
 class ToolCall(msgspec.Struct):
     name: str
     arguments: dict
@@ -157,6 +167,7 @@ class Trajectory(msgspec.Struct):
     turns: list[dict] = []  # the trace: per generate call its text, tokens, timing, tool calls and their outputs
     timings: dict[str, float] = {}
     routes: Routes | None = None  # MoE with trainer.router_replay=r3: the engine's experts for prompt_ids + response_ids (raytool.moe)
+    teacher_logprobs: list[float] | None = None  # distill.teacher: the teacher's log-prob of each response token (0.0 on observation tokens)
 
 
 # The finish reason of a trajectory stopped by its wall-clock limit (agent.max_trajectory_s). It is
@@ -199,11 +210,13 @@ class TrainSequence(msgspec.Struct, frozen=True):
     mask: list[int]  # aligned with ids[1:]: 1 on generated tokens
     logprobs: list[float]  # aligned with ids[1:]: the engine's (the behaviour policy's)
     routes: Routes | None = None  # MoE with trainer.router_replay=r3: the engine's experts for ids
+    teacher: list[float] | None = None  # distill.teacher: aligned with ids[1:], the teacher's log-prob of each trained token (0.0 elsewhere)
 
     @classmethod
     def of(cls, t: Trajectory) -> "TrainSequence":
         before = len(t.prompt_ids) - 1  # prompt tokens the loss never sees (the first predicts nothing)
-        return cls(t.prompt_ids + t.response_ids, [0] * before + list(t.response_mask), [0.0] * before + list(t.rollout_logprobs), t.routes)
+        teacher = [0.0] * before + list(t.teacher_logprobs) if t.teacher_logprobs is not None else None
+        return cls(t.prompt_ids + t.response_ids, [0] * before + list(t.response_mask), [0.0] * before + list(t.rollout_logprobs), t.routes, teacher)
 
 
 class TrainBatch(msgspec.Struct):

@@ -10,7 +10,7 @@ import pytest
 
 from raytool.dataplane import DataPlane, InvalidRequest, Membership, ServerFailed
 from raytool.routing import NoHealthyServer, Router
-from raytool.types import SamplingParams, ServerProgress, TokenOutput
+from raytool.types import PromptScores, SamplingParams, ServerProgress, TokenOutput
 
 SERVERS = ["s0", "s1", "s2"]
 P = SamplingParams(max_tokens=1)
@@ -50,6 +50,10 @@ class FakeServers:
             raise
         finally:
             self.in_flight[server] -= 1
+
+    async def score(self, server, ids, request_id):
+        out = await self.generate(server, ids, P, request_id)  # the same failures, the same bookkeeping
+        return PromptScores([-1.0] * (len(ids) - 1), server, 0, out.server_in_flight)
 
     async def progress(self, server):
         if self.mode[server] == "frozen":
@@ -264,3 +268,20 @@ def test_a_large_fleet_is_balanced_from_a_random_few_per_pick():
     for name in list(r2.in_flight)[:19]:
         r2.eject(name, "down")
     assert all(r2.pick() == "s19" for _ in range(20))  # drawn servers all out: the full scan finds the last one
+
+
+def test_a_teachers_scoring_call_is_routed_retried_and_watched_like_a_generate_call():
+    """distill.teacher: DataPlane.score on the teacher's servers: a server that dies is dropped and
+    reported, the call answered by another; a stalled one is found by its progress report."""
+    async def main():
+        servers, control = FakeServers(), FakeControl()
+        plane = DataPlane(list(SERVERS), servers, control.report, stall_timeout_s=0.05)
+        servers.mode["s0"] = "died"
+        servers.mode["s1"] = "hang"
+        out = await plane.score([5, 6, 7, 8], "t0", session="traj-1")
+        assert out.logprobs == [-1.0] * 3 and out.server == "s2" and servers.answered["s2"] == ["t0"]
+        await asyncio.sleep(0.02)  # the reports reach the control plane
+        assert sorted(control.reports) == [("s0", "died"), ("s1", "stalled")] and set(plane.router.ejected) == {"s0", "s1"}
+        assert ("s1", "t0") in servers.cancelled  # the stalled call was cancelled on its server
+
+    asyncio.run(main())

@@ -264,3 +264,25 @@ def test_lora_on_a_mixture_of_experts_counts_what_peft_adapts():
                            LoraConfig(r=4, target_modules="all-linear"))
     adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     assert architecture(path).lora_params(4) == adapters
+
+
+def test_a_teacher_is_planned_with_its_own_architecture_accelerators_and_tensor_parallelism(capsys):
+    """distill.teacher: the 32B teacher's servers (TP 4, 4 GPUs each) beside the 4B student's, every
+    GPU of the two nodes counted; too many teachers, or one whose KV cache cannot hold a sequence,
+    is one line naming the distill key."""
+    recipe = str(EXAMPLES / "distill_retool_32b_to_qwen3_4b.yaml")
+    assert main(["plan", "-c", recipe, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    trainer, server, teacher = out["roles"]
+    assert (server["role"], teacher["role"], teacher["count"]) == ("rollout server", "teacher server", 2)
+    p32 = Architecture(**KNOWN["Qwen2.5-32B-Instruct"]).params()
+    assert teacher["accelerator"]["weights (per TP rank)"] == pytest.approx(p32 * 2 / 4) and teacher["kv_tokens"] >= 18432
+    assert out["accelerators"] == {"rollout server": 4, "teacher server": 8, "trainer worker": 4}
+    assert main(["plan", "-c", recipe, "distill.num_servers=3"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("does not fit: the run needs 20 GPU (4 rollout servers x 1, 3 teacher servers x 4, 4 trainer workers x 1)"), first
+    assert "distill.num_servers, distill.num_gpus, distill.tensor_parallel_size" in first
+    assert main(["plan", "-c", recipe, "--gpu-memory-gb", "64", "distill.tensor_parallel_size=1", "distill.num_gpus=1"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert re.search(r"a teacher server's KV cache holds 0 tokens \(weights 61.0 GiB per TP rank in 57.6 GiB\), less than one 18432-token "
+                     r"sequence: raise distill.tensor_parallel_size", first), first

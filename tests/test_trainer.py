@@ -808,3 +808,47 @@ def test_the_driver_names_the_rows_of_a_skipped_update_and_stops_after_too_many_
     assert "step 3: 2 updates skipped" in caplog.text and "non-finite loss or gradient norm" in caplog.text
     with pytest.raises(SkippedUpdates, match=r"^2 GRPO steps in a row skipped their update \(trainer.max_skipped_steps=2\); step 4"):
         guard.after_step(4, {"actor/skipped_updates": 1.0}, rows)
+
+
+def test_distillation_trains_each_token_on_the_teachers_word_on_it(tiny_model_path):
+    """distill.teacher: each trained token's advantage is -(log p_student - log p_teacher), so the
+    update's gradient is that of -(1/N) sum_t A_t log p_t (on-policy, token-mean); a teacher that
+    agrees with the student everywhere gives no gradient at all; a masked observation token gets none."""
+    probe = _trainer(tiny_model_path)
+    batch = [*BATCH[:3], msgspec.structs.replace(BATCH[3], response_ids=[10, 11, 12], response_mask=[1, 0, 1], rollout_logprobs=[0.0] * 3)]
+    exact = []
+    for t in batch:
+        ids = t.prompt_ids + t.response_ids
+        lay = layout([ids], [list(range(len(t.prompt_ids) - 1, len(ids) - 1))], 0, packed=False, device="cpu")
+        with torch.no_grad():
+            logp, _ = probe.policy(lay.input_ids, lay.select, lay.labels, temperature=1.0)
+        exact.append([lp * m for lp, m in zip(logp.flatten().tolist(), t.response_mask)])
+    gen = torch.Generator().manual_seed(0)
+    gaps = [(torch.rand(len(lp), generator=gen) * 2 - 1).tolist() for lp in exact]  # log p_student - log p_teacher per token
+    student = [msgspec.structs.replace(t, rollout_logprobs=lp) for t, lp in zip(batch, exact)]
+    taught = [msgspec.structs.replace(t, teacher_logprobs=[(s - g) * m for s, g, m in zip(lp, gap, t.response_mask)])
+              for t, lp, gap in zip(student, exact, gaps)]
+    distill = ["distill.teacher=tiny-random", "distill.kl_coef=0.5", "trainer.grad_clip=1e9"]
+    metrics, grads = _grads(_trainer(tiny_model_path, *distill), taught)
+    tokens = sum(sum(t.response_mask) for t in batch)
+    kl = sum(g * m for t, gap in zip(batch, gaps) for g, m in zip(gap, t.response_mask)) / tokens
+    assert metrics["distill/reverse_kl"] == pytest.approx(kl, abs=1e-5)
+
+    manual = _trainer(tiny_model_path)
+    loss = 0.0
+    for t, gap in zip(batch, gaps):
+        ids = t.prompt_ids + t.response_ids
+        lay = layout([ids], [list(range(len(t.prompt_ids) - 1, len(ids) - 1))], 0, packed=False, device="cpu")
+        logp, _ = manual.policy(lay.input_ids, lay.select, lay.labels, temperature=1.0)
+        adv = torch.tensor([-0.5 * g * m for g, m in zip(gap, t.response_mask)])
+        loss = loss - (adv * logp.flatten()).sum() / tokens
+    loss.backward()
+    for i, p in enumerate(manual.params):
+        torch.testing.assert_close(grads[i], p.grad, rtol=1e-4, atol=2e-6)  # one padded batch against one row at a time
+
+    agreeing = [msgspec.structs.replace(t, teacher_logprobs=list(t.rollout_logprobs)) for t in student]
+    metrics, grads = _grads(_trainer(tiny_model_path, *distill), agreeing)
+    assert metrics["distill/reverse_kl"] == 0.0 and all(float(g.abs().max()) == 0.0 for g in grads.values())
+    with pytest.raises(ValueError, match="no teacher log-probs"):
+        _trainer(tiny_model_path, *distill).rl_step(TrainBatch.whole(student))
+

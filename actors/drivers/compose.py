@@ -36,6 +36,7 @@ from raytool.config import RunConfig, sandbox_backend_options
 from raytool.controlplane import SyncPlan, SyncResult
 from raytool.engines import EngineOptions
 from raytool.data.prompts import PromptRow, with_system_prompt
+from raytool.distill import teacher_run
 from raytool.tools.registry import row_tool_names
 from raytool import placement
 from raytool.device import torch_threads
@@ -66,6 +67,8 @@ class Graph:
     watchdog: object = None  # the run's actors.drivers.watchdog.Watchdog, if one watches them
     gateway: object = None  # agent.gateway: the GatewayActor serving the OpenAI API over the manager
     gateway_url: str = ""
+    teacher_servers: dict = field(default_factory=dict)  # distill.teacher: name -> RolloutServer of the teacher (never weight-synced)
+    teacher_manager: object = None  # and their control plane (an LLMManager)
     _next_worker: itertools.cycle = field(init=False, repr=False)
 
     _group_worker: dict = field(init=False, repr=False, default_factory=dict)  # stats ref of a running group -> its agent worker
@@ -266,13 +269,14 @@ class Graph:
         """Role name -> the call that answers once the actor has started: engines load, sandboxes
         fork their warm sessions, constructors run (the first that fails is named: a bad model
         path, an engine that cannot start, a bad reward fn ...)."""
-        ask = {name: srv.ready for name, srv in self.servers.items()}
+        ask = {name: srv.ready for name, srv in {**self.servers, **self.teacher_servers}.items()}
         ask |= {f"sandbox-pool-{i}": pool.ready for i, pool in enumerate(self.sandbox_pools)}
         return ask | {name: actor.__ray_ready__ for name, actor in self.light_actors().items() if name not in ask}
 
     def light_actors(self) -> dict:
         """Role name -> handle of every actor but the trainer's: those the watchdog pings."""
-        return {**self.servers, "llm-manager": self.manager, **{f"sandbox-pool-{i}": p for i, p in enumerate(self.sandbox_pools)},
+        teacher = {**self.teacher_servers, "teacher-manager": self.teacher_manager} if self.teacher_manager is not None else {}
+        return {**self.servers, "llm-manager": self.manager, **teacher, **{f"sandbox-pool-{i}": p for i, p in enumerate(self.sandbox_pools)},
                 **{f"reward-worker-{i}": w for i, w in enumerate(self.reward_workers)},
                 **{f"agent-worker-{i}": w for i, w in enumerate(self.agent_workers)}}
 
@@ -283,10 +287,11 @@ class Graph:
             self.trainer.shutdown()
         # Let engines stop their own processes (vLLM's engine core), and the gateway its HTTP server, before the actors go.
         gateway = [self.gateway] if self.gateway is not None else []
-        stopping = [s.shutdown.remote() for s in [*gateway, *self.servers.values(), *self.sandbox_pools, self.manager]]
+        teacher = [*self.teacher_servers.values(), self.teacher_manager] if self.teacher_manager is not None else []
+        stopping = [s.shutdown.remote() for s in [*gateway, *self.servers.values(), *self.sandbox_pools, self.manager, *teacher]]
         ray.wait(stopping, num_returns=len(stopping), timeout=30)
         for actor in [*gateway, *self.agent_workers, *self.reward_workers, *self.sandbox_pools,
-                      self.manager, *self.servers.values()]:
+                      self.manager, *self.servers.values(), *teacher]:
             ray.kill(actor)
 
 
@@ -316,19 +321,28 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
     # generate call failed is infra-failed and its group rolled out again).
     restarts = {"max_restarts": cfg.cluster.max_actor_restarts, "max_task_retries": 0}
     servers = rollout_servers(cfg, model_path, options)
-    manager = LLMManager.options(**options("llm-manager", light), **restarts).remote(
-        list(servers), namespace=ns, affinity_slack=r.affinity_slack, stall_timeout_s=r.stall_timeout_s, probe_interval_s=r.health_probe_interval_s,
-        no_server_wait_s=r.engine_start_timeout_s
-    )
+
+    def control_plane(name: str, of: dict):
+        return LLMManager.options(**options(name, light), **restarts).remote(
+            list(of), namespace=ns, affinity_slack=r.affinity_slack, stall_timeout_s=r.stall_timeout_s, probe_interval_s=r.health_probe_interval_s,
+            no_server_wait_s=r.engine_start_timeout_s
+        )
+
+    manager = control_plane("llm-manager", servers)
+    # distill.teacher: the teacher's own servers and control plane, never weight-synced (raytool.distill)
+    teacher_servers = rollout_servers(teacher_run(cfg), resolve_model(cfg.distill.teacher), options, "teacher-server") if cfg.distill.teacher else {}
+    teacher_manager = control_plane("teacher-manager", teacher_servers) if teacher_servers else None
     sandbox_pools = build_sandbox_pools(cfg, options)
     reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward, ns) for i in range(cfg.reward.num_workers)]
     agent_workers = [
         AgentLoopWorker.options(**options(f"agent-worker-{i}", light), **restarts).remote(
             model_path, "llm-manager", list(servers), [f"sandbox-pool-{i}" for i in range(len(sandbox_pools))],
-            [f"reward-worker-{i}" for i in range(len(reward_workers))], cfg, namespace=ns, role=f"agent-worker-{i}")
+            [f"reward-worker-{i}" for i in range(len(reward_workers))], cfg, namespace=ns, role=f"agent-worker-{i}",
+            teacher=("teacher-manager", list(teacher_servers)) if teacher_servers else None)
         for i in range(cfg.agent.num_workers)
     ]
-    graph = Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, None, ns)
+    graph = Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, None, ns,
+                  teacher_servers=teacher_servers, teacher_manager=teacher_manager)
     actors = graph.light_actors()
     if watch:
         graph.watchdog = Watchdog(actors, cfg.cluster.heartbeat_s).start()
@@ -347,6 +361,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         if after_engines:
             trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False)
         ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
+        if teacher_manager is not None:
+            ray.get(teacher_manager.set_addresses.remote({name: results[name] for name in teacher_servers}))
         # The OpenAI-compatible API over the manager, for agents outside raytool (actors.gateway), and
         # for a judge that is the run's own model (reward.judge.base_url self).
         if cfg.agent.gateway or cfg.reward.judges_itself:
@@ -439,13 +455,14 @@ def check_memory(cfg: RunConfig, model_path: str, with_servers: bool = True) -> 
         raise RaytoolError(f"the run does not fit ({'; '.join(result.problems)}); `raytool plan` shows each part")
 
 
-def rollout_servers(cfg: RunConfig, model_path: str, options) -> dict:
-    """The run's RolloutServer actors, by name (a dead one is restarted by Ray, rollout.max_restarts)."""
+def rollout_servers(cfg: RunConfig, model_path: str, options, role: str = "rollout-server") -> dict:
+    """The run's rollout.num_servers RolloutServer actors of `model_path`, by name (a dead one is
+    restarted by Ray, rollout.max_restarts); the teacher's are built from `teacher_run(cfg)`."""
     r = cfg.rollout
     return {
-        f"rollout-server-{i}": RolloutServer.options(
-            **options(f"rollout-server-{i}", r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
-        ).remote(f"rollout-server-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i),
+        f"{role}-{i}": RolloutServer.options(
+            **options(f"{role}-{i}", r.num_cpus, r.num_gpus), max_restarts=r.max_restarts, max_task_retries=0,
+        ).remote(f"{role}-{i}", model_path, r.engine, engine_options(cfg, seed=cfg.trainer.seed + i),
                  torch_threads(cfg.cluster.torch_threads, r.num_cpus, r.num_gpus))
         for i in range(r.num_servers)
     }

@@ -27,6 +27,7 @@ from actors.drivers.evaluate import evaluate
 from actors.metrics import record_step
 from actors.trainer import TrainerLost
 from raytool.agent.registry import check_agents
+from raytool.distill import check_teacher
 from raytool.agent.render import ChatRenderer, as_in_turn, check_template_kwargs
 from raytool.config import RunConfig, to_yaml
 from raytool.data import PromptLoader, load_conversations, sft_examples
@@ -158,6 +159,8 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     # A missing model, a bad reward fn, unusable data or a name that resolves to nothing stop the
     # run here, before any actor starts and before anything is written.
     model_path = resolve_model(cfg.model.path)
+    if cfg.distill.teacher:
+        check_teacher(cfg, model_path)
     validate_reward_fn(cfg.reward.fn)
     check_tools(cfg)
     cfg = resolve(cfg)  # the one config every actor receives and config.yaml records

@@ -116,6 +116,10 @@ class ScriptedEngine:
     async def resume(self) -> None:
         return None
 
+    async def prompt_logprobs(self, prompt_ids: list[int]) -> list[float]:
+        """LOGPROB for every token after the first (a scripted teacher scores every token alike)."""
+        return [LOGPROB] * (len(prompt_ids) - 1)
+
     def engine_stats(self) -> dict:
         return {**self.stats.as_dict(), "policy_version": self.policy_version, "busy_s": self.busy_s}
 

@@ -29,6 +29,7 @@ from raytool.algos.correction import CORRECTION_METRICS, rollout_correction
 from raytool.algos.datum_losses import get_datum_loss
 from raytool.resolve import with_trainer_autos
 from raytool.config import RunConfig, no_prefix_sharing
+from raytool.distill import token_advantages
 from raytool.errors import RaytoolError
 from raytool.moe import RouterTap, covers, find_routers, load_imbalance, moe_classes_without_replay, replay_tensor, routes_array, split_recording, valid_tokens
 from raytool.resolve import with_rollout_correction
@@ -63,6 +64,7 @@ class _Seq:
     mask: list[int]  # aligned with ids[1:]: 1 where the loss sees the token
     adv: float = 0.0
     rollout: list[float] | None = None  # engine log-probs, aligned like mask (0.0 where mask is 0)
+    teacher: list[float] | None = None  # distill.teacher: the teacher's log-probs, aligned like mask (0.0 where mask is 0)
     old: list[float] | torch.Tensor | None = None  # log-probs before this update, when the update is not purely on-policy (on the device)
     ref: list[float] | torch.Tensor | None = None  # reference-policy log-probs, when a KL term is on (on the device)
     routes: np.ndarray | None = None  # MoE router replay: the experts of each position of ids, [len(ids), layers, k] (-1: the router's own)
@@ -510,7 +512,9 @@ class Trainer:
         """This rank's trained sequences -> (their places in the batch, the sequences, r3's
         [replayed, total] counts or [])."""
         own = [(i, x) for i, x in zip(batch.index, batch.sequences) if batch.trained[i]]  # the rest: no forward, no loss
-        seqs = [_Seq(ids=x.ids, mask=x.mask, rollout=x.logprobs, group=batch.groups[i]) for i, x in own]
+        seqs = [_Seq(ids=x.ids, mask=x.mask, rollout=x.logprobs, teacher=x.teacher, group=batch.groups[i]) for i, x in own]
+        if self.cfg.distill.teacher and any(x.teacher is None for x in seqs):  # the agent worker infra-fails a trajectory the teacher did not score
+            raise ValueError(f"rank {self.rank}: distill.teacher is set but {sum(x.teacher is None for x in seqs)} trained sequences have no teacher log-probs")
         route_counts = self._engine_routes(seqs, [x.routes for _, x in own]) if self.cfg.trainer.router_replay == "r3" else []
         return [i for i, _ in own], seqs, route_counts
 
@@ -528,7 +532,8 @@ class Trainer:
         """algorithm.ppo_epochs x mini_batches shuffled mini-batches of this rank's sequences -> (them,
         the ids of the sequences that change the loss, whether the others are skipped)."""
         a = self.cfg.algorithm
-        skip_zero_adv = getattr(get_policy_loss(a.policy_loss), "zero_advantage_is_noop", False) and not a.kl_on and a.entropy_coeff == 0
+        skip_zero_adv = (getattr(get_policy_loss(a.policy_loss), "zero_advantage_is_noop", False) and not a.kl_on and a.entropy_coeff == 0
+                         and not self.cfg.distill.teacher)  # distillation: every token has its own advantage
         active = {id(x) for x in seqs if x.adv != 0.0 or not skip_zero_adv}  # the rest would add exactly nothing
         orders = [torch.randperm(len(seqs)).tolist() for _ in range(a.ppo_epochs)]
         return [[seqs[i] for i in order[m :: a.mini_batches]] for order in orders for m in range(a.mini_batches)], active, skip_zero_adv
@@ -574,6 +579,10 @@ class Trainer:
             if self.rollout_is:
                 options["weights"] = weights
         adv = to_device(torch.tensor([x.adv for x in group]), self.device).unsqueeze(1).expand_as(logp)
+        d = self.cfg.distill
+        if d.teacher:  # on-policy distillation: each token's own advantage, the teacher's word on it (raytool.distill)
+            adv, kl = token_advantages(adv, rollout, self._grid(group, "teacher", width), mask, d.kl_coef, d.reward_weight)
+            corrections["distill/reverse_kl"] = kl.sum() / mask.sum().clamp(min=1.0)
         pg_loss, extra = get_policy_loss(a.policy_loss)(
             logp, prox if c.decoupled else rollout, adv, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
             agg=a.loss_agg, num_tokens=n_tokens, num_seqs=n_seqs, **options,
@@ -654,6 +663,8 @@ class Trainer:
             names += CORRECTION_METRICS
         if a.kl_loss_coef > 0:
             names.append("actor/kl_loss")
+        if self.cfg.distill.teacher:
+            names.append("distill/reverse_kl")
         if t.router_aux_loss_coef > 0:
             names.append("moe/aux_loss")
         if self.router_tap is not None:

@@ -1,0 +1,56 @@
+"""On-policy distillation on the shared Ray cluster (examples/distill_tiny.yaml): a student that is
+SmolLM2-135M-Instruct with its weights perturbed (a degraded copy, made here) learns from SmolLM2
+itself as the teacher, in the asynchronous mode: the teacher's own rollout server scores every
+token the student sampled, the student's reverse KL to the teacher falls over four steps, and the
+off-policy correction applies to the distillation's advantages as to a reward's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from raytool.config import load_config
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def degraded_student(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct with Gaussian noise of 0.3 times each matrix's own std added to it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raytool.models import resolve_model
+
+    source, out = Path(resolve_model("smollm2-135m-instruct")), tmp_path_factory.mktemp("degraded")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.add_(torch.randn(p.shape, generator=noise) * p.std() * 0.3)
+    model.save_pretrained(out)
+    for f in source.iterdir():
+        if "token" in f.name or f.suffix == ".jinja":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_the_students_reverse_kl_to_the_teacher_falls_in_the_asynchronous_mode(ray_cluster, tmp_path, degraded_student):
+    from actors.drivers.pipeline import run
+
+    cfg = load_config(REPO / "examples" / "distill_tiny.yaml", [
+        f"model.path={degraded_student}", "trainer.lr=2e-5", "trainer.total_steps=4", "data.prompts_per_step=2",
+        "async.max_staleness=1", "rollout.seed=3", "logging.logger=[]", "logging.progress=false"])
+    assert cfg.distill.teacher == "smollm2-135m-instruct" and cfg.distill.reward_weight == 0.0
+    steps = [json.loads(line) for line in (run(cfg, tmp_path / "distilled") / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["rollout/trajectories"] == 8 for m in steps)
+    kl = [m["distill/rollout_reverse_kl"] for m in steps]  # on the student's own samples of each step
+    assert all(k > 0 for k in kl) and (kl[2] + kl[3]) / 2 < 0.85 * kl[0], kl
+    assert all(0.0 < m["distill/teacher_share"] < 1.0 and m["stage/teacher/service_s"] > 0 for m in steps)
+    assert all("distill/reverse_kl" in m and "rollout_corr/is_mean" in m for m in steps)  # the trainer's, with the off-policy weights
+    assert any(m["staleness/token_max"] >= 1 for m in steps[1:]), [m.get("staleness/token_max") for m in steps]  # some tokens came from the policy before
