@@ -139,7 +139,7 @@ class AgentLoopWorker:
         traj.infra_failure, traj.finish_reason = f"reward: {cause}", "infra_failed"
 
     async def _one(self, messages: list[Message], ground_truth: str, uid: str, group_id: str, agent_name: str,
-                   extra: dict, rollout: RolloutConfig, attempt: int) -> Trajectory:
+                   extra: dict, rollout: RolloutConfig, attempt: int, teach: bool = True) -> Trajectory:
         async def generate(prompt_ids, sampling, request_id, session):
             # Cancelled past agent.max_trajectory_s, the data plane cancels the call on its server too.
             return await self.plane.generate(prompt_ids, sampling, request_id, session, group_id)
@@ -170,7 +170,7 @@ class AgentLoopWorker:
         # limit is truncated, not answered: it is not scored (nor trained: raytool.types.trained).
         if not traj.infra_failure and trained(traj.finish_reason):
             await asyncio.gather(*([] if hooks.scored_by_loop else [self._score(traj, ground_truth, extra)]),
-                                 *([self._teach(traj)] if self.teacher is not None else []))
+                                 *([self._teach(traj)] if self.teacher is not None and teach else []))
         return traj
 
     async def _teach(self, traj: Trajectory) -> None:
@@ -188,12 +188,13 @@ class AgentLoopWorker:
 
     @ray.method(num_returns=3)
     async def run_group(self, messages: list[Message], ground_truth: str, group_id: str, n: int, agent_name: str | None = None,
-                        extra: dict | None = None, sampling: dict | None = None, attempt: int = 0):
+                        extra: dict | None = None, sampling: dict | None = None, attempt: int = 0, teach: bool = True):
         """n samples of one prompt (a GRPO group) -> (trajectories, their small stats, what the
         trainer trains on of each: three objects, so that each reader fetches only its own).
         `extra` goes to the reward fn (data_source, extra_info); `sampling` overrides rollout keys
         (validation samples with its own temperature); `attempt`: how many times the group was
-        rolled out before (same ids, so the same sampling seeds)."""
+        rolled out before (same ids, so the same sampling seeds); `teach`: with distill.teacher, the
+        teacher scores each trajectory (validation's are not trained: not scored)."""
         name = agent_name or self.cfg.agent.default_agent
         extra = extra or {}
         rollout = msgspec.structs.replace(self.cfg.rollout, **sampling) if sampling else self.cfg.rollout
@@ -201,7 +202,7 @@ class AgentLoopWorker:
         uids = [f"{group_id}/{i}" for i in range(n)]
         await asyncio.sleep(backoff_s(attempt))  # a retry after an infrastructure failure does not come back at once
         try:
-            trajs = await asyncio.gather(*(self._one(messages, ground_truth, uid, group_id, name, extra, rollout, attempt) for uid in uids))
+            trajs = await asyncio.gather(*(self._one(messages, ground_truth, uid, group_id, name, extra, rollout, attempt, teach) for uid in uids))
             if hooks.score_group is not None:  # a loop whose environment scores its groups together (verifiers' rubric)
                 await hooks.score_group(list(trajs), self.cfg.reward.call_timeout_s)
         finally:

@@ -64,7 +64,7 @@ class RolloutServer:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> TokenOutput:
         start = time.perf_counter()
-        out = await self._serve(request_id, self.engine.generate(prompt_ids, sampling, request_id))
+        out = await self._serve(request_id, lambda: self.engine.generate(prompt_ids, sampling, request_id))
         self.metrics.request_done(len(out.token_ids), time.perf_counter() - start)
         out.server = self.name
         out.server_in_flight = self.in_flight
@@ -75,19 +75,19 @@ class RolloutServer:
         word on a student's tokens."""
         if len(ids) < 2:
             raise ValueError(f"rollout server {self.name}: scoring needs at least 2 tokens, got {len(ids)}")
-        version = self.engine.policy_version
-        logprobs = await self._serve(request_id, self.engine.prompt_logprobs(ids))
-        return PromptScores(logprobs, self.name, version, self.in_flight)
+        logprobs = await self._serve(request_id, lambda: self.engine.prompt_logprobs(ids))
+        return PromptScores(logprobs, self.name, self.engine.policy_version, self.in_flight)
 
     async def _serve(self, request_id: str, work):
-        """Run one request on the engine, counted in flight (the stall clock starts when work arrives at an idle engine)."""
+        """Run one request on the engine (`work()`: its call), counted in flight (the stall clock
+        starts when work arrives at an idle engine)."""
         self._check()
         self._exit_if_engine_died()
         if not self.requests:
             self.engine.stats.progressed()
         self.requests[request_id] = None
         try:
-            return await work
+            return await work()
         except Exception as exc:
             self._exit_if_engine_died(exc)
             raise

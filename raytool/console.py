@@ -163,6 +163,8 @@ def banner(cfg, model_path: str, run_dir: Path) -> list[str]:
     compute = cfg.model.dtype if t.compute_dtype == "auto" and cfg.model.dtype in ("bfloat16", "float32") else t.compute_dtype
     plan = (f"  plan: {t.sft_warmup_steps} SFT warm-up steps, then " if t.sft_warmup_steps else "  plan: ") + \
         f"{t.total_steps} GRPO steps of {cfg.data.prompts_per_step} prompts x {r.n} samples"
+    if cfg.distill.teacher:
+        plan += f", each token scored by the teacher {cfg.distill.teacher} (on-policy distillation)"
     if cfg.eval.before_train or cfg.eval.after_train:
         when = "before and after" if cfg.eval.before_train and cfg.eval.after_train else "before" if cfg.eval.before_train else "after"
         plan += f"; held-out accuracy {when} training"

@@ -51,6 +51,8 @@ PLOTS = [
     Plot("stages", "Slow stages: seconds queued and served per trajectory", "grpo", prefixes=("stage/",)),  # raytool.overload
     Plot("weight_sync", "Weight sync", "grpo", ("timing_s/update_weights", "weight_sync/bytes", "weight_sync/failed_servers"), panels=True),
     Plot("policy", "Policy update", "grpo", ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac"), panels=True),
+    Plot("distill", "Distillation: the student's reverse KL to the teacher, agreement on tool-call turns, the teacher's share of time", "grpo",
+         prefixes=("distill/",), panels=True),
     Plot("moe", "Mixture of experts: expert load and router replay", "grpo", prefixes=("moe/", "router/"), panels=True),
     Plot("sft", "SFT loss", "sft", ("train/loss", "val/loss")),
 ]

@@ -76,17 +76,19 @@ class Graph:
     def __post_init__(self):
         self._next_worker = itertools.cycle(self.agent_workers)
 
-    def submit_group(self, row: PromptRow, group_id: str, n: int | None = None, sampling: dict | None = None, attempt: int = 0):
+    def submit_group(self, row: PromptRow, group_id: str, n: int | None = None, sampling: dict | None = None, attempt: int = 0,
+                     teach: bool = True):
         """Start one GRPO group (n samples of the row, rollout.n by default) on the next agent worker
         -> (its outputs' refs: GroupRefs, its stats' ref). `sampling`: rollout keys to override, e.g. {"temperature": 1.0};
         `attempt`: the group's earlier rollouts (a retry after an infrastructure failure goes to
-        another worker where there is one)."""
+        another worker where there is one); `teach`: with distill.teacher, have the teacher score its
+        tokens (not for validation, which trains on nothing)."""
         worker = next(self._next_worker)
         messages = with_system_prompt(row.prompt, self.cfg.agent.system_prompt)
         extra = {"data_source": row.data_source, "extra_info": row.extra_info, "tools": row_tool_names(row.tools),
                  "ground_truth_json": row.ground_truth_json}
         trajectories, stats, sequences = worker.run_group.remote(messages, row.ground_truth, group_id, n or self.cfg.rollout.n, row.agent_name,
-                                                                 extra, sampling, attempt)
+                                                                 extra, sampling, attempt, teach)
         self._group_worker[stats] = worker
         return GroupRefs(trajectories, sequences), stats
 
@@ -104,7 +106,7 @@ class Graph:
 
     def rollout(self, rows: list[PromptRow], prefix: str = "g", progress: str | None = None, n: int | None = None,
                 sampling: dict | None = None, window: AdmissionWindow | None = None,
-                retries: GroupRetries | None = None) -> tuple[list[TrajectoryStats], list]:
+                retries: GroupRetries | None = None, teach: bool = True) -> tuple[list[TrajectoryStats], list]:
         """Roll out every prompt row n times (rollout.n by default); returns (per-trajectory stats,
         with the index of their group, and the GroupRefs of each row). The trajectories and what
         the trainer trains on of them stay in the object store until someone asks. `progress`: the label of a progress bar on stderr (None: no bar).
@@ -113,7 +115,7 @@ class Graph:
         whose worker still dies is an error naming it, one whose infrastructure still fails is kept
         (the retry policy and its budget are the training stream's: raytool.streaming.GroupRetries).
         Groups start as the admission window has room (back-pressure from a slow stage), not all at once.
-        `window`, `retries`: the caller's own, to read afterwards (benches); else the run's."""
+        `window`, `retries`: the caller's own, to read afterwards (benches); else the run's. `teach`: see submit_group."""
         n = n or self.cfg.rollout.n
         window = window or self.admission_window(n)
         retries = retries or GroupRetries(self.cfg.rollout.max_group_retries, self.cfg.rollout.retry_budget)
@@ -125,7 +127,7 @@ class Graph:
         waiting = list(range(len(rows)))  # rows not yet started (back-pressure: raytool.overload.AdmissionWindow)
 
         def start(i: int) -> None:
-            refs[i] = self.submit_group(rows[i], f"{prefix}{i}", n, sampling, attempt=attempts[i])
+            refs[i] = self.submit_group(rows[i], f"{prefix}{i}", n, sampling, attempt=attempts[i], teach=teach)
             pending[refs[i][1]] = i
 
         with tqdm(total=len(rows) * n, desc=progress, unit="traj", disable=progress is None, leave=False) as bar:

@@ -34,7 +34,7 @@ def evaluate(graph: Graph, rows: list[PromptRow], ecfg: EvalConfig, prefix: str 
     if not rows:
         raise ValueError("validation needs prompts: the validation set is empty (data.val_files / data.val_size)")
     sampling = {"temperature": ecfg.temperature, "top_p": ecfg.top_p}
-    _, refs = graph.rollout(rows, f"{prefix}g", progress, n=ecfg.n, sampling=sampling)
+    _, refs = graph.rollout(rows, f"{prefix}g", progress, n=ecfg.n, sampling=sampling, teach=False)  # a teacher's word would train nothing here
     groups = ray.get([r.trajectories for r in refs])
     samples, trajectories = [], []
     for i, (row, group) in enumerate(zip(rows, groups)):

@@ -45,7 +45,7 @@ def test_the_students_reverse_kl_to_the_teacher_falls_in_the_asynchronous_mode(r
 
     cfg = load_config(REPO / "examples" / "distill_tiny.yaml", [
         f"model.path={degraded_student}", "trainer.lr=2e-5", "trainer.total_steps=4", "data.prompts_per_step=2",
-        "async.max_staleness=1", "rollout.seed=3", "logging.logger=[]", "logging.progress=false"])
+        "async.max_staleness=1", "async.partial_rollout=wait", "rollout.seed=3", "logging.logger=[]", "logging.progress=false"])
     assert cfg.distill.teacher == "smollm2-135m-instruct" and cfg.distill.reward_weight == 0.0
     steps = [json.loads(line) for line in (run(cfg, tmp_path / "distilled") / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["rollout/trajectories"] == 8 for m in steps)

@@ -286,7 +286,7 @@ def test_validation_rolls_out_again_a_group_whose_agent_worker_died(ray_cluster,
             self.marker, self.always = marker, always
 
         @ray.method(num_returns=3)
-        def run_group(self, messages, ground_truth, group_id, n, agent_name, extra, sampling, attempt):
+        def run_group(self, messages, ground_truth, group_id, n, agent_name, extra, sampling, attempt, teach=True):
             if self.always or not os.path.exists(self.marker):
                 Path(self.marker).touch()
                 os._exit(1)
