@@ -36,5 +36,5 @@ def test_a_teacher_that_is_missing_or_speaks_another_tokenizer_is_refused_naming
     other.add_tokens(["<teacher_only>"])
     other.save_pretrained(tmp_path / "other")
     (tmp_path / "other" / "config.json").write_text((Path(tiny_model_path) / "config.json").read_text())
-    with pytest.raises(ConfigError, match=r"distill.teacher': .*tokenizer is not the student's \(49153 tokens against 49152; first differences \[\('<teacher_only>'"):
+    with pytest.raises(ConfigError, match=r"distill.teacher': .*tokenizer is not the student's \(49153 tokens against 49152; 1 of the teacher's differ, first \[\('<teacher_only>', 49152\)\]"):
         check_teacher(load_config(None, [f"distill.teacher={tmp_path / 'other'}"]), tiny_model_path)

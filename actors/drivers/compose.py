@@ -311,17 +311,70 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
         check_memory(cfg, model_path)
     ns = namespace or cfg.cluster.namespace or run_namespace("raytool")
     log.info("actors in Ray namespace %s", ns)
-    light = cfg.cluster.light_actor_cpus
-    r = cfg.rollout
+    graph = start_actors(cfg, model_path, ns)
+    actors = graph.light_actors()
+    if watch:
+        graph.watchdog = Watchdog(actors, cfg.cluster.heartbeat_s).start()
+    ask = graph.ready_calls()
+    trainer = None
+    # Engines and trainer on shares of the same accelerators: vLLM sizes its KV cache from the memory
+    # free while it starts, so the trainer loads only after the engines have (else the cache varies
+    # run to run, or vLLM's memory check fails as the trainer grows beside it).
+    after_engines = with_trainer and placement.shares_accelerators(cfg)
+    try:
+        # Otherwise the trainer loads its model while the engines start (most of an engine's start is
+        # one process importing at a time); it is waited for after them, so a failure of theirs is the
+        # one named (a trainer that cannot be placed stops the start here).
+        trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False) if with_trainer and not after_engines else None
+        results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, cfg.rollout.engine_start_timeout_s))
+        if after_engines:
+            trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False)
+        ray.get(graph.manager.set_addresses.remote({name: results[name] for name in graph.servers}))
+        if graph.teacher_manager is not None:
+            ray.get(graph.teacher_manager.set_addresses.remote({name: results[name] for name in graph.teacher_servers}))
+        # The OpenAI-compatible API over the manager, for agents outside raytool (actors.gateway), and
+        # for a judge that is the run's own model (reward.judge.base_url self).
+        if cfg.agent.gateway or cfg.reward.judges_itself:
+            a = cfg.agent
+            graph.gateway = GatewayActor.options(**role_options(cfg, ns)("gateway", cfg.cluster.light_actor_cpus), **light_restarts(cfg)).remote(
+                model_path, "llm-manager", list(graph.servers), cfg, ns, a.gateway_host, a.gateway_port)
+            graph.gateway_url = wait_started({"gateway": (graph.gateway, graph.gateway.start)})["gateway"]
+        if trainer is not None:
+            trainer.started()
+            graph.cfg = trainer.cfg  # with the trainer's autos decided on its device
+        graph.trainer = trainer
+    except BaseException:  # nothing of a run that failed to start is left running
+        if graph.watchdog is not None:
+            graph.watchdog.stop()
+        if trainer is not None:
+            trainer.shutdown(close=False)
+        for actor in [*actors.values(), *([graph.gateway] if graph.gateway is not None else [])]:
+            ray.kill(actor)
+        raise
+    return graph
 
+
+def role_options(cfg: RunConfig, ns: str):
+    """-> options(role name, num_cpus, num_gpus=0, **extra): the Ray options of an actor of this run, named by its role in `ns`."""
     def options(name: str, num_cpus: float, num_gpus: float = 0.0, **extra) -> dict:
         return actor_options(num_cpus, num_gpus, cfg.cluster.accelerator, cfg.cluster.env_vars, name=name, namespace=ns, **extra)
 
-    # A dead LLM manager, agent worker, reward worker or sandbox pool is restarted by Ray; the calls
-    # it had in flight fail, and their callers retry once it is back (the stream rolls the group
-    # out again, the agent worker scores on the next reward worker, a trajectory whose sandbox or
-    # generate call failed is infra-failed and its group rolled out again).
-    restarts = {"max_restarts": cfg.cluster.max_actor_restarts, "max_task_retries": 0}
+    return options
+
+
+def light_restarts(cfg: RunConfig) -> dict:
+    """A dead LLM manager, agent worker, reward worker, sandbox pool or gateway is restarted by Ray;
+    the calls it had in flight fail, and their callers retry once it is back (the stream rolls the
+    group out again, the agent worker scores on the next reward worker, a trajectory whose sandbox or
+    generate call failed is infra-failed and its group rolled out again)."""
+    return {"max_restarts": cfg.cluster.max_actor_restarts, "max_task_retries": 0}
+
+
+def start_actors(cfg: RunConfig, model_path: str, ns: str) -> Graph:
+    """Create every actor of the run but the trainer's, named by role in namespace `ns` (they start
+    in the background: `Graph.ready_calls` says when each is up)."""
+    light, r, restarts = cfg.cluster.light_actor_cpus, cfg.rollout, light_restarts(cfg)
+    options = role_options(cfg, ns)
     servers = rollout_servers(cfg, model_path, options)
 
     def control_plane(name: str, of: dict):
@@ -343,48 +396,8 @@ def build(cfg: RunConfig, model_path: str | None = None, with_trainer: bool = Tr
             teacher=("teacher-manager", list(teacher_servers)) if teacher_servers else None)
         for i in range(cfg.agent.num_workers)
     ]
-    graph = Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, None, ns,
-                  teacher_servers=teacher_servers, teacher_manager=teacher_manager)
-    actors = graph.light_actors()
-    if watch:
-        graph.watchdog = Watchdog(actors, cfg.cluster.heartbeat_s).start()
-    ask = graph.ready_calls()
-    trainer = None
-    # Engines and trainer on shares of the same accelerators: vLLM sizes its KV cache from the memory
-    # free while it starts, so the trainer loads only after the engines have (else the cache varies
-    # run to run, or vLLM's memory check fails as the trainer grows beside it).
-    after_engines = with_trainer and placement.shares_accelerators(cfg)
-    try:
-        # Otherwise the trainer loads its model while the engines start (most of an engine's start is
-        # one process importing at a time); it is waited for after them, so a failure of theirs is the
-        # one named (a trainer that cannot be placed stops the start here).
-        trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False) if with_trainer and not after_engines else None
-        results = wait_started({name: (actors[name], method) for name, method in ask.items()}, max(RESTART_WAIT_S, r.engine_start_timeout_s))
-        if after_engines:
-            trainer = TrainerGroup(cfg, model_path, namespace=ns, wait=False)
-        ray.get(manager.set_addresses.remote({name: results[name] for name in servers}))
-        if teacher_manager is not None:
-            ray.get(teacher_manager.set_addresses.remote({name: results[name] for name in teacher_servers}))
-        # The OpenAI-compatible API over the manager, for agents outside raytool (actors.gateway), and
-        # for a judge that is the run's own model (reward.judge.base_url self).
-        if cfg.agent.gateway or cfg.reward.judges_itself:
-            a = cfg.agent
-            graph.gateway = GatewayActor.options(**options("gateway", light), **restarts).remote(model_path, "llm-manager", list(servers), cfg, ns,
-                                                                                               a.gateway_host, a.gateway_port)
-            graph.gateway_url = wait_started({"gateway": (graph.gateway, graph.gateway.start)})["gateway"]
-        if trainer is not None:
-            trainer.started()
-            graph.cfg = trainer.cfg  # with the trainer's autos decided on its device
-        graph.trainer = trainer
-    except BaseException:  # nothing of a run that failed to start is left running
-        if graph.watchdog is not None:
-            graph.watchdog.stop()
-        if trainer is not None:
-            trainer.shutdown(close=False)
-        for actor in [*actors.values(), *([graph.gateway] if graph.gateway is not None else [])]:
-            ray.kill(actor)
-        raise
-    return graph
+    return Graph(cfg, model_path, servers, manager, sandbox_pools, reward_workers, agent_workers, None, ns,
+                 teacher_servers=teacher_servers, teacher_manager=teacher_manager)
 
 
 def run_namespace(name: str) -> str:
