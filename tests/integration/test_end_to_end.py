@@ -304,5 +304,10 @@ def test_training_survives_a_rollout_server_killed_during_step_one(ray_cluster, 
     assert all(m["rollout/trajectories"] == 16 for m in steps)
     # Step 1's sync leaves the dead server out once the control plane has confirmed its death; on a
     # slow machine the confirmation can come after the sync started, which then counts it failed.
-    assert steps[0]["rollout/servers_healthy"] == 1 and steps[0]["weight_sync/failed_servers"] in (0, 1)
+    # Where Ray restarted it and the control plane's probe found it on the base weights before step 1's
+    # sync (a busy host stretches step 1 past its restart: seen once in the whole suite, 2026-11-30),
+    # that sync re-loads it and re-admits it: two healthy servers, none failed, the death seen (a retry).
+    first = steps[0]
+    assert (first["rollout/servers_healthy"] == 1 and first["weight_sync/failed_servers"] in (0, 1)) or \
+        (first["rollout/servers_healthy"] == 2 and first["weight_sync/failed_servers"] == 0 and first["rollout/retries"] >= 1), first
     assert [m["policy_version"] for m in steps] == [2, 3, 4]
