@@ -73,7 +73,7 @@ def token_advantages(seq_adv: torch.Tensor, rollout: torch.Tensor, teacher: torc
     return (reward_weight * seq_adv - kl_coef * kl) * mask, kl
 
 
-def check_teacher(cfg: RunConfig, student_path: str, source: str = "config") -> str:
+def check_teacher(cfg: RunConfig, student_tokenizer, source: str = "config") -> str:
     """Before anything starts: the teacher's local path; a teacher that cannot be found, or whose
     tokenizer is not the student's (its log-probs would be of other tokens), is refused in one line
     naming the key."""
@@ -83,7 +83,7 @@ def check_teacher(cfg: RunConfig, student_path: str, source: str = "config") -> 
         teacher_path = resolve_model(cfg.distill.teacher)
     except FileNotFoundError as exc:
         raise ConfigError(f"{source}: config key 'distill.teacher': {exc}") from None
-    ours, theirs = load_tokenizer(student_path).get_vocab(), load_tokenizer(teacher_path).get_vocab()
+    ours, theirs = student_tokenizer.get_vocab(), load_tokenizer(teacher_path).get_vocab()
     conflicts = sorted(set(theirs.items()) - set(ours.items()), key=lambda kv: kv[1])
     if conflicts:
         raise ConfigError(f"{source}: config key 'distill.teacher': {cfg.distill.teacher}'s tokenizer is not the student's "

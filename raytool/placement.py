@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from raytool.config import RunConfig
+from raytool.distill import teacher_run
 from raytool.errors import RaytoolError
 
 
@@ -47,12 +48,6 @@ def agent_workers(cfg: RunConfig) -> int:
     return max(1, math.ceil(r.num_servers * r.max_batch_size / a.max_concurrent_trajectories))
 
 
-def teacher_gpus(cfg: RunConfig) -> float:
-    """The accelerators one teacher server reserves (distill.num_gpus, else rollout.num_gpus)."""
-    d = cfg.distill
-    return cfg.rollout.num_gpus if d.num_gpus is None else d.num_gpus
-
-
 def demands(cfg: RunConfig) -> list[Demand]:
     """Every actor the run starts, by role, with what each reserves."""
     r, t, s, c = cfg.rollout, cfg.trainer, cfg.sandbox, cfg.cluster
@@ -64,7 +59,7 @@ def demands(cfg: RunConfig) -> list[Demand]:
         Demand("trainer worker", t.num_workers, {"CPU": t.num_cpus, **accelerator_request(acc, t.num_gpus)},
                "trainer.num_workers, trainer.num_cpus, trainer.num_gpus"),
         Demand("llm manager", 1, light, "cluster.light_actor_cpus"),
-        Demand("teacher server", cfg.distill.num_servers if cfg.distill.teacher else 0, {"CPU": r.num_cpus, **accelerator_request(acc, teacher_gpus(cfg))},
+        Demand("teacher server", cfg.distill.num_servers if cfg.distill.teacher else 0, {"CPU": r.num_cpus, **accelerator_request(acc, teacher_run(cfg).rollout.num_gpus)},
                "distill.num_servers, distill.num_gpus, rollout.num_cpus"),
         Demand("teacher manager", 1 if cfg.distill.teacher else 0, light, "distill.teacher, cluster.light_actor_cpus"),
         Demand("sandbox pool", s.num_pools, {**light, **s.pool_resources}, "sandbox.num_pools, sandbox.pool_resources, cluster.light_actor_cpus"),

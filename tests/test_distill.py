@@ -25,16 +25,16 @@ def test_the_teachers_scores_are_aligned_checked_and_summarised():
     assert tool_turn_agreement(student, teacher, [1, 1, 1, 1]) is None and reverse_kl(student, teacher, [0, 0, 0, 0]) is None
 
 
-def test_a_teacher_that_is_missing_or_speaks_another_tokenizer_is_refused_naming_the_key(tiny_model_path, tmp_path):
+def test_a_teacher_that_is_missing_or_speaks_another_tokenizer_is_refused_naming_the_key(tiny_model_path, tokenizer, tmp_path):
     from transformers import AutoTokenizer
 
     cfg = load_config(None, ["model.path=tiny-random", "distill.teacher=smollm2-135m-instruct"])
-    assert check_teacher(cfg, tiny_model_path).endswith("smollm2-135m-instruct")  # SmolLM2's tokenizer, both
+    assert check_teacher(cfg, tokenizer).endswith("smollm2-135m-instruct")  # SmolLM2's tokenizer, both
     with pytest.raises(ConfigError, match=r"config key 'distill.teacher': .*/nowhere"):
-        check_teacher(load_config(None, ["distill.teacher=/nowhere"]), tiny_model_path)
+        check_teacher(load_config(None, ["distill.teacher=/nowhere"]), tokenizer)
     other = AutoTokenizer.from_pretrained(tiny_model_path)
     other.add_tokens(["<teacher_only>"])
     other.save_pretrained(tmp_path / "other")
     (tmp_path / "other" / "config.json").write_text((Path(tiny_model_path) / "config.json").read_text())
     with pytest.raises(ConfigError, match=r"distill.teacher': .*tokenizer is not the student's \(49153 tokens against 49152; 1 of the teacher's differ, first \[\('<teacher_only>', 49152\)\]"):
-        check_teacher(load_config(None, [f"distill.teacher={tmp_path / 'other'}"]), tiny_model_path)
+        check_teacher(load_config(None, [f"distill.teacher={tmp_path / 'other'}"]), tokenizer)

@@ -159,8 +159,6 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     # A missing model, a bad reward fn, unusable data or a name that resolves to nothing stop the
     # run here, before any actor starts and before anything is written.
     model_path = resolve_model(cfg.model.path)
-    if cfg.distill.teacher:
-        check_teacher(cfg, model_path)
     validate_reward_fn(cfg.reward.fn)
     check_tools(cfg)
     cfg = resolve(cfg)  # the one config every actor receives and config.yaml records
@@ -169,6 +167,8 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     check_agents(cfg.agent, task.train + task.val)
     check_judge(cfg.reward, task.train + task.val)
     tokenizer = load_tokenizer(model_path)  # renders the warm-up, decodes the traces' prompts
+    if cfg.distill.teacher:
+        check_teacher(cfg, tokenizer)
     check_template_kwargs(tokenizer, cfg.agent.chat_template_kwargs)
     toolset = build_toolset(cfg.agent, tokenizer, None)  # the run's tools (names and schemas; no executor in the driver)
     check_row_tools(toolset, task)
