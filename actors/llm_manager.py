@@ -93,8 +93,9 @@ class LLMManager:
     async def plan_resync(self) -> SyncPlan | None:
         return await self.control.plan_resync()
 
-    def synced(self, version: int, acked: list[str], failed: dict, hung: list[str] = ()) -> None:
-        self.control.synced(version, acked, failed, hung)
+    def synced(self, version: int, acked: list[str], failed: dict, hung: list[str] = (), sent: int | None = None,
+               attestations: dict[str, int] | None = None) -> dict[str, str]:
+        return self.control.synced(version, acked, failed, hung, sent, attestations)
 
     async def stats(self) -> ControlStats:
         await self.control.rebuild()

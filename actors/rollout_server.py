@@ -17,6 +17,7 @@ from raytool.engines import EngineOptions, make_engine
 from raytool.engines.crash import death, repeats, verdict
 from raytool.errors import RolloutServerError, describe_engine_failure
 from raytool.types import PromptScores, SamplingParams, ServerHealth, ServerProgress, TokenOutput
+from raytool.weightsync import AttestationError
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +110,15 @@ class RolloutServer:
             while not (await asyncio.wait({loading}, timeout=LOAD_CHECK_S))[0]:
                 self._exit_if_engine_died()  # an engine that died mid-load may never answer the load
             loaded = loading.result()
+        except AttestationError as exc:  # the engine serves nothing of this version: say which server
+            raise AttestationError(f"{self.name}: {exc}", version=exc.version, bucket=exc.bucket, kind=exc.kind) from None
         except Exception as exc:
             self._exit_if_engine_died(exc)
             raise
         finally:
             self.loading = False
             self.engine.stats.progressed()
-        return SyncAck(self.name, loaded, version, time.perf_counter() - start)
+        return SyncAck(self.name, loaded, version, time.perf_counter() - start, self.engine.attestation)
 
     async def abort(self, request_id: str) -> bool:
         self._check()

@@ -108,13 +108,15 @@ class TrainerWorker:
             for _ in weights:  # each step of the iteration is an all-gather rank 0 waits on
                 continue
             return {}
-        key = (tuple(addresses), bucket_bytes, timeout_s)
+        backend = self.cfg.trainer.weight_sync_backend  # resolved: zmq or collective
+        key = (tuple(addresses), bucket_bytes, timeout_s, backend)
         if self.sender is None or self._sender_key != key:
             if self.sender is not None:
                 self.sender.close()
             # Ray's node IP: receivers on this node then read the weights in place (CUDA IPC, shared memory).
             self.sender, self._sender_key = WeightSender(
-                addresses, bucket_bytes, timeout_s, node_ip=ray.util.get_node_ip_address(), ipc=None if self.cfg.trainer.weight_sync_in_place else False,
+                addresses, bucket_bytes, timeout_s, node_ip=ray.util.get_node_ip_address(),
+                ipc=None if self.cfg.trainer.weight_sync_in_place else False, backend=backend,
             ), key
         try:
             return self.sender.send(weights, version, attempt)

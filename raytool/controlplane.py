@@ -89,6 +89,7 @@ class SyncAck(msgspec.Struct, frozen=True):
     tensors: int
     version: int
     seconds: float
+    attestation: int = 0  # the combined digest of the sync as the server verified it against what it loaded
 
 
 class SyncResult(msgspec.Struct, frozen=True):
@@ -144,6 +145,7 @@ class ControlPlane:
         self._on_change = on_change
         self.events = events  # where ejections and retries are counted (None: nowhere)
         self._changed = asyncio.Event()  # set (and replaced) on every membership change
+        self.attested: dict[str, int] = {}  # server -> the last version whose weights it attested (`synced`)
         self._confirming: dict[str, asyncio.Task] = {}  # server -> the check of a report on it
         self._probe_task: asyncio.Task | None = None
 
@@ -339,10 +341,27 @@ class ControlPlane:
         await self.rebuild()
         return await self.plan_sync(self.policy_version, sorted(self.stale)) if self.stale else None
 
-    def synced(self, version: int, acked: list[str], failed: dict[str, str], hung: list[str] = ()) -> None:
+    def synced(self, version: int, acked: list[str], failed: dict[str, str], hung: list[str] = (),
+               sent: int | None = None, attestations: dict[str, int] | None = None) -> dict[str, str]:
         """After a weight sync: the new policy version (versions only go up: a late word on an older
         sync changes none); re-admit recovered servers that took it, eject servers that did not, and
-        restart those of them that hung in the load (`hung`: alive, never acked), as a stalled one."""
+        restart those of them that hung in the load (`hung`: alive, never acked), as a stalled one.
+
+        `sent`: the trainer's attestation of the sync (its pieces' digests, combined); `attestations`:
+        each acking server's, of what it loaded. A server's version is attested only when the two
+        agree; one whose does not is ejected like a server that failed the sync (the next sync
+        re-loads it), so it serves nothing more of that version. Returns server -> why, for every
+        server that did not take the sync (those `failed` named and those not attested)."""
+        failed = dict(failed)
+        if sent is not None:
+            for name in list(acked):
+                theirs = (attestations or {}).get(name, 0)
+                if theirs != sent:
+                    failed[name] = (f"its weights are not attested: it reports digest {theirs:016x} of what it loaded, "
+                                    f"the trainer sent {sent:016x}")
+                else:
+                    self.attested[name] = version
+            acked = [name for name in acked if name not in failed]
         if version > self.policy_version:
             self.policy_version = version
             self._record()
@@ -352,11 +371,13 @@ class ControlPlane:
                 self._readmit(name)
         for name, reason in failed.items():
             self.stale.pop(name, None)
+            self.attested.pop(name, None)
             self._eject(name, f"weight sync v{version} failed: {reason}", probe=False)
         for name in hung:
             self.transport.restart(name)
         if failed:
             self._ensure_probing()
+        return failed
 
 
 def _cause(exc: BaseException, timeout_s: float | None = None) -> str:

@@ -9,6 +9,8 @@ place before any actor starts, into the one RunConfig every actor receives and c
 - `algorithm.rollout_correction.rollout_is: auto` -> `token` in asynchronous mode, null (off) in
   synchronous mode;
 - `agent.format: auto` -> the tool-call format the model's chat template writes;
+- `trainer.weight_sync_backend: auto` -> `collective` where the trainer runs on accelerators, `zmq`
+  on CPUs; `collective` is refused in one line where this torch build lacks the backend;
 - user code named by a file path relative to the working directory (`agent.openai_agent`,
   `agent.langgraph_graph`, `agent.environment`: `path/to/file.py:name`) -> its absolute path, which
   the actors (started in other directories) can import.
@@ -34,7 +36,30 @@ log = logging.getLogger(__name__)
 def resolve(cfg: RunConfig) -> RunConfig:
     """`cfg` with its autos and derived settings decided (see the module's docstring)."""
     check_algorithms(cfg)
-    return with_user_code_paths(with_tool_format(with_rollout_correction(with_engine_dtype(with_agent_workers(with_tool_sandbox_settings(cfg))))))
+    cfg = with_weight_sync_backend(with_tool_sandbox_settings(cfg))
+    return with_user_code_paths(with_tool_format(with_rollout_correction(with_engine_dtype(with_agent_workers(cfg)))))
+
+
+def weights_device(cfg: RunConfig) -> str:
+    """Where the trainer's weights are, so where a weight sync's buckets start: cuda, npu or cpu."""
+    if not cfg.trainer.num_gpus:
+        return "cpu"
+    return "npu" if cfg.cluster.accelerator == "NPU" else "cuda"
+
+
+def with_weight_sync_backend(cfg: RunConfig) -> RunConfig:
+    """trainer.weight_sync_backend auto decided; `collective` checked against this torch build."""
+    from raytool.weightsync.collective import BACKENDS, missing_backend
+
+    t, device = cfg.trainer, weights_device(cfg)
+    backend = t.weight_sync_backend
+    if backend == "auto":
+        backend = "zmq" if device == "cpu" else "collective"
+        log.info("trainer.weight_sync_backend auto: %s (the trainer's weights are on %s)", backend, device)
+    if backend == "collective" and (why := missing_backend(device)):
+        raise ConfigError(f"config key 'trainer.weight_sync_backend': collective syncs {device} weights with {BACKENDS[device]}, but {why}; "
+                          "set it to zmq")
+    return cfg if backend == t.weight_sync_backend else msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, weight_sync_backend=backend))
 
 
 # verl's estimators that need what raytool does not train or keep -> what to use

@@ -12,7 +12,7 @@ import zmq
 
 from raytool.weightsync import ChecksumError, WeightReceiver, WeightSender, WeightSyncError
 from raytool.weightsync import same_node, sender as sender_module
-from raytool.weightsync.protocol import BucketHeader, Piece, checksum, encode
+from raytool.weightsync.protocol import BucketHeader, Piece, combine, digest, encode
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -110,7 +110,8 @@ def test_an_empty_sync_is_one_empty_last_bucket():
 
 def _hand_made_bucket(route, hop, corrupt: bool, last: bool = True):
     payload = bytearray(torch.arange(16, dtype=torch.float32).numpy().tobytes())
-    header = BucketHeader(3, 0, last, "bytes", checksum([payload]), [Piece("w", "float32", [16], 0, 64, 0, 64)], route, hop, "test")
+    sent = digest(torch.frombuffer(bytes(payload), dtype=torch.uint8))
+    header = BucketHeader(3, 0, last, "bytes", combine([sent]), [Piece("w", "float32", [16], 0, 64, 0, 64)], route, hop, "test", digests=[sent])
     if corrupt:
         payload[10] ^= 0xFF
     push = zmq.Context.instance().socket(zmq.PUSH)
@@ -126,7 +127,8 @@ def test_a_corrupted_bucket_fails_its_checksum_naming_bucket_and_hop():
     assert torch.equal(bucket[0][1], torch.arange(16, dtype=torch.float32))
     push.close()
     push = _hand_made_bucket([first.address, second.address], 1, corrupt=True)  # as if forwarded by `first`
-    with pytest.raises(ChecksumError, match=f"v3: bucket 0 failed its checksum on the hop {first.address} -> {second.address}"):
+    with pytest.raises(ChecksumError, match=f"v3: bucket 0 failed its checksum on the hop {first.address} -> {second.address} "
+                                            r"\(first at tensor w, bytes 0-64\)"):
         next(second.receive(3, timeout_s=10))
     push.close()
     for r in (first, second):
@@ -135,8 +137,8 @@ def test_a_corrupted_bucket_fails_its_checksum_naming_bucket_and_hop():
 
 def test_a_sender_corrupting_in_transit_is_caught_by_the_first_receiver(monkeypatch):
     receiver = WeightReceiver()
-    real = sender_module.checksum
-    monkeypatch.setattr(sender_module, "checksum", lambda payload: real(payload) ^ 1)  # header and bytes disagree
+    real = sender_module.combine
+    monkeypatch.setattr(sender_module, "combine", lambda digests, handle=b"": real(digests, handle) ^ 1)  # header and bytes disagree
     sender = WeightSender([receiver.address], bucket_bytes=1 << 20, ipc=False)
     sender.send(_weights().items(), 4)
     with pytest.raises(ChecksumError, match=r"v4: bucket 0 failed its checksum on the hop the sender \("):

@@ -171,7 +171,7 @@ class Graph:
         """The version of the weights the servers should hold (the control plane's: the last sync's)."""
         return self.ask_manager("policy_version")
 
-    def publish_weights(self, timeout_s: float = 300.0) -> SyncResult:
+    def publish_weights(self, timeout_s: float | None = None) -> SyncResult:
         """The trainer's new weights, as the next policy version, to every healthy rollout server
         (and to recovered ones that wait for current weights): see `sync`."""
         return self.sync(self.ask_manager("plan_sync"), timeout_s)
@@ -185,18 +185,20 @@ class Graph:
             log.warning("rollout servers %s were restarted (base weights): weight sync v%d to them", sorted(plan.targets), plan.version)
             self.sync(plan)
 
-    def sync_weights(self, version: int, timeout_s: float = 300.0) -> SyncResult:
+    def sync_weights(self, version: int, timeout_s: float | None = None) -> SyncResult:
         """The trainer's weights as policy version `version` (a resumed run's) to every healthy server."""
         return self.sync(self.ask_manager("plan_sync", version), timeout_s)
 
-    def sync(self, plan: SyncPlan, timeout_s: float = 300.0) -> SyncResult:
+    def sync(self, plan: SyncPlan, timeout_s: float | None = None) -> SyncResult:
         """Stream the trainer's weights to the plan's servers (the control plane's plan: version,
         attempt, targets); returns the version, bytes, seconds, acks and the servers that failed. A
         server that fails its sync is ejected by the control plane; the run goes on without it.
 
         The buckets travel down a relay chain of the servers' receivers, so one dead server also
         starves the servers after it. Those are synced again at once, in a chain without the
-        servers that broke it (a dead actor, or an address a forwarder could not deliver to)."""
+        servers that broke it (a dead actor, or an address a forwarder could not deliver to).
+        `timeout_s`: the deadline of each wait (None: trainer.weight_sync_timeout_s)."""
+        timeout_s = self.cfg.trainer.weight_sync_timeout_s if timeout_s is None else timeout_s
         current, failed = self._receivers(plan.targets)
         moved = {name: addresses for name, addresses in current.items() if addresses != plan.targets[name]}
         if moved:  # restarted since the control plane last heard of them (before serving a request, say): new ports
@@ -212,8 +214,10 @@ class Graph:
             acks += more_acks
             broken = {name: broken[name] for name in culprits} | broken_again
         failed.update({name: f.reason for name, f in broken.items()})
-        self.ask_manager("synced", plan.version, [a.server for a in acks], failed, sorted(name for name, f in broken.items() if f.hung))
-        return SyncResult(plan.version, sent, acks, failed)
+        hung = sorted(name for name, f in broken.items() if f.hung)
+        failed = self.ask_manager("synced", plan.version, [a.server for a in acks], failed, hung, sent.get("attestation"),
+                                  {a.server: a.attestation for a in acks})
+        return SyncResult(plan.version, sent, [a for a in acks if a.server not in failed], failed)
 
     def _send_and_ack(self, targets: dict, version: int, timeout_s: float, attempt: int) -> tuple[dict, list, dict]:
         """One pass: every target listens, the trainer sends -> (sender stats, acks, failed server -> ServerSyncFailure).
@@ -232,7 +236,10 @@ class Graph:
             if not named:
                 raise
             sent = {"bytes": 0, "buckets": 0, "seconds": 0.0}
-            broken.update({name: ServerSyncFailure(one_line(exc), True, error) for name in named})
+            # A receiver that did not ack may be stuck, or starved behind one that is (a collective's
+            # broadcast tree): each is judged by its own answer below (an error, or no answer: hung).
+            if error.kind != "no_ack" or self.cfg.trainer.weight_sync_backend != "collective":
+                broken.update({name: ServerSyncFailure(one_line(exc), True, error) for name in named})
         for name, ref in receiving.items():
             try:
                 acks.append(ray.get(ref, timeout=timeout_s + ACK_GRACE_S))

@@ -28,7 +28,10 @@ class RolloutEngine(Protocol):
 
     async def receive_weights(self, version: int, timeout_s: float, attempt: int = 0) -> int:
         """Take one weight sync (`attempt` of `version`) into the live engine; returns the number
-        of tensors loaded."""
+        of tensors loaded. Before it serves a token of them, the engine checks what it loaded
+        against the digests the trainer sent (raytool.weightsync.protocol), raising
+        AttestationError naming the first tensor that differs, and keeps the sync's combined digest
+        in `attestation`, which its server reports to the control plane."""
 
     async def sleep(self) -> None: ...
 

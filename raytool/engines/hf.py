@@ -23,6 +23,7 @@ from raytool.engines.common import INCOMPLETE, EngineStats, check_weights_comple
 from raytool.moe import RouterTap
 from raytool.types import Routes, SamplingParams, TokenOutput
 from raytool.weightsync import WeightReceiver
+from raytool.weightsync.receiver import verify_loaded
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class HFEngine:
         self._loop_task: asyncio.Task | None = None
         self._weights_lock = threading.RLock()  # a weight sync never overlaps a batch: each batch is of one version
         self._receiver: WeightReceiver | None = None
+        self.attestation = 0  # the last sync's combined digest, as verified against the model's parameters
         self.stats = EngineStats()
         # trainer.router_replay=r3: the experts each prompt and generated token went to (raytool.moe)
         self.router_tap = RouterTap(self.model) if record_routes else None
@@ -197,10 +199,13 @@ class HFEngine:
             with self._weights_lock:
                 try:
                     loaded = sum(self.load_weights(bucket) for bucket in self._receiver.receive(version, timeout_s, attempt))
+                    # What the model holds now, against what the trainer sent: parameters by their HF names.
+                    verify_loaded(self._receiver.manifest, {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())},
+                                  "the rollout engine", version, self._receiver.on_host)
                 except BaseException:
                     self.policy_version = INCOMPLETE  # half old, half new: serve nothing until a sync completes
                     raise
-                self.policy_version = version
+                self.policy_version, self.attestation = version, self._receiver.attestation
             return loaded
 
         return await asyncio.to_thread(receive)

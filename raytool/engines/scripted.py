@@ -51,6 +51,7 @@ class ScriptedEngine:
         self.stats = EngineStats()
         self.busy_s = 0.0  # summed time of every request inside generate (the engine's share of a request's latency)
         self._receiver: WeightReceiver | None = None
+        self.attestation = 0
         self.crash_with = crash_with
         self._crash: EngineCrash | None = None
 
@@ -101,7 +102,7 @@ class ScriptedEngine:
             return sum(len(list(bucket)) for bucket in self._receiver.receive(version, timeout_s, attempt))
 
         loaded = await asyncio.to_thread(drain)
-        self.policy_version = version
+        self.policy_version, self.attestation = version, self._receiver.attestation  # it loads nothing: what arrived, verified
         return loaded
 
     async def sleep(self) -> None:

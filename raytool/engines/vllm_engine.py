@@ -63,6 +63,7 @@ from raytool.engines.crash import CRASH_FILE_ENV, EngineCrash, read_crash
 from raytool.moe import RouteLog
 from raytool.types import Routes, SamplingParams, TokenOutput
 from raytool.weightsync import WeightSyncError
+from raytool.weightsync.protocol import AttestationError
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ class VLLMEngine:
         _set_environment(start_timeout_s, cpu_kv_cache_gb, cpu_preload)
         self.model_path = model_path
         self.policy_version = 0
+        self.attestation = 0  # the last sync's combined digest (raytool.engines.RolloutEngine.receive_weights)
         self.pause_mode = _PAUSE_MODES[partial_rollout]
         self.stats = EngineStats()
         self._asleep = False
@@ -392,14 +394,17 @@ class VLLMEngine:
             self._load_aborts += 1
         await self.llm.pause_generation(mode=mode, clear_cache=False)
         try:
-            counts = await self.llm.collective_rpc("raytool_receive_weights", args=(version, timeout_s, attempt))
-            for count in counts:
-                if isinstance(count, dict):
-                    raise WeightSyncError.from_fields(count["error"])
+            ranks = await self.llm.collective_rpc("raytool_receive_weights", args=(version, timeout_s, attempt))
+            for rank in ranks:
+                if "error" in rank:
+                    raise WeightSyncError.from_fields(rank["error"])
+            if len({rank["attestation"] for rank in ranks}) > 1:  # every rank takes the whole sync and keeps its shard
+                raise AttestationError(f"weight sync v{version}: the engine's tensor-parallel ranks received different weights "
+                                       f"(digests {sorted({rank['attestation'] for rank in ranks})})", version=version, bucket=-1, kind="attestation")
             await self.llm.reset_prefix_cache(reset_running_requests=mode == "keep")
             if hasattr(self.llm, "update_weight_version"):  # vLLMs without it report no spans (see _token_versions)
                 await self.llm.update_weight_version(str(version))
-            self.policy_version = version
+            self.policy_version, self.attestation = version, ranks[0]["attestation"]
         except BaseException:
             # Some weights may be new and some old: serve nothing (requests frozen in flight are
             # ended, new ones refused) until a sync completes.
@@ -409,7 +414,7 @@ class VLLMEngine:
         finally:
             await self.llm.resume_generation()
             self._weights_ready.set()
-        return int(counts[0])
+        return int(ranks[0]["loaded"])
 
     async def sleep(self) -> None:
         if not self.supports_sleep():

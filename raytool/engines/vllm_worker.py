@@ -35,10 +35,14 @@ class WeightSyncExtension:
             receiver = self._raytool_receiver = WeightReceiver(host)
         return receiver.address
 
-    def raytool_receive_weights(self, version: int, timeout_s: float, attempt: int = 0) -> int | dict:
+    def raytool_receive_weights(self, version: int, timeout_s: float, attempt: int = 0) -> dict:
         """Load one sync bucket by bucket with the model's own `load_weights` (it maps HF names to
-        vLLM's fused parameters and keeps this rank's shard); returns how many tensors came, or a
-        failed sync's WeightSyncError as {"error": its fields} (vLLM's RPC would keep only its text).
+        vLLM's fused parameters and keeps this rank's shard); returns {"loaded": how many tensors
+        came, "attestation": the sync's combined digest of what this rank received and handed to
+        `load_weights`, verified bucket by bucket}, or a failed sync's WeightSyncError as {"error":
+        its fields} (vLLM's RPC would keep only its text). The digests cover the tensors as handed
+        to vLLM's loader, not the fused, sharded and repacked parameters it makes of them, which the
+        trainer cannot compute.
 
         The load is bracketed by vLLM's layerwise reload: after the first load vLLM post-processes
         weights into kernel-specific layouts (the CPU backend repacks linear weights, quantized
@@ -67,7 +71,7 @@ class WeightSyncExtension:
                 finalize_layerwise_reload(model, self.model_config)
                 repack_cpu_moe_experts(model, moe_layers)
         log.debug("weights v%d: %d tensors in %.2fs", version, loaded, time.perf_counter() - start)
-        return loaded
+        return {"loaded": loaded, "attestation": self._raytool_receiver.attestation}
 
 
 def repack_cpu_moe_experts(model, moe_layers: set[str]) -> None:

@@ -8,8 +8,16 @@ the staging buffer a GPU tensor was copied to). On one node the bytes need not t
 `kind="cuda"` the one payload frame is a msgpack `CudaBuffer` (an IPC handle to the sender's GPU
 staging buffer), with `kind="shm"` a `ShmBuffer` (the sender's shared-memory staging file), and
 each piece sits at its offset in that buffer; receivers ack such a bucket when they are done with
-it. The header's checksum covers what travels: the payload frames (the weights' bytes, or the
-handle to them). Every hop verifies it before it forwards or loads the bucket.
+it. With `kind="collective"` (trainer.weight_sync_backend=collective) there is no payload frame:
+the bucket's bytes come by a broadcast in a process group of the sender and every receiver
+(raytool.weightsync.collective), which the header's `group` names, and receivers ack it too.
+
+Every piece has a digest (`digest`: xxh3_64 of its bytes on the host, `fingerprint` on an
+accelerator), computed by the sender where the bytes already are, and listed in the header. The
+header's checksum is the digest of those digests (and of the handle, read in place): every hop
+computes the pieces' digests of what it got, so a changed byte is named by its tensor, before the
+bucket is forwarded or loaded. The digests of a whole sync, combined, are its attestation: each
+server reports the one it verified, the control plane compares it with the one the trainer sent.
 
 A header names its sync by (version, attempt): a version sent again after a failed pass (a relay
 chain a dead receiver broke) gets a higher attempt, so a receiver tells the buckets the first pass
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
+import numpy as np
 import torch
 import xxhash
 
@@ -77,18 +86,33 @@ class ShmBuffer(msgspec.Struct, array_like=True):
     nbytes: int
 
 
+class GroupSpec(msgspec.Struct, array_like=True):
+    """Where a collective sync's process group meets: the sender's store, the group's generation
+    (a new one after a failed sync), its size (the sender and its receivers) and the receiver's rank."""
+
+    host: str
+    port: int
+    generation: int
+    size: int
+    rank: int
+    backend: Literal["gloo", "nccl", "hccl"]
+    timeout_s: float
+
+
 class BucketHeader(msgspec.Struct, array_like=True):
     version: int
     index: int
     last: bool
-    kind: Literal["bytes", "cuda", "shm"]
-    checksum: int  # xxh3_64 of the payload frames in order
+    kind: Literal["bytes", "cuda", "shm", "collective"]
+    checksum: int  # `combine` of the pieces' digests (after the handle's digest, read in place)
     pieces: list[Piece]
     route: list[str]  # receivers in chain order
     hop: int  # this frame is addressed to route[hop]
     origin: str  # the sender ("host pid N"), named in errors about the first hop
     ack_to: str = ""  # kinds "cuda", "shm": where receivers ack a bucket, so the sender may reuse its buffer
     attempt: int = 0  # which try at this version: a version sent again (a broken chain) gets a higher one
+    digests: list[int] = []  # each piece's digest, in the order of `pieces`
+    group: GroupSpec | None = None  # kind "collective": the process group the bytes are broadcast in
 
     def upstream(self) -> str:
         """Who sent this frame to route[hop]."""
@@ -111,12 +135,42 @@ decode_shm = msgspec.msgpack.Decoder(ShmBuffer).decode
 decode_ack = msgspec.msgpack.Decoder(Ack).decode
 
 
-def checksum(frames) -> int:
-    """xxh3_64 of a sequence of buffers: about 29 GiB/s on this project's 2-core dev box, against
-    5.9 for zlib.crc32 and 3.6 for zlib.adler32 (64 MiB buffers), so every hop can afford it."""
-    h = xxhash.xxh3_64()
-    for frame in frames:
-        h.update(frame)
+def digest(chunk: torch.Tensor) -> int:
+    """A piece's digest, computed where its bytes are: xxh3_64 on the host, `fingerprint` on an
+    accelerator (no copy to the host). `chunk`: a 1-D uint8 tensor. xxh3_64 runs at about 29 GiB/s
+    on this project's 2-core dev box, against 5.9 for zlib.crc32 and 3.6 for zlib.adler32 (64 MiB
+    buffers), so every hop can afford it."""
+    if chunk.device.type != "cpu":
+        return fingerprint(chunk)
+    if not chunk.numel():
+        return xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(memoryview(chunk.numpy()))
+
+
+_MASK = (1 << 64) - 1
+
+
+def fingerprint(chunk: torch.Tensor) -> int:
+    """A 64-bit digest of a uint8 tensor computed by the device that holds it: the sum of its 32-bit
+    words times distinct odd weights, in int64 (which wraps, so the sum is the same in any order),
+    then the trailing bytes. Every changed byte changes it, and so do two swapped words; it is a
+    checksum, not a cryptographic hash. Chunks start 4-byte aligned (pieces sit at ALIGN offsets)."""
+    n = chunk.numel()
+    whole = n - n % 4
+    total = len(chunk) * 0x9E3779B97F4A7C15
+    if whole:
+        words = chunk[:whole].view(torch.int32).to(torch.int64)
+        weights = torch.arange(1, 2 * len(words), 2, dtype=torch.int64, device=chunk.device)
+        total += int((words * weights).sum())
+    for i in range(whole, n):
+        total = total * 1099511628211 + int(chunk[i]) + 1
+    return total & _MASK
+
+
+def combine(digests: list[int], handle: bytes = b"") -> int:
+    """One digest of a list of digests (after a handle's bytes): a bucket's checksum, a sync's attestation."""
+    h = xxhash.xxh3_64(handle)
+    h.update(np.asarray(digests, dtype=np.uint64).tobytes())
     return h.intdigest()
 
 
@@ -129,7 +183,8 @@ class WeightSyncError(RuntimeError):
     bucket, the receiver addresses the failure points at, and what happened (`kind`):
     undelivered (a bucket could not be handed to `addresses`), no_ack (`addresses` did not confirm
     an in-place bucket), starved (the bucket never reached `addresses`: someone upstream failed),
-    sender_gone, out_of_order, checksum."""
+    sender_gone, out_of_order, checksum, attestation (what a server loaded is not what was sent),
+    no_group (a receiver did not join a collective sync's process group)."""
 
     def __init__(self, message: str, *, version: int, bucket: int, addresses: tuple[str, ...] = (), kind: str):
         super().__init__(message)
@@ -144,11 +199,11 @@ class WeightSyncError(RuntimeError):
 
     @classmethod
     def from_fields(cls, fields: dict) -> "WeightSyncError":
-        error_type = {"checksum": ChecksumError}.get(fields["kind"], WeightSyncTimeout if fields["kind"] in TIMEOUT_KINDS else WeightSyncError)
+        error_type = {"checksum": ChecksumError, "attestation": AttestationError}.get(fields["kind"], WeightSyncTimeout if fields["kind"] in TIMEOUT_KINDS else WeightSyncError)
         return error_type(fields["message"], version=fields["version"], bucket=fields["bucket"], addresses=tuple(fields["addresses"]), kind=fields["kind"])
 
 
-TIMEOUT_KINDS = ("undelivered", "no_ack", "starved", "sender_gone")
+TIMEOUT_KINDS = ("undelivered", "no_ack", "starved", "sender_gone", "no_group")
 
 
 class WeightSyncTimeout(WeightSyncError, TimeoutError):
@@ -161,6 +216,10 @@ def _rebuild(cls, message, version, bucket, addresses, kind):
 
 class ChecksumError(WeightSyncError):
     """A bucket's payload does not match its header's checksum: corrupted on the named hop."""
+
+
+class AttestationError(WeightSyncError):
+    """What a server loaded is not what the trainer sent: the first differing tensor is named."""
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ import msgspec
 import torch
 import zmq
 
-from raytool.weightsync import same_node
+from raytool.weightsync import collective, same_node
 from raytool.weightsync.protocol import (
-    DTYPES, Ack, BucketHeader, ChecksumError, Piece, WeightSyncError, WeightSyncTimeout, checksum, decode_cuda, decode_header, decode_shm, encode,
+    DTYPES, Ack, AttestationError, BucketHeader, ChecksumError, Piece, WeightSyncError, WeightSyncTimeout, align, combine, decode_cuda, decode_header,
+    decode_shm, digest, encode,
 )
-
 
 
 class WeightReceiver:
@@ -34,6 +34,12 @@ class WeightReceiver:
         # Where split tensors are joined, kept from sync to sync: a fresh 100 MB buffer per sync
         # costs its page faults again (measured: 50 ms of a 250 ms sync of SmolLM2-135M).
         self._joins: dict[tuple[str, str], torch.Tensor] = {}
+        self._group: collective.ReceiverGroup | None = None  # the collective path's process group, while its generation lasts
+        # The last complete sync: each piece with the digest of what arrived (the sender's, verified
+        # bucket by bucket), and their combination, which the server reports as its attestation.
+        self.manifest: list[tuple[Piece, int]] = []
+        self.attestation = 0
+        self.on_host = True  # the last sync's digests were taken on the host (not a device fingerprint)
 
     def receive(self, version: int, timeout_s: float = 120.0, attempt: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield the tensors of one sync, a bucket at a time, until the bucket marked last.
@@ -49,6 +55,8 @@ class WeightReceiver:
         upstream = "upstream (no bucket of this sync has come yet: the sender or a receiver before this one is late or failed)"
         partial: dict[str, torch.Tensor] = {}  # split tensors being joined, as bytes
         seen: set[str] = set()  # shared-memory files this sync used
+        manifest: list[tuple[Piece, int]] = []
+        self.manifest, self.attestation = [], 0
         while True:
             if not self._sock.poll(int(timeout_s * 1000)):
                 raise WeightSyncTimeout(
@@ -66,20 +74,22 @@ class WeightReceiver:
                     f"from {header.upstream()}", version=version, bucket=expected, addresses=(self.address,), kind="out_of_order",
                 )
             upstream = header.upstream()
-            shared = self._shared_buffer(header, payload, seen)  # None for kind "bytes"
-            read = [frame.buffer for frame in payload]  # the weights' bytes, or the handle to them (read in place)
-            if checksum(read) != header.checksum:
-                raise ChecksumError(
-                    f"weight sync v{version}: bucket {header.index} failed its checksum on the hop {upstream} -> "
-                    f"{self.address}: its bytes changed on the way; sync again, and check that link if it repeats",
-                    version=version, bucket=header.index, addresses=(self.address,), kind="checksum",
-                )
-            self._forward(header, payload, timeout_s)
+            shared = self._shared_buffer(header, payload, seen, timeout_s)  # None for kind "bytes"
             if shared is None:
                 chunks = [_frame_bytes(frame) for frame in payload]
             else:
                 chunks = [shared[p.offset : p.offset + p.nbytes] for p in header.pieces]
-            del read
+            digests = [digest(chunk) for chunk in chunks]
+            handle = payload[0].bytes if header.kind in ("cuda", "shm") else b""
+            if combine(digests, handle) != header.checksum:
+                raise ChecksumError(
+                    f"weight sync v{version}: bucket {header.index} failed its checksum on the hop {upstream} -> "
+                    f"{self.address}{_first_difference(header, digests)}: its bytes changed on the way; sync again, and check "
+                    "that link if it repeats", version=version, bucket=header.index, addresses=(self.address,), kind="checksum",
+                )
+            manifest.extend(zip(header.pieces, digests))
+            self.on_host = not chunks or chunks[0].device.type == "cpu"
+            self._forward(header, payload, timeout_s)
             yield _complete_tensors(header.pieces, chunks, partial, self._joins)
             if shared is not None:
                 del shared, chunks  # done with the sender's buffer: it may refill it
@@ -89,12 +99,16 @@ class WeightReceiver:
                     raise WeightSyncError(f"weight sync v{version}: the last bucket came before the rest of {', '.join(partial)}",
                                           version=version, bucket=header.index, addresses=(self.address,), kind="out_of_order")
                 self._segments = {path: buf for path, buf in self._segments.items() if path in seen}  # a new sender's files replace an old one's
+                self.manifest, self.attestation = manifest, combine([d for _, d in manifest])
                 return
             expected += 1
 
-    def _shared_buffer(self, header: BucketHeader, payload: list[zmq.Frame], seen: set[str]) -> torch.Tensor | None:
+    def _shared_buffer(self, header: BucketHeader, payload: list[zmq.Frame], seen: set[str], timeout_s: float) -> torch.Tensor | None:
         """The part of the sender's staging buffer an in-place bucket fills (shared-memory files
-        are mapped once and kept; `seen` collects them)."""
+        are mapped once and kept; `seen` collects them), or the bytes a collective bucket's
+        broadcast brought; None for bytes in the frames."""
+        if header.kind == "collective":
+            return self._broadcast(header, timeout_s)
         if header.kind == "cuda":
             return same_node.import_buffer(decode_cuda(payload[0].bytes))
         if header.kind == "shm":
@@ -104,6 +118,29 @@ class WeightReceiver:
             seen.add(shm.path)
             return self._segments[shm.path][: shm.nbytes]
         return None
+
+    def _broadcast(self, header: BucketHeader, timeout_s: float) -> torch.Tensor:
+        """Join the header's group (once per generation) and take the bucket's broadcast."""
+        spec = header.group
+        nbytes = align(max((p.offset + p.nbytes for p in header.pieces), default=0))
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        try:
+            if self._group is None or not self._group.matches(spec):
+                if self._group is not None:
+                    self._group.close()
+                    self._group = None
+                self._group = collective.ReceiverGroup(spec, collective.receiver_device(spec.backend))
+            return self._group.receive(nbytes, timeout_s)
+        except (RuntimeError, ValueError) as exc:  # gloo/NCCL and the store's words: the group is dropped, the next sync makes another
+            if self._group is not None:
+                self._group.close()
+                self._group = None
+            raise WeightSyncTimeout(
+                f"weight sync v{header.version}: bucket {header.index} did not reach {self.address} by the {spec.backend} group "
+                f"(generation {spec.generation}) within {timeout_s:g}s: {str(exc).splitlines()[0][:300]}",
+                version=header.version, bucket=header.index, addresses=(self.address,), kind="starved",
+            ) from None
 
     def _forward(self, header: BucketHeader, payload: list[zmq.Frame], timeout_s: float) -> None:
         """Pass the bucket to the next receiver of the chain, if there is one."""
@@ -147,6 +184,38 @@ class WeightReceiver:
             sock.close(linger=0)
         self._peers.clear()
         self._segments.clear()
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+
+def _first_difference(header: BucketHeader, digests: list[int]) -> str:
+    """' (first at tensor NAME)' where a piece's digest differs from the sender's, '' if none does."""
+    for piece, ours, theirs in zip(header.pieces, digests, header.digests):
+        if ours != theirs:
+            return f" (first at tensor {piece.name}, bytes {piece.start}-{piece.start + piece.nbytes})"
+    return ""
+
+
+def verify_loaded(manifest: list[tuple[Piece, int]], loaded: dict[str, torch.Tensor], server: str, version: int, on_host: bool = True) -> None:
+    """Raise AttestationError naming the first tensor whose bytes in the engine (`loaded`: name ->
+    the engine's tensor of that name, cast to the dtype it was sent in) differ from what the trainer
+    sent (`manifest`: a receiver's last sync). `on_host`: the sync's digests were taken on the host
+    (every path but CUDA IPC and NCCL/HCCL, whose digests are the device's `fingerprint`)."""
+    for piece, sent in manifest:
+        tensor = loaded.get(piece.name)
+        if tensor is None:
+            raise AttestationError(f"weight sync v{version}: {server} holds no tensor '{piece.name}', which the trainer sent",
+                                   version=version, bucket=-1, kind="attestation")
+        data = tensor.detach().to(DTYPES[piece.dtype]).contiguous().reshape(-1).view(torch.uint8)
+        if on_host:
+            data = data.cpu()
+        if digest(data[piece.start : piece.start + piece.nbytes]) != sent:
+            raise AttestationError(
+                f"weight sync v{version}: {server} loaded '{piece.name}' (bytes {piece.start}-{piece.start + piece.nbytes}) "
+                "differently from what the trainer sent: its digest differs; the server serves nothing of this version",
+                version=version, bucket=-1, kind="attestation",
+            )
 
 
 def _frame_bytes(frame: zmq.Frame) -> torch.Tensor:

@@ -30,9 +30,9 @@ from typing import Literal
 import torch
 import zmq
 
-from raytool.weightsync import same_node
+from raytool.weightsync import collective, same_node
 from raytool.weightsync.links import DOWN_AFTER_S, WatchedPeers
-from raytool.weightsync.protocol import DTYPES, Ack, BucketHeader, Piece, ShmBuffer, WeightSyncTimeout, align, checksum, decode_ack, encode
+from raytool.weightsync.protocol import DTYPES, Ack, BucketHeader, Piece, ShmBuffer, WeightSyncTimeout, align, combine, decode_ack, digest, encode
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,11 @@ class WeightSender:
     resolves to: pass Ray's node IP) and, for a shared-memory file, /dev/shm has room; False always
     sends bytes over TCP. Read in place, send() returns once every receiver has taken every
     bucket (it waits for their acks).
+    backend="collective" broadcasts each bucket's bytes in a process group of the sender and the
+    receivers instead (raytool.weightsync.collective: gloo, NCCL or HCCL by where the weights are),
+    with headers and acks on ZMQ; `ipc` and `fanout` do not apply. The group is kept from sync to
+    sync and made again after a sync that failed.
+    Every send returns the sync's attestation: the combined digest of every piece it sent.
     """
 
     def __init__(
@@ -79,11 +84,14 @@ class WeightSender:
         ipc: bool | None = None,
         node_ip: str | None = None,
         down_after_s: float = DOWN_AFTER_S,
+        backend: Literal["zmq", "collective"] = "zmq",
     ):
         if not addresses:
             raise ValueError("WeightSender needs at least one receiver address")
         if fanout not in ("chain", "direct"):
             raise ValueError(f"fanout must be 'chain' or 'direct', not '{fanout}'")
+        if backend not in ("zmq", "collective"):
+            raise ValueError(f"backend must be 'zmq' or 'collective', not '{backend}'")
         if bucket_bytes < 1 << 10:
             raise ValueError(f"bucket_bytes={bucket_bytes}: use at least 1 KiB (64 MiB is the default)")
         self.addresses = list(addresses)
@@ -92,6 +100,8 @@ class WeightSender:
         self.fanout = fanout
         self.ipc = ipc
         self.node_ip = node_ip
+        self.backend = backend
+        self.host = node_ip or "127.0.0.1"  # where receivers reach this sender (acks, a collective group's store)
         self.origin = f"{socket.gethostname()} pid {os.getpid()}"
         self._ctx = zmq.Context.instance()
         # A receiver whose connection stays down for down_after_s is gone: named then, not at the timeout.
@@ -102,6 +112,10 @@ class WeightSender:
         self._acks: zmq.Socket | None = None
         self._ack_address = ""
         self._attempt = 0  # of the send in progress
+        self._digests: list[int] = []  # of the send in progress: each piece's, in order
+        self._group: collective.SenderGroup | None = None
+        self._acked: dict[int, set[str]] = {}  # of the send in progress: bucket index -> receivers that acked it
+        self._generations = itertools.count()
 
     # --- the caller's thread: packing -------------------------------------------------------
 
@@ -110,12 +124,18 @@ class WeightSender:
         WeightSyncTimeout naming the receiver that did not take a bucket in time. `attempt` tells a
         second try at a version from the first (the receivers were told the same)."""
         start = time.perf_counter()
-        self._attempt = attempt
+        self._attempt, self._digests = attempt, []
         tensors = iter(named_tensors)
         first = next(tensors, None)
         tensors = itertools.chain([first], tensors) if first is not None else iter(())
-        kind = same_node.choose_kind(first[1] if first else None, self.addresses, self.node_ip, self.ipc, _STAGING * self.bucket_bytes)
         device = first[1].device if first is not None else torch.device("cpu")
+        if self.backend == "collective":
+            kind = "collective"
+            if self._group is None:
+                self._group = collective.SenderGroup(self.host, self.addresses, collective.backend_for(device.type),
+                                                     self.send_timeout_s, next(self._generations), self._peers.down_after_s)
+        else:
+            kind = same_node.choose_kind(first[1] if first else None, self.addresses, self.node_ip, self.ipc, _STAGING * self.bucket_bytes)
         if kind == "cuda":
             kind = self._cuda_ipc_route(device)
         free = self._staging_buffers(device, kind)
@@ -126,21 +146,31 @@ class WeightSender:
         )
         thread.start()
         try:
-            buckets, sent = self._pack(tensors, device, free, pending, failure)
-        except BaseException:
-            sender_failed = bool(failure)  # then the packer only saw its effect
+            try:
+                buckets, sent = self._pack(tensors, device, free, pending, failure)
+            except BaseException:
+                sender_failed = bool(failure)  # then the packer only saw its effect
+                _put(pending, None, failure, thread)
+                thread.join()
+                if sender_failed:
+                    raise failure[0] from None
+                raise
             _put(pending, None, failure, thread)
             thread.join()
-            if sender_failed:
-                raise failure[0] from None
+            if failure:
+                raise failure[0]
+        except BaseException:
+            self._drop_group()  # a group a sync failed in is never reused
             raise
-        _put(pending, None, failure, thread)
-        thread.join()
-        if failure:
-            raise failure[0]
         seconds = time.perf_counter() - start
         log.debug("weights v%d: %d buckets, %.1f MB in %.2fs (%s, %s)", version, buckets, sent / 1e6, seconds, self.fanout, kind)
-        return {"bytes": sent, "buckets": buckets, "seconds": seconds, "fanout": self.fanout, "kind": kind}
+        return {"bytes": sent, "buckets": buckets, "seconds": seconds, "fanout": self.fanout, "kind": kind,
+                "attestation": combine(self._digests)}
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
 
     def _cuda_ipc_route(self, device: torch.device) -> str:
         """CUDA IPC, or host shared memory (bytes where /dev/shm is small) where a GPU of this node
@@ -219,7 +249,7 @@ class WeightSender:
         return free
 
     def _new_staging(self, device: torch.device, kind: str) -> torch.Tensor:
-        if kind == "cuda":
+        if kind == "cuda" or kind == "collective":  # a collective's bytes go from where the weights are
             return torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
         if kind == "shm":
             path, buffer = same_node.create_segment(self.bucket_bytes)
@@ -234,7 +264,7 @@ class WeightSender:
         newest bucket stays in flight while the next one is checksummed and queued, so the
         wire never waits on this thread."""
         in_flight: list[_Bucket] = []
-        acked: dict[int, set[str]] = {}
+        acked = self._acked = {}
         try:
             while (bucket := pending.get()) is not None:
                 self._deliver(version, bucket, kind)
@@ -248,26 +278,32 @@ class WeightSender:
 
     def _deliver(self, version: int, bucket: _Bucket, kind: str) -> None:
         if bucket.copied is not None:
-            bucket.copied.synchronize()  # the bytes are in the buffer before anyone reads it (checksum, wire, handle)
+            bucket.copied.synchronize()  # the bytes are in the buffer before anyone reads it (digests, wire, handle)
         if kind == "bytes":
+            chunks = bucket.frames
             payload = [memoryview(frame.numpy()) for frame in bucket.frames]
-            digest = checksum(payload)
+            handle = b""
+        elif kind == "collective":  # the bytes go by the group's broadcast, after the headers
+            chunks, payload, handle = [bucket.buffer[p.offset : p.offset + p.nbytes] for p in bucket.pieces], [], b""
         else:
-            # Read in place, no weight bytes travel: the checksum covers what does, the handle
-            # (the receivers read the buffer only between our send and their ack, so nothing
-            # overwrites it under them).
-            handle = ShmBuffer(self._shm_paths[bucket.buffer.data_ptr()], bucket.used) if kind == "shm" else same_node.export_buffer(bucket.buffer)
-            payload = [encode(handle)]
-            digest = checksum(payload)
-        # Read in place, a bucket is a small header: every receiver gets its own (a chain would only
-        # let one dead receiver starve the ones after it).
+            # Read in place, no weight bytes travel, only the handle (the receivers read the buffer
+            # only between our send and their ack, so nothing overwrites it under them).
+            shared = ShmBuffer(self._shm_paths[bucket.buffer.data_ptr()], bucket.used) if kind == "shm" else same_node.export_buffer(bucket.buffer)
+            handle = encode(shared)
+            chunks, payload = [bucket.buffer[p.offset : p.offset + p.nbytes] for p in bucket.pieces], [handle]
+        digests = [digest(chunk) for chunk in chunks]  # where the bytes are: the host, or the device's fingerprint
+        self._digests.extend(digests)
+        # Read in place or broadcast, a bucket is a small header: every receiver gets its own (a
+        # chain would only let one dead receiver starve the ones after it).
         routes = [self.addresses] if self.fanout == "chain" and kind == "bytes" else [[a] for a in self.addresses]
         header = BucketHeader(
-            version, bucket.index, bucket.last, kind, digest, bucket.pieces, [], 0, self.origin,
-            self._ack_socket() if kind != "bytes" else "", self._attempt,
+            version, bucket.index, bucket.last, kind, combine(digests, handle), bucket.pieces, [], 0, self.origin,
+            self._ack_socket() if kind != "bytes" else "", self._attempt, digests,
         )
         for route in routes:
             header.route = route
+            if kind == "collective":
+                header.group = self._group.spec(route[0])
             sock = self._peers.socket(route[0])
             deadline = time.monotonic() + self.send_timeout_s
             while not sock.poll(int(_POLL_S * 1000), zmq.POLLOUT):  # no live connection to queue on yet
@@ -279,6 +315,24 @@ class WeightSender:
             except zmq.Again:
                 raise self._undelivered(version, bucket.index, route[0]) from None
             bucket.waits.append((route[0], tracker))
+        nbytes = align(bucket.used)
+        if kind == "collective" and nbytes:
+            def check() -> None:
+                self._check_alive(version, bucket.index, self.addresses)
+
+            self._group.join(version, bucket.index, check)
+            try:
+                self._group.broadcast(bucket.buffer[:nbytes], version, bucket.index, check)
+            except WeightSyncTimeout as exc:
+                if exc.kind != "no_ack":
+                    raise
+                # Stuck in the broadcast: the receivers that took the bucket ack it once loaded; name the others.
+                missing = sorted(self._missing_acks(version, bucket.index, self._acked, time.monotonic() + self._peers.down_after_s + 1.0))
+                raise WeightSyncTimeout(
+                    f"weight sync v{version}: no ack for bucket {bucket.index} from {', '.join(missing or self.addresses)} within "
+                    f"{self.send_timeout_s:g}s: the {self._group.backend} broadcast of it did not complete (that receiver is stuck)",
+                    version=version, bucket=bucket.index, addresses=tuple(missing or self.addresses), kind="no_ack",
+                ) from None
 
     def _release(self, version: int, bucket: _Bucket, kind: str, free: queue.Queue, acked: dict[int, set[str]]) -> None:
         """Wait until the bucket's buffer may be refilled, then hand it back to the packer."""
@@ -298,24 +352,30 @@ class WeightSender:
         free.put(bucket.buffer)
 
     def _wait_acks(self, version: int, index: int, acked: dict[int, set[str]]) -> None:
-        """Every receiver reads an in-place bucket from our buffer: wait for all of them. Acks of
-        later buckets that come meanwhile are kept in `acked` (bucket index -> receivers)."""
-        deadline = time.monotonic() + self.send_timeout_s
+        """Every receiver reads an in-place bucket from our buffer (or a collective one from its
+        own): wait for all of them."""
+        if waiting := self._missing_acks(version, index, acked, time.monotonic() + self.send_timeout_s):
+            raise WeightSyncTimeout(
+                f"weight sync v{version}: no ack for bucket {index} from {', '.join(sorted(waiting))} "
+                f"within {self.send_timeout_s:g}s (that receiver failed to load it or is stuck)",
+                version=version, bucket=index, addresses=tuple(sorted(waiting)), kind="no_ack",
+            )
+        acked.pop(index)
+
+    def _missing_acks(self, version: int, index: int, acked: dict[int, set[str]], deadline: float) -> set[str]:
+        """The receivers that have not acked bucket `index` by `deadline`. Acks of later buckets
+        that come meanwhile are kept in `acked` (bucket index -> receivers)."""
         while (waiting := set(self.addresses) - acked.get(index, set())):
             left = deadline - time.monotonic()
-            if left > 0 and not self._acks.poll(int(min(left, _POLL_S) * 1000)):
+            if left <= 0:
+                return waiting
+            if not self._acks.poll(int(min(left, _POLL_S) * 1000)):
                 self._check_alive(version, index, waiting)
                 continue
-            if left <= 0:
-                raise WeightSyncTimeout(
-                    f"weight sync v{version}: no ack for bucket {index} from {', '.join(sorted(waiting))} "
-                    f"within {self.send_timeout_s:g}s (that receiver failed to load it or is stuck)",
-                    version=version, bucket=index, addresses=tuple(sorted(waiting)), kind="no_ack",
-                )
             ack: Ack = decode_ack(self._acks.recv())
             if (ack.version, ack.attempt) == (version, self._attempt):  # an older one is left over from a sync that failed
                 acked.setdefault(ack.index, set()).add(ack.address)
-        acked.pop(index)
+        return set()
 
     def _undelivered(self, version: int, index: int, address: str) -> WeightSyncTimeout:
         return WeightSyncTimeout(
@@ -335,15 +395,16 @@ class WeightSender:
             )
 
     def _ack_socket(self) -> str:
-        """The address receivers ack in-place buckets to (bound once; they are on this node)."""
+        """The address receivers ack in-place and collective buckets to (bound once)."""
         if self._acks is None:
             self._acks = self._ctx.socket(zmq.PULL)
             self._acks.setsockopt(zmq.LINGER, 0)
-            port = self._acks.bind_to_random_port("tcp://127.0.0.1")
-            self._ack_address = f"tcp://127.0.0.1:{port}"
+            port = self._acks.bind_to_random_port(f"tcp://{self.host}")
+            self._ack_address = f"tcp://{self.host}:{port}"
         return self._ack_address
 
     def close(self) -> None:
+        self._drop_group()
         self._peers.close()
         if self._acks is not None:
             self._acks.close(linger=0)
