@@ -162,6 +162,20 @@ def test_sync_plans_number_their_passes_go_to_the_healthy_and_the_waiting_and_a_
     asyncio.run(main())
 
 
+def test_a_server_whose_loaded_weights_do_not_match_the_trainers_digest_is_not_attested_and_is_ejected():
+    async def main():
+        control, changes, _, _ = make(FakeServers())
+        plan = await control.plan_sync()
+        failed = control.synced(plan.version, ["s0", "s1", "s2"], {}, (), sent=0xABC, attestations={"s0": 0xABC, "s1": 0xABD, "s2": 0xABC})
+        assert control.attested == {"s0": 1, "s2": 1}
+        assert failed == {"s1": "its weights are not attested: it reports digest 0000000000000abd of what it loaded, the trainer sent 0000000000000abc"}
+        assert changes[-1].ejected.keys() == {"s1"} and control.ejected["s1"].startswith("weight sync v1 failed: its weights are not attested")
+        # Without the trainer's word (its pass failed), acks are taken as they are.
+        assert control.synced(plan.version, ["s0"], {}) == {} and control.attested == {"s0": 1, "s2": 1}
+
+    asyncio.run(main())
+
+
 def test_a_sync_every_server_took_changes_no_membership_and_wakes_no_plane():
     async def main():
         control, changes, _, _ = make(FakeServers())

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from raytool.weightsync.protocol import GroupSpec, WeightSyncError, WeightSyncTimeout
+from raytool.weightsync.protocol import GroupSpec, WeightSyncTimeout
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 _POLL_S = 0.05
@@ -50,6 +50,8 @@ def missing_backend(device_type: str) -> str | None:
     if backend == "hccl":
         try:
             import torch_npu  # noqa: F401 - registers HCCL
+
+            del torch_npu
         except ImportError:
             return "HCCL needs torch_npu, which is not installed"
     return None

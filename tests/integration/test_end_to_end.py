@@ -207,14 +207,16 @@ def test_fsdp2_trainer_group_of_two_trains_syncs_and_saves(ray_cluster, tmp_path
         graph.shutdown()
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_cluster, monkeypatch, in_place):
+@pytest.mark.parametrize("route", ["tcp", "in_place", "collective"])
+def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_cluster, monkeypatch, route):
     """Three servers, rollout-server-1 gone (and, here, not caught by the health check). Over TCP
     the buckets relay down the chain of servers 0 -> 1 -> 2: server 0 cannot forward and server 2
     starves. Read in place, each server gets its own bucket headers and the sender waits in vain
-    for server 1's ack. Either way the others are synced again without rollout-server-1,
-    which alone is ejected. (Over TCP, first: a server Ray restarted before it served a request
-    listens on new ports the manager never heard of; the sync asks the servers and reaches it.)"""
+    for server 1's ack. By a collective (gloo), the sender sees server 1's connection down and
+    names it; the others starve in the aborted group. Either way the others are synced again
+    without rollout-server-1 (by a collective: in a new group), which alone is ejected. (Over TCP
+    and by a collective, first: a server Ray restarted before it served a request listens on new
+    ports the manager never heard of; the sync asks the servers and reaches it, and it joins.)"""
     import time
 
     import ray
@@ -223,12 +225,16 @@ def test_a_dead_server_is_ejected_and_the_others_still_get_the_weights(ray_clust
     from actors.drivers.compose import Graph, build
 
     cfg = load_config(None, TINY + ["rollout.engine=hf", "rollout.num_servers=3", "rollout.num_cpus=0.3", "trainer.num_cpus=0.5",
-                                    f"trainer.weight_sync_in_place={in_place}"])
+                                    f"trainer.weight_sync_in_place={route == 'in_place'}",
+                                    f"trainer.weight_sync_backend={'collective' if route == 'collective' else 'zmq'}"])
     graph = build(cfg)
     try:
-        assert {a.server for a in graph.sync_weights(version=1).acks} == {"rollout-server-0", "rollout-server-1", "rollout-server-2"}
+        first = graph.sync_weights(version=1)
+        assert {a.server for a in first.acks} == {"rollout-server-0", "rollout-server-1", "rollout-server-2"}
+        assert first.sent["kind"] == {"tcp": "bytes", "in_place": "shm", "collective": "collective"}[route]
+        assert {a.attestation for a in first.acks} == {first.sent["attestation"]}  # every server attested what the trainer sent
         version = 1
-        if not in_place:
+        if route != "in_place":
             server = graph.servers["rollout-server-0"]
             before = ray.get(server.health.remote()).pid
             ray.kill(server, no_restart=False)
