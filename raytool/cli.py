@@ -120,6 +120,7 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, help="accelerators per node (default: cluster.gpus_per_node, else this machine's)")
     p.add_argument("--gpu-memory-gb", type=float, help="memory of one accelerator, GiB (default: cluster.gpu_memory_gb, else this machine's)")
     p.add_argument("--host-memory-gb", type=float, help="host memory of one node, GiB (default: cluster.host_memory_gb, else this machine's)")
+    p.add_argument("--link-gbit", type=float, help="bandwidth between nodes, Gbit/s, for the predicted weight-sync time (default: cluster.link_gbit, else 100)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object as the last line")
 
 
@@ -333,7 +334,8 @@ def _config_path(args, resume: str | Path | None) -> str | Path | None:
 def _plan(cfg, args, resume=None) -> int:
     from raytool.planner import PlanInputError, cluster_shape, plan, table
 
-    flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_memory_gb": args.gpu_memory_gb, "host_memory_gb": args.host_memory_gb}
+    flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_memory_gb": args.gpu_memory_gb, "host_memory_gb": args.host_memory_gb,
+             "link_gbit": args.link_gbit}
     try:
         result = plan(cfg, cluster_shape(cfg, flags))
     except (FileNotFoundError, PlanInputError) as exc:

@@ -183,6 +183,7 @@ class Cluster:
     gpus_per_node: int  # accelerators per node (0: CPU only)
     gpu_memory_gb: float
     host_memory_gb: float
+    link_gbit: float = 100.0  # bandwidth between nodes (the weight sync's predicted time)
 
     @classmethod
     def this_machine(cls) -> "Cluster":
@@ -210,6 +211,7 @@ SHAPE = {
     "gpus_per_node": ("--gpus-per-node", lambda v: v >= 0, "0 or more accelerators (0: CPU nodes)"),
     "gpu_memory_gb": ("--gpu-memory-gb", lambda v: v >= 0, "0 or more GiB (0: not known)"),
     "host_memory_gb": ("--host-memory-gb", lambda v: v > 0, "more than 0 GiB"),
+    "link_gbit": ("--link-gbit", lambda v: v > 0, "more than 0 Gbit/s"),
 }
 
 
@@ -296,6 +298,8 @@ class Plan:
     object_store: float = 0.0  # Ray's object store on each node
     trainers_per_node: int = 0  # trainer ranks on the busiest node (the placement group packs them)
     servers_per_node: int = 0  # rollout servers on that node
+    weight_sync: dict[str, float] = field(default_factory=dict)  # backend -> predicted seconds of one sync between nodes
+    sync_warning: str = ""  # the run's backend is predicted to miss trainer.weight_sync_timeout_s
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -305,6 +309,34 @@ class Plan:
 
 def _bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
+
+
+# What a weight sync between nodes reaches, for its predicted time (not measured on a cluster here:
+# docs/scaling.md). One TCP stream through host memory (ZMQ's relay chain, gloo) tops out at a few
+# GB/s whatever the link; NCCL and HCCL broadcasts drive the link from device memory (verl reports
+# Qwen3-30B-A3B, 61 GB in bf16, in about 7 s over InfiniBand with NCCL: ~8.7 GB/s).
+TCP_STREAM_GBYTES = 3.0
+COLLECTIVE_LINK_SHARE = 0.8
+
+
+def sync_prediction(cfg: RunConfig, arch: Architecture, link_gbit: float) -> tuple[dict[str, float], str]:
+    """backend -> predicted seconds of one full sync to servers on other nodes at `link_gbit`, and a
+    warning where the run's backend would miss trainer.weight_sync_timeout_s ("" if not)."""
+    gbytes = arch.params() * _bytes(engine_dtype(cfg.model.dtype, cfg.rollout.num_gpus > 0, engine="hf")[0]) / 1e9
+    link = link_gbit / 8
+    on_accelerators = cfg.trainer.num_gpus > 0
+    seconds = {"zmq": gbytes / min(link, TCP_STREAM_GBYTES),
+               "collective": gbytes / (link * COLLECTIVE_LINK_SHARE if on_accelerators else min(link, TCP_STREAM_GBYTES))}
+    backend = cfg.trainer.weight_sync_backend
+    if backend == "auto":
+        backend = "collective" if on_accelerators else "zmq"
+    deadline = cfg.trainer.weight_sync_timeout_s
+    warning = ""
+    if seconds[backend] > deadline:
+        warning = (f"weight sync: {gbytes:.1f} GB by {backend} at {link_gbit:g} Gbit/s (cluster.link_gbit) is predicted to take "
+                   f"{seconds[backend]:.0f}s, more than trainer.weight_sync_timeout_s={deadline:g}: raise it"
+                   + (", or set trainer.weight_sync_backend=collective" if backend == "zmq" and on_accelerators else ""))
+    return {k: round(v, 2) for k, v in seconds.items()}, warning
 
 
 def trainer_memory(cfg: RunConfig, arch: Architecture, on_accelerator: bool) -> RoleMemory:
@@ -555,8 +587,9 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
         problems.append(str(exc))
     roles = ([trainer, server] if with_servers else [trainer]) + ([teacher[0]] if teacher is not None else [])
     accelerators = {d.role: d.count * d.bundle[cfg.cluster.accelerator] for d in accelerator_demands(cfg, with_servers)}
+    sync, sync_warning = sync_prediction(cfg, arch, cluster.link_gbit)
     return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems, loading, notes,
-                accelerators, cfg.cluster.accelerator, export, store, trainers_per_node, servers_per_node)
+                accelerators, cfg.cluster.accelerator, export, store, trainers_per_node, servers_per_node, sync, sync_warning)
 
 
 def _trainer_advice(cfg: RunConfig, role: RoleMemory) -> str:
@@ -612,6 +645,11 @@ def table(result: Plan) -> str:
     if result.object_store:
         lines.append(f"busiest node: {result.trainers_per_node} trainer worker(s), {result.servers_per_node} rollout server(s), "
                      f"Ray's object store {_gib(result.object_store)} (the trajectories of the steps in flight)")
+    if result.weight_sync:
+        lines.append(f"weight sync to servers on other nodes at {c.link_gbit:g} Gbit/s (predicted): "
+                     + ", ".join(f"{backend} {s:g}s" for backend, s in result.weight_sync.items()))
+    if result.sync_warning:
+        lines.append(f"warning: {result.sync_warning}")
     lines.append("")
     lines += [f"does not fit: {p}" for p in result.problems] or ["fits"]
     return "\n".join(lines)

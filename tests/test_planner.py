@@ -82,7 +82,7 @@ def test_an_impossible_cluster_is_one_line_naming_the_flag_or_key(args, line, ca
 def test_flags_override_the_recipes_cluster_key_by_key(capsys):
     assert main(["plan", "-c", RECIPE_32B, "--nodes", "8", "--host-memory-gb", "2048", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["cluster"] == {"nodes": 8, "gpus_per_node": 8, "gpu_memory_gb": 80, "host_memory_gb": 2048}
+    assert out["cluster"] == {"nodes": 8, "gpus_per_node": 8, "gpu_memory_gb": 80, "host_memory_gb": 2048, "link_gbit": 100}
     assert out["accelerators"] == {"rollout server": 16, "trainer worker": 16}  # 32 of the 64 GPUs
 
 
@@ -286,3 +286,21 @@ def test_a_teacher_is_planned_with_its_own_architecture_accelerators_and_tensor_
     first = capsys.readouterr().out.splitlines()[0]
     assert re.search(r"a teacher server's KV cache holds 0 tokens \(weights 61.0 GiB per TP rank in 57.6 GiB\), less than one 18432-token "
                      r"sequence: raise distill.tensor_parallel_size", first), first
+
+
+def test_the_plan_predicts_each_weight_sync_backend_from_the_link_and_warns_when_the_deadline_is_too_short(capsys):
+    """The 32B recipe (65.5 GB in bf16): ZMQ is held to a TCP stream's few GB/s whatever the link;
+    a collective drives the link. A slow link and the default deadline: one warning, with the time."""
+    recipe = str(EXAMPLES / "retool_qwen2.5_32b_sandbox_fusion.yaml")
+    cfg = load_config(recipe, [])
+    fast = plan(cfg, Cluster(nodes=4, gpus_per_node=8, gpu_memory_gb=80, host_memory_gb=1024, link_gbit=400))
+    assert 20 < fast.weight_sync["zmq"] < 25 and 1.5 < fast.weight_sync["collective"] < 3  # 65.5 GB / 3 GB/s, / (50 GB/s x 0.8)
+    assert fast.sync_warning == ""
+    slow = plan(cfg, Cluster(nodes=4, gpus_per_node=8, gpu_memory_gb=80, host_memory_gb=1024, link_gbit=1))
+    assert slow.weight_sync["collective"] > 300
+    assert slow.sync_warning.startswith("weight sync: 65.") and "by collective at 1 Gbit/s (cluster.link_gbit) is predicted to take" in slow.sync_warning
+    assert "more than trainer.weight_sync_timeout_s=300: raise it" in slow.sync_warning
+    assert main(["plan", "-c", recipe, "--link-gbit", "1", "--nodes", "4", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
+                 "--host-memory-gb", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "weight sync to servers on other nodes at 1 Gbit/s (predicted): zmq " in out and "warning: weight sync: 65." in out

@@ -467,12 +467,14 @@ def check_memory(cfg: RunConfig, model_path: str, with_servers: bool = True) -> 
     gpus = max((int(node.get(cfg.cluster.accelerator, 0)) for node in nodes), default=0)
     here = Cluster.this_machine()
     host = min((node.get("memory", 0.0) + node.get("object_store_memory", 0.0) for node in nodes), default=0.0) / GiB
-    cluster = Cluster(len(nodes), gpus, here.gpu_memory_gb if gpus and here.gpus_per_node else 0.0, host)
+    cluster = Cluster(len(nodes), gpus, here.gpu_memory_gb if gpus and here.gpus_per_node else 0.0, host, cfg.cluster.link_gbit or 100.0)
     try:
         result = plan(cfg, cluster, model_path, with_servers)
     except FileNotFoundError as exc:
         log.info("memory not planned: %s", exc)
         return
+    if result.sync_warning and len(nodes) > 1:
+        log.warning("%s", result.sync_warning)
     if result.problems:
         raise RaytoolError(f"the run does not fit ({'; '.join(result.problems)}); `raytool plan` shows each part")
 

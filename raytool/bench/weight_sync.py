@@ -11,6 +11,12 @@ Measured in one run, on the same machine, so the ratios hold on a noisy shared h
   down the relay chain, and direct fan-out to 4 (every bucket sent 4 times) for comparison. On
   one host both are bound by CPU and memory bandwidth (each receiver costs two more copies
   through the kernel); the chain pays off across hosts, where each link has its own bandwidth;
+- `collective_*`: the same syncs by a collective (trainer.weight_sync_backend=collective): gloo's
+  broadcast here, the path NCCL and HCCL take on accelerators, to 1 and 4 receivers, against the
+  TCP relay chain (`collective_vs_tcp`: seconds over seconds, lower is faster);
+- `attestation_cost`: the in-place sync (the one path where digests are an added pass: elsewhere
+  they are the checksum) against the same sync with the digests left out on both sides, as a
+  fraction (0.05: 5% slower); `attestation_s`: one side's digests of a whole sync on their own;
 - `seconds_to_live_engine`: from the start of a sync of perturbed weights into a live vLLM engine
   (this process, its workers in child processes) to its first answer on them (left out, with
   the reason, where vLLM cannot start).
@@ -50,9 +56,13 @@ def _receiver_process(rank: int, commands, results, ns: str | None = None, host:
     raw = zmq.Context.instance().socket(zmq.PULL)
     raw_port = raw.bind_to_random_port(f"tcp://{host}")
     results.put((rank, receiver.address, f"tcp://{host}:{raw_port}"))
+    from raytool.weightsync import receiver as receiver_module
+
+    attested = receiver_module.digest
     while (command := commands.get())[0] != "stop":
         kind, arg = command
-        if kind == "sync":
+        if kind in ("sync", "unattested"):  # unattested: the A/B baseline of attestation's cost, digests left out on both sides
+            receiver_module.digest = attested if kind == "sync" else _no_digest
             tensors = sum(len(bucket) for bucket in receiver.receive(arg, TIMEOUT_S))
         else:  # "raw": arg messages
             for _ in range(arg):
@@ -61,6 +71,10 @@ def _receiver_process(rank: int, commands, results, ns: str | None = None, host:
         results.put((time.perf_counter(), tensors))
     receiver.close()
     raw.close(linger=0)
+
+
+def _no_digest(chunk) -> int:
+    return 0
 
 
 def _load_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
@@ -98,7 +112,7 @@ class _Receivers:
 
     def command(self, addresses: list[str], kind: str, arg: int) -> None:
         for address in addresses:
-            self.commands[self.sync_addresses.index(address) if kind == "sync" else self.raw_addresses.index(address)].put((kind, arg))
+            self.commands[self.raw_addresses.index(address) if kind == "raw" else self.sync_addresses.index(address)].put((kind, arg))
 
     def stop(self) -> None:
         for c in self.commands:
@@ -142,11 +156,18 @@ def _raw_seconds(receivers: _Receivers, messages: list[list[memoryview]]) -> flo
     return end - start
 
 
-def _sync_seconds(receivers: _Receivers, sender, state: dict, version: int, addresses: list[str]) -> tuple[float, dict]:
-    receivers.command(addresses, "sync", version)
+def _sync_seconds(receivers: _Receivers, sender, state: dict, version: int, addresses: list[str], attest: bool = True) -> tuple[float, dict]:
+    from raytool.weightsync import sender as sender_module
+
+    receivers.command(addresses, "sync" if attest else "unattested", version)
     time.sleep(0.05)
     start = time.perf_counter()
-    stats = sender.send(state.items(), version)
+    attested = sender_module.digest
+    sender_module.digest = attested if attest else _no_digest
+    try:
+        stats = sender.send(state.items(), version)
+    finally:
+        sender_module.digest = attested
     end, counts = receivers.wait(len(addresses))
     if counts != [len(state)] * len(addresses):
         raise RuntimeError(f"weight-sync bench: receivers got {counts} tensors, expected {len(state)} each")
@@ -166,23 +187,44 @@ def _transport(state: dict, bucket_bytes: int) -> dict:
             "direct4": WeightSender(addresses, bucket_bytes, fanout="direct", ipc=False),
             "same_node_1": WeightSender(addresses[:1], bucket_bytes, ipc=True),
             "same_node_4": WeightSender(addresses, bucket_bytes, ipc=True),
+            "same_node_1_unattested": WeightSender(addresses[:1], bucket_bytes, ipc=True),
+            "collective_1": WeightSender(addresses[:1], bucket_bytes, backend="collective", send_timeout_s=TIMEOUT_S),
+            "collective_4": WeightSender(addresses, bucket_bytes, backend="collective", send_timeout_s=TIMEOUT_S),
         }
         messages = _raw_messages(state, bucket_bytes)
         version = 0
-        for sender in senders.values():  # warm-up: staging buffers, connections, mappings
-            _, stats = _sync_seconds(receivers, sender, state, version := version + 1, sender.addresses)
+        for key, sender in senders.items():  # warm-up: staging buffers, connections, mappings
+            _, stats = _sync_seconds(receivers, sender, state, version := version + 1, sender.addresses, not key.endswith("_unattested"))
         _raw_seconds(receivers, messages)
         times: dict[str, list[float]] = {k: [] for k in ("raw", *senders)}
         for _ in range(REPEATS):
             times["raw"].append(_raw_seconds(receivers, messages))
             for key, sender in senders.items():
-                times[key].append(_sync_seconds(receivers, sender, state, version := version + 1, sender.addresses)[0])
+                times[key].append(_sync_seconds(receivers, sender, state, version := version + 1, sender.addresses,
+                                                not key.endswith("_unattested"))[0])
         for sender in senders.values():
             sender.close()
     finally:
         receivers.stop()
     median = {k: min(v) for k, v in times.items()}  # the best of REPEATS: what each path can do when the host lets it
-    return {"bytes": stats["bytes"], "buckets": stats["buckets"], **{f"{k}_s": v for k, v in median.items()}}
+    return {"bytes": stats["bytes"], "buckets": stats["buckets"], **{f"{k}_s": v for k, v in median.items()},
+            "attestation_s": _attestation_seconds(state)}
+
+
+def _attestation_seconds(state: dict) -> float:
+    """One side's digests of a whole sync (every tensor's bytes, as the sender and each receiver
+    take them), the best of REPEATS: what attestation adds to a sync where no checksum of the
+    bytes was taken before (in place); over TCP and by a collective it is the checksum itself."""
+    from raytool.weightsync.protocol import digest
+
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in state.values()]
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for chunk in flat:
+            digest(chunk)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _live_engine_seconds(cfg: RunConfig, model_dir: str, state: dict) -> float:
@@ -252,6 +294,15 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
         "tcp_fanout2_vs_1": round(m["2_s"] / m["1_s"], 3),
         "tcp_fanout4_vs_1": round(m["4_s"] / m["1_s"], 3),
         "tcp_direct4_vs_1": round(m["direct4_s"] / m["1_s"], 3),
+        # By a collective (gloo here; NCCL/HCCL on accelerators), against the TCP relay chain:
+        "collective_sync_gbps": round(gb / m["collective_1_s"], 3),
+        "collective_vs_tcp": round(m["collective_1_s"] / m["1_s"], 3),
+        "collective_fanout4_vs_1": round(m["collective_4_s"] / m["collective_1_s"], 3),
+        # Attestation: the in-place sync with its digests against the same sync without them (A/B,
+        # alternating), and one side's digests of the whole sync on their own.
+        "attestation_cost": round(m["same_node_1_s"] / m["same_node_1_unattested_s"] - 1, 3),
+        "attestation_s": round(m["attestation_s"], 4),
+        "attestation_share_of_sync": round(m["attestation_s"] / m["same_node_1_s"], 3),
         "seconds": {k.removesuffix("_s"): round(v, 3) for k, v in m.items() if k.endswith("_s")},
     }
     try:
@@ -264,13 +315,18 @@ def bench(cfg: RunConfig) -> tuple[str, dict]:
     for key, n, how, one in (
         ("1", 1, "tcp chain", "1"), ("2", 2, "tcp chain", "1"), ("4", 4, "tcp chain", "1"), ("direct4", 4, "tcp direct", "1"),
         ("same_node_1", 1, "same node", "same_node_1"), ("same_node_4", 4, "same node", "same_node_1"),
+        ("collective_1", 1, "gloo", "collective_1"), ("collective_4", 4, "gloo", "collective_1"),
     ):
         rows.append((how, n, round(m[f"{key}_s"], 3), round(gb / m[f"{key}_s"], 3), round(m[f"{key}_s"] / m[f"{one}_s"], 3)))
     table = "\n".join(f"{a!s:<12}{b!s:>10}{c!s:>10}{d!s:>8}{e!s:>8}" for a, b, c, d, e in rows)
     table += (
         f"\n\n{cfg.model.path}: {gb:.3f} GB in {m['buckets']} buckets of {cfg.trainer.weight_sync_bucket_mb} MiB; "
         f"same node (in place, the default there) sync/raw {result['sync_vs_raw']}, fan-out 4/1 {result['fanout4_vs_1']}; "
-        f"tcp (other nodes) sync/raw {result['tcp_sync_vs_raw']}, fan-out 4/1 {result['tcp_fanout4_vs_1']}"
+        f"tcp (other nodes) sync/raw {result['tcp_sync_vs_raw']}, fan-out 4/1 {result['tcp_fanout4_vs_1']}; "
+        f"collective (gloo) / tcp {result['collective_vs_tcp']}, fan-out 4/1 {result['collective_fanout4_vs_1']}"
+        f"\nattestation: the in-place sync {100 * result['attestation_cost']:+.1f}% against it without digests "
+        f"({m['same_node_1_s']:.3f} s vs {m['same_node_1_unattested_s']:.3f} s); one side's digests of the sync alone "
+        f"{result['attestation_s']} s"
         f"\nsync start to a live vLLM engine answering on the new weights: {result['seconds_to_live_engine']} s"
     )
     return table, result

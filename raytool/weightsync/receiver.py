@@ -34,7 +34,8 @@ class WeightReceiver:
         # Where split tensors are joined, kept from sync to sync: a fresh 100 MB buffer per sync
         # costs its page faults again (measured: 50 ms of a 250 ms sync of SmolLM2-135M).
         self._joins: dict[tuple[str, str], torch.Tensor] = {}
-        self._group: collective.ReceiverGroup | None = None  # the collective path's process group, while its generation lasts
+        # The collective path's process groups: one per sender's store, its newest generation.
+        self._groups: dict[tuple[str, int], collective.ReceiverGroup] = {}
         # The last complete sync: each piece with the digest of what arrived (the sender's, verified
         # bucket by bucket), and their combination, which the server reports as its attestation.
         self.manifest: list[tuple[Piece, int]] = []
@@ -125,17 +126,17 @@ class WeightReceiver:
         nbytes = align(max((p.offset + p.nbytes for p in header.pieces), default=0))
         if not nbytes:
             return torch.empty(0, dtype=torch.uint8)
+        store = (spec.host, spec.port)
         try:
-            if self._group is None or not self._group.matches(spec):
-                if self._group is not None:
-                    self._group.close()
-                    self._group = None
-                self._group = collective.ReceiverGroup(spec, collective.receiver_device(spec.backend))
-            return self._group.receive(nbytes, timeout_s)
+            group = self._groups.get(store)
+            if group is None or not group.matches(spec):
+                if group is not None:
+                    self._groups.pop(store).close()
+                group = self._groups[store] = collective.ReceiverGroup(spec, collective.receiver_device(spec.backend))
+            return group.receive(nbytes, timeout_s)
         except (RuntimeError, ValueError) as exc:  # gloo/NCCL and the store's words: the group is dropped, the next sync makes another
-            if self._group is not None:
-                self._group.close()
-                self._group = None
+            if store in self._groups:
+                self._groups.pop(store).close()
             raise WeightSyncTimeout(
                 f"weight sync v{header.version}: bucket {header.index} did not reach {self.address} by the {spec.backend} group "
                 f"(generation {spec.generation}) within {timeout_s:g}s: {str(exc).splitlines()[0][:300]}",
@@ -184,9 +185,9 @@ class WeightReceiver:
             sock.close(linger=0)
         self._peers.clear()
         self._segments.clear()
-        if self._group is not None:
-            self._group.close()
-            self._group = None
+        for group in self._groups.values():
+            group.close()
+        self._groups.clear()
 
 
 def _first_difference(header: BucketHeader, digests: list[int]) -> str:

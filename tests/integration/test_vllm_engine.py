@@ -104,17 +104,18 @@ def _hf_model(path: str, weights: dict | None = None):
     return model
 
 
-def _sync(actor, addresses, weights: dict, version: int) -> None:
-    """Stream `weights` to the server as `version` over ZMQ, as the trainer does."""
+def _sync(actor, addresses, weights: dict, version: int, backend: str = "zmq") -> None:
+    """Stream `weights` to the server as `version` (over ZMQ, or by a gloo broadcast), as the
+    trainer does; the server attests what it loaded."""
     import ray
 
     from raytool.weightsync import WeightSender
 
-    sender = WeightSender(addresses, bucket_bytes=4 << 20)  # several buckets
+    sender = WeightSender(addresses, bucket_bytes=4 << 20, backend=backend)  # several buckets
     try:
         ack = actor.receive_weights.remote(version, 60.0)
-        sender.send(weights.items(), version)
-        ray.get(ack)
+        sent = sender.send(weights.items(), version)
+        assert ray.get(ack).attestation == sent["attestation"] and (sent["kind"] == "collective") == (backend == "collective")
     finally:
         sender.close()
 
@@ -195,9 +196,7 @@ def test_weights_streamed_over_zmq_change_the_live_engine_and_restore_exactly(se
                 expected = _trainer_logprobs(model, prompt, out.token_ids)
             assert (expected - torch.tensor(out.logprobs)).abs().max().item() < LOGPROB_ATOL
         assert [o.token_ids for o in _generate(actor, PROMPTS, greedy)] != [o.token_ids for o in before]
-        ack = actor.receive_weights.remote(12, 60.0)
-        sender.send(original.items(), 12)
-        ray.get(ack)
+        _sync(actor, addresses, original, 12, backend="collective")  # back by a gloo broadcast into the engine's worker
         assert [o.token_ids for o in _generate(actor, PROMPTS, greedy)] == [o.token_ids for o in before]
         assert ray.get(actor.health.remote()).policy_version == 12
     finally:
@@ -363,8 +362,8 @@ def test_a_mixture_of_experts_synced_twice_serves_the_trainers_experts(ray_clust
         assert "model.layers.0.mlp.experts.gate_up_proj" in original
         greedy = SamplingParams(max_tokens=6, temperature=0.0)
         before = _generate(actor, PROMPTS, greedy)
-        for version, weights in ((1, _perturbed(original, seed=0)), (2, original)):
-            _sync(actor, addresses, weights, version)
+        for version, weights, backend in ((1, _perturbed(original, seed=0), "zmq"), (2, original, "collective")):
+            _sync(actor, addresses, weights, version, backend)
             model = _hf_model(path, weights)
             for prompt, out in zip(PROMPTS, _generate(actor, PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=3))):
                 with torch.no_grad():
