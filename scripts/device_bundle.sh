@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 rm -rf .device
 mkdir -p .device/wheels .device/cache/models
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-  -d .device/wheels msgspec pyzmq pytest pluggy iniconfig packaging pygments liger-kernel==0.8.5
+  -d .device/wheels msgspec pyzmq xxhash pytest pluggy iniconfig packaging pygments liger-kernel==0.8.5
 .venv/bin/python -c "from raytool.models import resolve_model; print(resolve_model('tiny-random'))" |
   xargs -I{} cp -r {} .device/cache/models/
 du -sh .device

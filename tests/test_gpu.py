@@ -199,3 +199,57 @@ def test_fused_kernels_give_the_eager_step_on_cuda(tiny_model_path):
         assert len(result["grads"]) > 0
         for name, (cosine, ratio) in result["grads"].items():
             assert cosine >= 1 - tolerance and abs(ratio - 1) <= tolerance, (dtype, name, cosine, ratio)
+
+
+def test_a_gpu_buffers_fingerprint_is_the_hosts():
+    """Attestation digests a GPU's bytes on the GPU (CUDA IPC and NCCL syncs): the same integer
+    arithmetic gives the same digest wherever it runs, so the device's word and the host's agree."""
+    from raytool.weightsync.protocol import fingerprint
+
+    data = torch.randn(1 << 20).view(torch.uint8)
+    odd = data[: (1 << 20) + 3]
+    assert fingerprint(data.cuda()) == fingerprint(data) and fingerprint(odd.cuda()) == fingerprint(odd)
+
+
+def _nccl_receive(address_queue, result_queue):
+    import io
+
+    from raytool.weightsync import WeightReceiver
+
+    torch.cuda.set_device(1)
+    receiver = WeightReceiver()
+    address_queue.put(receiver.address)
+    out = {}
+    for bucket in receiver.receive(1, timeout_s=120):
+        for name, tensor in bucket:
+            out[name] = (tensor.device.type, tensor.cpu().clone())
+    buffer = io.BytesIO()
+    torch.save({"tensors": out, "attestation": receiver.attestation}, buffer)
+    result_queue.put(buffer.getvalue())
+    receiver.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between two ranks needs two GPUs")
+def test_the_nccl_path_is_exact_between_two_gpus():
+    import io
+    import multiprocessing as mp
+
+    from raytool.weightsync import WeightSender
+
+    ctx = mp.get_context("spawn")
+    addresses, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_nccl_receive, args=(addresses, results))
+    proc.start()
+    g = torch.Generator().manual_seed(0)
+    weights = {"a": torch.randn(300, 64, generator=g).cuda(), "b": torch.randn(700, 1024, generator=g).to(torch.bfloat16).cuda()}
+    sender = WeightSender([addresses.get(timeout=120)], bucket_bytes=1 << 20, backend="collective", send_timeout_s=120)
+    try:
+        stats = sender.send(weights.items(), 1)
+        got = torch.load(io.BytesIO(results.get(timeout=120)))
+    finally:
+        sender.close()
+        proc.join(30)
+    assert stats["kind"] == "collective" and got["attestation"] == stats["attestation"]
+    for name, w in weights.items():
+        device, t = got["tensors"][name]
+        assert device == "cuda" and torch.equal(t, w.cpu()), name

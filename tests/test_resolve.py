@@ -63,3 +63,17 @@ def test_an_unknown_or_critic_needing_algorithm_is_refused_before_anything_start
     with pytest.raises(ConfigError, match=r"'algorithm.policy_loss': unknown policy loss 'ppo_clipp'; registered: .*ppo_clip"):
         resolve(load_config(None, ["algorithm.policy_loss=ppo_clipp"]))
     assert resolve(load_config(None, ["algorithm.adv_estimator=rloo"])).algorithm.adv_estimator == "rloo"
+
+
+def test_the_weight_sync_backend_is_decided_by_where_the_weights_are_and_a_missing_backend_is_refused():
+    import torch.distributed as dist
+
+    from raytool.config import ConfigError
+
+    assert resolve(load_config(None, [])).trainer.weight_sync_backend == "zmq"  # CPU weights: the TCP chain, in place on one node
+    assert resolve(load_config(None, ["trainer.weight_sync_backend=collective"])).trainer.weight_sync_backend == "collective"  # gloo
+    if dist.is_nccl_available():
+        pytest.skip("this torch has NCCL: the refusal is for a build without it")
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.weight_sync_backend': collective syncs cuda weights with nccl, but this torch "
+                                          r"build has no NCCL backend \(a CPU-only torch\?\); set it to zmq$"):
+        resolve(load_config(None, ["trainer.num_gpus=1"]))  # auto on a GPU trainer: collective

@@ -207,3 +207,39 @@ def test_an_engine_that_loaded_a_perturbed_tensor_refuses_the_version_naming_it(
 
     asyncio.run(scenario())
     engine.shutdown()
+
+
+def test_a_lora_sync_is_attested_and_an_adapter_that_never_reached_the_engine_is_named(tiny_model_path):
+    """LoRA syncs the merged weights: the engine attests them. An engine that never took the adapted
+    tensors (it kept the base q_proj, the failure that let a run train one model while sampling
+    another) is named at the first such tensor, and serves nothing of that version."""
+    from raytool.engines.hf import HFEngine
+    from raytool.types import TrainBatch
+    from tests.test_trainer import BATCH, _trainer
+
+    trainer = _trainer(tiny_model_path, "trainer.lora_rank=4", "trainer.lr=1e-2")
+    trainer.rl_step(TrainBatch.whole(BATCH))
+    trainer.rl_step(TrainBatch.whole(BATCH))  # lora_B starts at 0: the second step moves the merged weights
+    merged = [(n, w.detach().clone()) for n, w in trainer.named_weights()]
+    engine = HFEngine(tiny_model_path, seed=0)
+    real_load = engine.load_weights
+
+    async def scenario():
+        (address,) = await engine.bind_weight_receivers("127.0.0.1")
+        sender = WeightSender([address], bucket_bytes=1 << 20, backend="collective", send_timeout_s=30)
+        try:
+            engine.load_weights = lambda bucket: real_load([(n, t) for n, t in bucket if "q_proj" not in n])
+            receiving = asyncio.create_task(engine.receive_weights(1, 30.0))
+            await asyncio.to_thread(sender.send, merged, 1)
+            with pytest.raises(AttestationError, match=r"loaded 'model\.layers\.0\.self_attn\.q_proj\.weight' .* differently"):
+                await receiving
+            engine.load_weights = real_load
+            receiving = asyncio.create_task(engine.receive_weights(2, 30.0))
+            stats = await asyncio.to_thread(sender.send, merged, 2)
+            await receiving
+            assert engine.attestation == stats["attestation"]
+        finally:
+            sender.close()
+
+    asyncio.run(scenario())
+    engine.shutdown()
