@@ -814,7 +814,8 @@ def test_distillation_trains_each_token_on_the_teachers_word_on_it(tiny_model_pa
     """distill.teacher: each trained token's advantage is -(log p_student - log p_teacher), so the
     update's gradient is that of -(1/N) sum_t A_t log p_t (on-policy, token-mean); a teacher that
     agrees with the student everywhere gives no gradient at all; a masked observation token gets none."""
-    probe = _trainer(tiny_model_path)
+    fp32 = "trainer.compute_dtype=float32"  # exact comparisons: not bf16, which a CPU with native bf16 would pick
+    probe = _trainer(tiny_model_path, fp32)
     batch = [*BATCH[:3], msgspec.structs.replace(BATCH[3], response_ids=[10, 11, 12], response_mask=[1, 0, 1], rollout_logprobs=[0.0] * 3)]
     exact = []
     for t in batch:
@@ -828,13 +829,13 @@ def test_distillation_trains_each_token_on_the_teachers_word_on_it(tiny_model_pa
     student = [msgspec.structs.replace(t, rollout_logprobs=lp) for t, lp in zip(batch, exact)]
     taught = [msgspec.structs.replace(t, teacher_logprobs=[(s - g) * m for s, g, m in zip(lp, gap, t.response_mask)])
               for t, lp, gap in zip(student, exact, gaps)]
-    distill = ["distill.teacher=tiny-random", "distill.kl_coef=0.5", "trainer.grad_clip=1e9"]
+    distill = ["distill.teacher=tiny-random", "distill.kl_coef=0.5", "trainer.grad_clip=1e9", fp32]
     metrics, grads = _grads(_trainer(tiny_model_path, *distill), taught)
     tokens = sum(sum(t.response_mask) for t in batch)
     kl = sum(g * m for t, gap in zip(batch, gaps) for g, m in zip(gap, t.response_mask)) / tokens
     assert metrics["distill/reverse_kl"] == pytest.approx(kl, abs=1e-5)
 
-    manual = _trainer(tiny_model_path)
+    manual = _trainer(tiny_model_path, fp32)
     loss = 0.0
     for t, gap in zip(batch, gaps):
         ids = t.prompt_ids + t.response_ids
