@@ -475,6 +475,17 @@ def busiest_node(cfg: RunConfig, cluster: Cluster, trainer_acc: bool, server_acc
     return trainers, -(-r.num_servers // nodes)
 
 
+def teachers_on_busiest_node(cfg: RunConfig, cluster: Cluster, trainers: int, servers: int, trainer_acc: bool) -> int:
+    """distill.teacher: the teacher servers on the busiest node (`busiest_node`'s): on accelerators,
+    as many as the accelerators its trainer ranks and rollout servers leave there take; without,
+    spread evenly like the other roles."""
+    teacher = teacher_run(cfg).rollout
+    if teacher.num_gpus > 0 and cluster.gpus_per_node > 0:
+        left = cluster.gpus_per_node - (trainers * cfg.trainer.num_gpus if trainer_acc else 0) - servers * cfg.rollout.num_gpus
+        return min(teacher.num_servers, max(0, int(left // teacher.num_gpus)))
+    return -(-teacher.num_servers // max(cluster.nodes, 1))
+
+
 def loading_peak(arch: Architecture, four_bit: bool = False) -> float:
     """Rank 0's extra host memory while it reads the fp32 checkpoint and broadcasts it (a 4-bit
     base goes to the GPU one tensor at a time: the largest, the embeddings in bf16)."""
@@ -563,19 +574,22 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
     teacher = teacher_memory(cfg, cluster) if with_servers and cfg.distill.teacher else None
     if teacher is not None:
         problems += teacher[1]
-    # host memory of the busiest node: its trainer workers (+ rank 0's loading or export), servers and object store
+    # host memory of the busiest node: its trainer workers (+ rank 0's loading or export), servers, teachers and object store
     trainers_per_node, servers_per_node = busiest_node(cfg, cluster, trainer_acc, server_acc, with_servers)
+    teachers_per_node = teachers_on_busiest_node(cfg, cluster, trainers_per_node, servers_per_node, trainer_acc) if teacher is not None else 0
     loading = loading_peak(arch, t.load_in_4bit)
     export = export_peak(arch, engine_dtype(cfg.model.dtype, cfg.rollout.num_gpus > 0, engine="hf")[0])  # model.dtype, as the run resolves it
     store = object_store(cfg, cluster.host_memory_gb * GiB)
     host_need = trainers_per_node * trainer.host_total + max(loading, export) + servers_per_node * server.host_total + store
+    host_need += teachers_per_node * teacher[0].host_total if teacher is not None else 0
     if host_need > cluster.host_memory_gb * GiB:
         advice = ("trainer.num_workers over more nodes, or trainer.cpu_offload=false" if t.cpu_offload
                   else "trainer.activation_checkpointing=true or a lower trainer.micro_batch_tokens" if not trainer_acc and not t.activation_checkpointing
                   else "fewer workers per node (more nodes) or a smaller model")
         peak = f"rank 0 loading the fp32 checkpoint {_gib(loading)}" if loading >= export else f"rank 0 writing the HF export {_gib(export)}"
+        teachers = f"{teachers_per_node} teacher servers, " if teachers_per_node else ""
         problems.append(f"a node needs {_gib(host_need)} of host memory ({trainers_per_node} trainer workers, {peak}, {servers_per_node} "
-                        f"rollout servers, Ray's object store {_gib(store)}) but has {_gib(cluster.host_memory_gb * GiB)}: {advice}")
+                        f"rollout servers, {teachers}Ray's object store {_gib(store)}) but has {_gib(cluster.host_memory_gb * GiB)}: {advice}")
     if t.cpu_offload and trainer_acc and known:
         without = trainer_memory(msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, cpu_offload=False)), arch, True)
         if without.accelerator_total <= trainer_budget(cfg, gpu, with_servers):

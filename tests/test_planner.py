@@ -304,3 +304,17 @@ def test_the_plan_predicts_each_weight_sync_backend_from_the_link_and_warns_when
                  "--host-memory-gb", "1024"]) == 0
     out = capsys.readouterr().out
     assert "weight sync to servers on other nodes at 1 Gbit/s (predicted): zmq " in out and "warning: weight sync: 65." in out
+
+
+def test_the_teachers_host_memory_is_counted_on_the_busiest_node():
+    """distill_tiny on CPU nodes: the teacher server's weights, KV cache and process sit in host
+    memory beside the student's servers; a node too small names them."""
+    cfg = load_config(str(EXAMPLES / "distill_tiny.yaml"), [])
+    node = Cluster(nodes=1, gpus_per_node=0, gpu_memory_gb=0, host_memory_gb=64)
+    with_teacher, without = plan(cfg, node), plan(load_config(str(EXAMPLES / "distill_tiny.yaml"), ["distill.teacher=null"]), node)
+    assert not with_teacher.problems and with_teacher.roles[-1].role == "teacher server"
+    small = Cluster(nodes=1, gpus_per_node=0, gpu_memory_gb=0, host_memory_gb=1)
+    (problem,) = plan(cfg, small).problems
+    assert re.search(r"a node needs [\d.]+ GiB of host memory \(1 trainer workers, .*, \d+ rollout servers, 1 teacher servers, Ray's object store", problem)
+    assert "teacher" not in plan(load_config(str(EXAMPLES / "distill_tiny.yaml"), ["distill.teacher=null"]), small).problems[0]
+    assert without.roles[-1].role != "teacher server"
