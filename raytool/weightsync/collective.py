@@ -48,11 +48,9 @@ def missing_backend(device_type: str) -> str | None:
     if backend == "nccl" and not dist.is_nccl_available():
         return "this torch build has no NCCL backend (a CPU-only torch?)"
     if backend == "hccl":
-        try:
-            import torch_npu  # noqa: F401 - registers HCCL
+        import importlib.util
 
-            del torch_npu
-        except ImportError:
+        if importlib.util.find_spec("torch_npu") is None:  # it registers HCCL when the run imports it
             return "HCCL needs torch_npu, which is not installed"
     return None
 
