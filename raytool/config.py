@@ -301,7 +301,7 @@ class TrainerConfig(_Section):
     max_failures: Count = 3  # a trainer worker whose process dies or hangs: the whole actor graph is rebuilt and restored from the last checkpoint (none yet: the run starts over) this many times; then the run stops
     weight_sync_bucket_mb: Positive = 64  # size of one ZMQ weight bucket (larger tensors are split)
     weight_sync_in_place: bool = True  # servers on the trainer's node read its staging buffers in place (CUDA IPC, shared memory) instead of TCP
-    weight_sync_backend: Literal["auto", "zmq", "collective"] = "auto"  # how weight buckets travel: zmq (TCP relay chain, in place on one node) or collective (a broadcast in a process group of the trainer's sending rank and every rollout worker: NCCL on GPUs, HCCL on NPUs, gloo on CPUs); auto: collective where the trainer runs on accelerators, zmq on CPUs
+    weight_sync_backend: Literal["auto", "zmq", "collective"] = "auto"  # how weight buckets travel: zmq (TCP relay chain, in place on one node) or collective (a broadcast in a process group of the trainer's sending rank and every rollout worker: NCCL on GPUs, HCCL on NPUs, gloo on CPUs); auto: collective where the trainer runs on accelerators and this torch has their backend, else zmq
     weight_sync_timeout_s: PositiveNumber = 300.0  # deadline of each wait of a weight sync (a bucket, an ack, a group's join): a server that misses it is named and ejected, the run goes on
 
 

@@ -9,8 +9,9 @@ place before any actor starts, into the one RunConfig every actor receives and c
 - `algorithm.rollout_correction.rollout_is: auto` -> `token` in asynchronous mode, null (off) in
   synchronous mode;
 - `agent.format: auto` -> the tool-call format the model's chat template writes;
-- `trainer.weight_sync_backend: auto` -> `collective` where the trainer runs on accelerators, `zmq`
-  on CPUs; `collective` is refused in one line where this torch build lacks the backend;
+- `trainer.weight_sync_backend: auto` -> `collective` where the trainer runs on accelerators and this
+  torch build has their collective backend (NCCL, HCCL), `zmq` otherwise; `collective` named by the
+  user is refused in one line where the backend is missing;
 - user code named by a file path relative to the working directory (`agent.openai_agent`,
   `agent.langgraph_graph`, `agent.environment`: `path/to/file.py:name`) -> its absolute path, which
   the actors (started in other directories) can import.
@@ -54,9 +55,10 @@ def with_weight_sync_backend(cfg: RunConfig) -> RunConfig:
     t, device = cfg.trainer, weights_device(cfg)
     backend = t.weight_sync_backend
     if backend == "auto":
-        backend = "zmq" if device == "cpu" else "collective"
-        log.info("trainer.weight_sync_backend auto: %s (the trainer's weights are on %s)", backend, device)
-    if backend == "collective" and (why := missing_backend(device)):
+        why = missing_backend(device) if device != "cpu" else "CPU weights"
+        backend = "zmq" if why else "collective"
+        log.info("trainer.weight_sync_backend auto: %s (the trainer's weights are on %s%s)", backend, device, f": {why}" if why else "")
+    elif backend == "collective" and (why := missing_backend(device)):
         raise ConfigError(f"config key 'trainer.weight_sync_backend': collective syncs {device} weights with {BACKENDS[device]}, but {why}; "
                           "set it to zmq")
     return cfg if backend == t.weight_sync_backend else msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, weight_sync_backend=backend))

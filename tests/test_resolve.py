@@ -74,6 +74,8 @@ def test_the_weight_sync_backend_is_decided_by_where_the_weights_are_and_a_missi
     assert resolve(load_config(None, ["trainer.weight_sync_backend=collective"])).trainer.weight_sync_backend == "collective"  # gloo
     if dist.is_nccl_available():
         pytest.skip("this torch has NCCL: the refusal is for a build without it")
+    # auto on a GPU trainer: collective where this torch has NCCL, else the TCP path (said in the log)
+    assert resolve(load_config(None, ["trainer.num_gpus=1"])).trainer.weight_sync_backend == "zmq"
     with pytest.raises(ConfigError, match=r"^config key 'trainer.weight_sync_backend': collective syncs cuda weights with nccl, but this torch "
                                           r"build has no NCCL backend \(a CPU-only torch\?\); set it to zmq$"):
-        resolve(load_config(None, ["trainer.num_gpus=1"]))  # auto on a GPU trainer: collective
+        resolve(load_config(None, ["trainer.num_gpus=1", "trainer.weight_sync_backend=collective"]))

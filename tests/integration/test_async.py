@@ -24,12 +24,13 @@ TINY = ["model.path=tiny-random", "eval.before_train=false", "eval.after_train=f
 
 
 def _weights_hash(path: Path) -> str:
+    import torch
     from safetensors.torch import load_file
 
     tensors = load_file(path / "model.safetensors")
     digest = hashlib.sha256()
     for name in sorted(tensors):
-        digest.update(name.encode() + tensors[name].numpy().tobytes())
+        digest.update(name.encode() + tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())  # bf16 too (numpy has none)
     return digest.hexdigest()
 
 
