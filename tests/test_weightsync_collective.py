@@ -243,3 +243,37 @@ def test_a_lora_sync_is_attested_and_an_adapter_that_never_reached_the_engine_is
 
     asyncio.run(scenario())
     engine.shutdown()
+
+
+def test_a_second_attempt_drops_what_the_first_left_behind_and_takes_a_new_group():
+    """A receiver that stopped after loading bucket 0 of attempt 1 (its ack never came): the sender
+    names it when the deadline passes and aborts the group. The driver's second pass of the same
+    version carries a higher attempt: the receiver drops the first pass's queued header, joins the
+    new generation's group and loads the weights exactly."""
+    receiver = WeightReceiver()
+    sender = WeightSender([receiver.address], bucket_bytes=1 << 10, backend="collective", send_timeout_s=1.5)
+    try:
+        first = {f"w{i}": torch.full((200,), float(i)) for i in range(3)}  # 800 bytes each: one bucket per tensor
+        partial = receiver.receive(3, timeout_s=10, attempt=1)
+        loader = threading.Thread(target=next, args=(partial,))  # takes bucket 0, then stops: no ack
+        loader.start()
+        with pytest.raises(TimeoutError, match=rf"no ack for bucket \d from {re.escape(receiver.address)}"):
+            sender.send(first.items(), version=3, attempt=1)
+        loader.join(10)
+        partial.close()
+        second = {name: t + 10 for name, t in first.items()}
+        loaded: dict = {}
+
+        def receive_second():
+            for bucket in receiver.receive(3, timeout_s=10, attempt=2):
+                loaded.update((n, t.clone()) for n, t in bucket)
+
+        second_thread = threading.Thread(target=receive_second)
+        second_thread.start()
+        stats = sender.send(second.items(), version=3, attempt=2)
+        second_thread.join(30)
+        assert sender._group.generation == 1 and receiver.attestation == stats["attestation"]
+        assert loaded.keys() == second.keys() and all(torch.equal(loaded[n], second[n]) for n in second)
+    finally:
+        sender.close()
+        receiver.close()
