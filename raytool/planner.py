@@ -51,6 +51,7 @@ from raytool.config import RunConfig
 from raytool.device import engine_dtype
 from raytool.distill import teacher_run
 from raytool.errors import RaytoolError
+from raytool.weightsync.collective import auto_backend, weights_device
 from raytool.training.sequence_parallel import check_heads
 
 GiB = 1024**3
@@ -177,13 +178,16 @@ def architecture(model_path: str) -> Architecture:
                             f"(known: {', '.join(sorted(KNOWN))}); plan on a machine that holds the checkpoint")
 
 
+DEFAULT_LINK_GBIT = 100.0  # cluster.link_gbit unset: one NIC of a common GPU cluster
+
+
 @dataclass(frozen=True)
 class Cluster:
     nodes: int
     gpus_per_node: int  # accelerators per node (0: CPU only)
     gpu_memory_gb: float
     host_memory_gb: float
-    link_gbit: float = 100.0  # bandwidth between nodes (the weight sync's predicted time)
+    link_gbit: float = DEFAULT_LINK_GBIT  # bandwidth between nodes (the weight sync's predicted time)
 
     @classmethod
     def this_machine(cls) -> "Cluster":
@@ -324,12 +328,13 @@ def sync_prediction(cfg: RunConfig, arch: Architecture, link_gbit: float) -> tup
     warning where the run's backend would miss trainer.weight_sync_timeout_s ("" if not)."""
     gbytes = arch.params() * _bytes(engine_dtype(cfg.model.dtype, cfg.rollout.num_gpus > 0, engine="hf")[0]) / 1e9
     link = link_gbit / 8
-    on_accelerators = cfg.trainer.num_gpus > 0
+    device = weights_device(cfg)
+    on_accelerators = device != "cpu"
     seconds = {"zmq": gbytes / min(link, TCP_STREAM_GBYTES),
                "collective": gbytes / (link * COLLECTIVE_LINK_SHARE if on_accelerators else min(link, TCP_STREAM_GBYTES))}
     backend = cfg.trainer.weight_sync_backend
-    if backend == "auto":
-        backend = "collective" if on_accelerators else "zmq"
+    if backend == "auto":  # the cluster's image has its accelerators' backend, whatever this machine's torch has
+        backend = auto_backend(device, backend_available=True)
     deadline = cfg.trainer.weight_sync_timeout_s
     warning = ""
     if seconds[backend] > deadline:
@@ -601,7 +606,7 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
         problems.append(str(exc))
     roles = ([trainer, server] if with_servers else [trainer]) + ([teacher[0]] if teacher is not None else [])
     accelerators = {d.role: d.count * d.bundle[cfg.cluster.accelerator] for d in accelerator_demands(cfg, with_servers)}
-    sync, sync_warning = sync_prediction(cfg, arch, cluster.link_gbit)
+    sync, sync_warning = sync_prediction(cfg, arch, cluster.link_gbit) if with_servers else ({}, "")
     return Plan(cfg.model.path, arch, p, arch.lora_params(t.lora_rank) if t.lora_rank else p, cluster, roles, problems, loading, notes,
                 accelerators, cfg.cluster.accelerator, export, store, trainers_per_node, servers_per_node, sync, sync_warning)
 

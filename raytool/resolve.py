@@ -41,22 +41,15 @@ def resolve(cfg: RunConfig) -> RunConfig:
     return with_user_code_paths(with_tool_format(with_rollout_correction(with_engine_dtype(with_agent_workers(cfg)))))
 
 
-def weights_device(cfg: RunConfig) -> str:
-    """Where the trainer's weights are, so where a weight sync's buckets start: cuda, npu or cpu."""
-    if not cfg.trainer.num_gpus:
-        return "cpu"
-    return "npu" if cfg.cluster.accelerator == "NPU" else "cuda"
-
-
 def with_weight_sync_backend(cfg: RunConfig) -> RunConfig:
     """trainer.weight_sync_backend auto decided; `collective` checked against this torch build."""
-    from raytool.weightsync.collective import BACKENDS, missing_backend
+    from raytool.weightsync.collective import BACKENDS, auto_backend, missing_backend, weights_device
 
     t, device = cfg.trainer, weights_device(cfg)
     backend = t.weight_sync_backend
     if backend == "auto":
         why = missing_backend(device) if device != "cpu" else "CPU weights"
-        backend = "zmq" if why else "collective"
+        backend = auto_backend(device, why is None)
         log.info("trainer.weight_sync_backend auto: %s (the trainer's weights are on %s%s)", backend, device, f": {why}" if why else "")
     elif backend == "collective" and (why := missing_backend(device)):
         raise ConfigError(f"config key 'trainer.weight_sync_backend': collective syncs {device} weights with {BACKENDS[device]}, but {why}; "

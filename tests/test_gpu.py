@@ -211,34 +211,17 @@ def test_a_gpu_buffers_fingerprint_is_the_hosts():
     assert fingerprint(data.cuda()) == fingerprint(data) and fingerprint(odd.cuda()) == fingerprint(odd)
 
 
-def _nccl_receive(address_queue, result_queue):
-    import io
-
-    from raytool.weightsync import WeightReceiver
-
-    torch.cuda.set_device(1)
-    receiver = WeightReceiver()
-    address_queue.put(receiver.address)
-    out = {}
-    for bucket in receiver.receive(1, timeout_s=120):
-        for name, tensor in bucket:
-            out[name] = (tensor.device.type, tensor.cpu().clone())
-    buffer = io.BytesIO()
-    torch.save({"tensors": out, "attestation": receiver.attestation}, buffer)
-    result_queue.put(buffer.getvalue())
-    receiver.close()
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between two ranks needs two GPUs")
 def test_the_nccl_path_is_exact_between_two_gpus():
     import io
     import multiprocessing as mp
 
     from raytool.weightsync import WeightSender
+    from tests.test_weightsync import _ipc_receive
 
     ctx = mp.get_context("spawn")
     addresses, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_nccl_receive, args=(addresses, results))
+    proc = ctx.Process(target=_ipc_receive, args=(addresses, results, 1, 1))  # version 1, on GPU 1
     proc.start()
     g = torch.Generator().manual_seed(0)
     weights = {"a": torch.randn(300, 64, generator=g).cuda(), "b": torch.randn(700, 1024, generator=g).to(torch.bfloat16).cuda()}

@@ -443,16 +443,20 @@ def test_the_header_names_each_hop_upstream():
     assert header.upstream() == "tcp://a:1"
 
 
-def _ipc_receive(address_queue, result_queue):
+def _ipc_receive(address_queue, result_queue, version: int = 9, gpu: int | None = None):
+    """A receiver in its own process (on GPU `gpu`, if given): puts {"tensors": name -> (device
+    type, tensor), "attestation": ...} of sync `version` on `result_queue`."""
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
     receiver = WeightReceiver()
     address_queue.put(receiver.address)
     out = {}
-    for bucket in receiver.receive(9, timeout_s=60):
+    for bucket in receiver.receive(version, timeout_s=120):
         for name, tensor in bucket:
             out[name] = (tensor.device.type, tensor.cpu().clone())
     # Bytes, not tensors: a queued CPU tensor travels as a file descriptor that dies with this process.
     buffer = io.BytesIO()
-    torch.save(out, buffer)
+    torch.save({"tensors": out, "attestation": receiver.attestation}, buffer)
     result_queue.put(buffer.getvalue())
     receiver.close()
 
@@ -471,7 +475,7 @@ def test_cuda_ipc_publishes_a_tensor_set_to_another_process(monkeypatch):
     weights = {name: w.cuda() for name, w in _weights().items()}
     sender = WeightSender([addresses.get(timeout=60)], bucket_bytes=1 << 20)
     stats = sender.send(weights.items(), 9)  # auto: GPU weights, receiver on this node
-    got = torch.load(io.BytesIO(results.get(timeout=60)))
+    got = torch.load(io.BytesIO(results.get(timeout=60)))["tensors"]
     proc.join(30)
     assert stats["kind"] == "cuda" and stats["buckets"] == 3
     assert got.keys() == weights.keys()

@@ -461,13 +461,13 @@ def check_memory(cfg: RunConfig, model_path: str, with_servers: bool = True) -> 
     naming the config key when the run cannot fit. Accelerator memory is known only from the
     driver's own accelerator (Ray does not report it); host memory is the smallest node's memory
     and object store as Ray counts them. with_servers=False: the trainer alone (`raytool sft`)."""
-    from raytool.planner import GiB, Cluster, plan
+    from raytool.planner import DEFAULT_LINK_GBIT, GiB, Cluster, plan
 
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     gpus = max((int(node.get(cfg.cluster.accelerator, 0)) for node in nodes), default=0)
     here = Cluster.this_machine()
     host = min((node.get("memory", 0.0) + node.get("object_store_memory", 0.0) for node in nodes), default=0.0) / GiB
-    cluster = Cluster(len(nodes), gpus, here.gpu_memory_gb if gpus and here.gpus_per_node else 0.0, host, cfg.cluster.link_gbit or 100.0)
+    cluster = Cluster(len(nodes), gpus, here.gpu_memory_gb if gpus and here.gpus_per_node else 0.0, host, cfg.cluster.link_gbit or DEFAULT_LINK_GBIT)
     try:
         result = plan(cfg, cluster, model_path, with_servers)
     except FileNotFoundError as exc:

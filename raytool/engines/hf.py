@@ -201,7 +201,7 @@ class HFEngine:
                     loaded = sum(self.load_weights(bucket) for bucket in self._receiver.receive(version, timeout_s, attempt))
                     # What the model holds now, against what the trainer sent: parameters by their HF names.
                     verify_loaded(self._receiver.manifest, {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())},
-                                  "the rollout engine", version, self._receiver.on_host)
+                                  version, self._receiver.on_host)
                 except BaseException:
                     self.policy_version = INCOMPLETE  # half old, half new: serve nothing until a sync completes
                     raise

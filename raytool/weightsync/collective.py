@@ -24,10 +24,26 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from raytool.config import RunConfig
 from raytool.weightsync.protocol import GroupSpec, WeightSyncTimeout
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+DEVICES = {backend: device for device, backend in BACKENDS.items()}
 _POLL_S = 0.05
+
+
+def weights_device(cfg: RunConfig) -> str:
+    """Where the trainer's weights are, so where a weight sync's buckets start: cuda, npu or cpu."""
+    if not cfg.trainer.num_gpus:
+        return "cpu"
+    return "npu" if cfg.cluster.accelerator == "NPU" else "cuda"
+
+
+def auto_backend(device: str, backend_available: bool) -> str:
+    """What trainer.weight_sync_backend auto means for weights on `device` (`weights_device`):
+    collective where they are on accelerators whose backend (NCCL, HCCL) the torch has, else zmq.
+    Decided once, by raytool.resolve; `raytool plan` asks it for the cluster's image."""
+    return "collective" if device != "cpu" and backend_available else "zmq"
 
 
 def backend_for(device_type: str) -> str:
@@ -150,10 +166,7 @@ class SenderGroup:
     def close(self) -> None:
         """Abort the group (a peer blocked in it is released) and drop the store."""
         if self.pg is not None:
-            try:
-                self.pg.abort()
-            except Exception:  # noqa: BLE001 - a group that failed may refuse: it is dropped either way
-                pass
+            _abort(self.pg)
             self.pg = None
         self.store = None
 
@@ -181,15 +194,17 @@ class ReceiverGroup:
         return view
 
     def close(self) -> None:
-        try:
-            self.pg.abort()
-        except Exception:  # noqa: BLE001 - dropped either way
-            pass
+        _abort(self.pg)
+
+
+def _abort(pg) -> None:
+    try:
+        pg.abort()
+    except Exception:  # noqa: BLE001 - a group that failed may refuse: it is dropped either way
+        pass
 
 
 def receiver_device(backend: str) -> torch.device:
     """Where a receiver's broadcasts land: host memory for gloo, this process's accelerator otherwise."""
-    if backend == "gloo":
-        return torch.device("cpu")
-    module = torch.cuda if backend == "nccl" else getattr(torch, "npu")
-    return torch.device(backend == "nccl" and "cuda" or "npu", module.current_device())
+    device = DEVICES[backend]
+    return torch.device(device) if device == "cpu" else torch.device(device, getattr(torch, device).current_device())

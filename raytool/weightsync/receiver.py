@@ -198,22 +198,23 @@ def _first_difference(header: BucketHeader, digests: list[int]) -> str:
     return ""
 
 
-def verify_loaded(manifest: list[tuple[Piece, int]], loaded: dict[str, torch.Tensor], server: str, version: int, on_host: bool = True) -> None:
+def verify_loaded(manifest: list[tuple[Piece, int]], loaded: dict[str, torch.Tensor], version: int, on_host: bool = True) -> None:
     """Raise AttestationError naming the first tensor whose bytes in the engine (`loaded`: name ->
     the engine's tensor of that name, cast to the dtype it was sent in) differ from what the trainer
     sent (`manifest`: a receiver's last sync). `on_host`: the sync's digests were taken on the host
-    (every path but CUDA IPC and NCCL/HCCL, whose digests are the device's `fingerprint`)."""
+    (every path but CUDA IPC and NCCL/HCCL, whose digests are the device's `fingerprint`). The
+    rollout server adds its own name to the error (actors.rollout_server)."""
     for piece, sent in manifest:
         tensor = loaded.get(piece.name)
         if tensor is None:
-            raise AttestationError(f"weight sync v{version}: {server} holds no tensor '{piece.name}', which the trainer sent",
+            raise AttestationError(f"weight sync v{version}: the engine holds no tensor '{piece.name}', which the trainer sent",
                                    version=version, bucket=-1, kind="attestation")
         data = tensor.detach().to(DTYPES[piece.dtype]).contiguous().reshape(-1).view(torch.uint8)
         if on_host:
             data = data.cpu()
         if digest(data[piece.start : piece.start + piece.nbytes]) != sent:
             raise AttestationError(
-                f"weight sync v{version}: {server} loaded '{piece.name}' (bytes {piece.start}-{piece.start + piece.nbytes}) "
+                f"weight sync v{version}: the engine loaded '{piece.name}' (bytes {piece.start}-{piece.start + piece.nbytes}) "
                 "differently from what the trainer sent: its digest differs; the server serves nothing of this version",
                 version=version, bucket=-1, kind="attestation",
             )
