@@ -30,7 +30,7 @@ from raytool.agent.loop import reward_view
 from raytool.agent.registry import get_agent_loop, loop_hooks
 from raytool.agent.render import ChatRenderer
 from raytool.config import AgentConfig, RolloutConfig, RunConfig
-from raytool.distill import teacher_logprobs
+from raytool.distill import TeacherEndpoint, teacher_logprobs
 from raytool.errors import one_line
 from raytool.models import load_tokenizer
 from raytool.overload import backoff_s, stage_timing
@@ -57,7 +57,7 @@ class AgentLoopWorker:
         actors.common.named); `servers`: the rollout servers' names, which this worker's data plane
         calls directly (the manager, the control plane, says which of them serve). `teacher`
         (distill.teacher): the teacher's control plane and servers, (manager, [server names]),
-        which a second data plane calls the same way."""
+        which a second data plane calls the same way; a teacher URL is called directly."""
         for module in cfg.agent.loop_modules:  # where users register their own loops and tools
             importlib.import_module(module)
         self.cfg = cfg
@@ -65,7 +65,7 @@ class AgentLoopWorker:
         self.plane = data_plane(dict(zip(servers, named(servers, namespace))), self.manager, cfg.rollout, role)
         # Ray runs an async actor's constructor in its event loop: membership follows from now on.
         self._following = asyncio.get_running_loop().create_task(follow(self.plane, self.manager))
-        self.teacher = None
+        self.teacher = TeacherEndpoint(cfg.distill) if cfg.distill.url is not None else None  # a teacher URL: its API routes
         if teacher is not None:
             teacher_manager = named(teacher[0], namespace)
             self.teacher = data_plane(dict(zip(teacher[1], named(teacher[1], namespace))), teacher_manager, cfg.rollout, f"{role} (teacher)")
@@ -175,7 +175,8 @@ class AgentLoopWorker:
 
     async def _teach(self, traj: Trajectory) -> None:
         """distill.teacher: the teacher's log-prob of every response token, from one scoring call over
-        the whole sequence on a teacher server (routed, retried and watched like a generate call); a
+        the whole sequence on a teacher server (routed, retried and watched like a generate call) or
+        the teacher URL (raytool.distill.TeacherEndpoint); a
         teacher that fails or answers wrong infra-fails the trajectory with the cause (its group is
         rolled out again)."""
         start = time.monotonic()

@@ -357,12 +357,26 @@ class ClusterConfig(_Section):
 class DistillConfig(_Section):
     """On-policy distillation: a teacher scores every token the student samples (docs/distillation.md)."""
 
-    teacher: str | None = None  # the teacher model (a hub name, a local path or a bundled name), served by its own rollout servers with rollout.engine and never weight-synced; each trained token's advantage is -(log p_student - log p_teacher) (None: off)
+    teacher: str | None = None  # the teacher model (a hub name, a local path or a bundled name), served by its own rollout servers with rollout.engine and never weight-synced; or the URL of an OpenAI-compatible API that returns prompt log-probs (vLLM's server: http://host:8000/v1); each trained token's advantage is -(log p_student - log p_teacher) (None: off)
+    teacher_model: str | None = None  # a teacher URL: the model name to ask it for (None: the one model its /models lists)
+    api_key_env: str = "OPENAI_API_KEY"  # a teacher URL: the environment variable holding its API key (never the key itself; unset: no key)
+    timeout_s: PositiveNumber = 300.0  # a teacher URL: one scoring call (one prefill of a whole trajectory, queued behind others on a busy server)
+    retries: Count = 2  # a teacher URL: a call that failed to connect, timed out or was answered 408/429/5xx is tried again this many times, backing off (honouring Retry-After); then the trajectory is infra-failed and its group rolled out again
     num_servers: Positive = 1  # the teacher's rollout servers
     num_gpus: NonNegative | None = None  # accelerators each teacher server reserves (None: rollout.num_gpus); a teacher larger than the student wants more
     tensor_parallel_size: Positive | None = None  # the teacher's vLLM tensor parallelism (None: rollout.tensor_parallel_size)
     kl_coef: NonNegative = 1.0  # weight of the per-token reverse KL in the advantage
     reward_weight: NonNegative = 0.0  # weight of the task reward's (GRPO) advantage added to it (0: the teacher alone teaches)
+
+    @property
+    def url(self) -> str | None:
+        """The teacher's API when distill.teacher is a URL (no teacher servers of raytool's own), else None."""
+        return self.teacher if self.teacher and self.teacher.startswith(("http://", "https://")) else None
+
+    @property
+    def has_servers(self) -> bool:
+        """Whether the run starts teacher servers of its own (a teacher model, not a URL)."""
+        return bool(self.teacher) and self.url is None
 
 
 class RunConfig(_Section):
@@ -618,6 +632,7 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: config key 'trainer.prefix_sharing' is true, but {why}: set it auto or false")
     validate_async(cfg, source)
     validate_sandbox_lifetime(cfg, source)
+    validate_distill(cfg.distill, source)
     if cfg.cluster.env_vars.get("VLLM_ASCEND_ENABLE_NZ", "0") != "0":
         raise ConfigError(f"{source}: config key 'cluster.env_vars': VLLM_ASCEND_ENABLE_NZ={cfg.cluster.env_vars['VLLM_ASCEND_ENABLE_NZ']} lets "
                           "vllm-ascend hold weights in the FRACTAL_NZ layout, which raytool's weight syncs do not write; leave it out (raytool sets 0)")
@@ -631,6 +646,19 @@ def validate_rules(cfg: RunConfig, source: str = "config") -> None:
     if r.overlong_buffer_tokens >= cfg.agent.max_response_tokens:
         raise ConfigError(f"{source}: config key 'reward.overlong_buffer_tokens': must be below agent.max_response_tokens "
                           f"({cfg.agent.max_response_tokens}), got {r.overlong_buffer_tokens}")
+
+
+def validate_distill(d: DistillConfig, source: str) -> None:
+    """Keys that size raytool's own teacher servers mean nothing beside a teacher URL, and the URL's
+    keys nothing beside a teacher model: either named with the other is refused."""
+    if d.url is not None:
+        sized = [k for k in ("num_gpus", "tensor_parallel_size") if getattr(d, k) is not None] + (["num_servers"] if d.num_servers != 1 else [])
+        if sized:
+            raise ConfigError(f"{source}: config key 'distill.{sized[0]}' sizes raytool's own teacher servers, but distill.teacher is a URL "
+                              f"({d.url}), whose server you run yourself: drop distill.{sized[0]}, or name a teacher model")
+    elif d.teacher_model is not None:
+        raise ConfigError(f"{source}: config key 'distill.teacher_model' names the model of a teacher URL, but distill.teacher is "
+                          f"{d.teacher!r}, not a URL (http://host:port/v1)")
 
 
 # Why r3 cannot run on vLLM without GPUs (measured with vLLM 0.32); the config rule and the engine say it alike.

@@ -249,7 +249,7 @@ def accelerator_demands(cfg: RunConfig, with_servers: bool = True) -> list[place
 
     wanted = [placement.Demand("rollout server", cfg.rollout.num_servers, {acc: per_server(cfg.rollout)},
                                "rollout.num_servers, rollout.num_gpus, rollout.tensor_parallel_size")] if with_servers else []
-    if with_servers and cfg.distill.teacher:
+    if with_servers and cfg.distill.has_servers:
         teacher = teacher_run(cfg).rollout
         wanted.append(placement.Demand("teacher server", teacher.num_servers, {acc: per_server(teacher)},
                                        "distill.num_servers, distill.num_gpus, distill.tensor_parallel_size"))
@@ -576,7 +576,7 @@ def plan(cfg: RunConfig, cluster: Cluster, model_path: str | None = None, with_s
                             f"{_trainer_advice(cfg, trainer)}")
     if server_acc and known:
         problems += kv_cache_problems(r, arch, server, gpu, "rollout.tensor_parallel_size")
-    teacher = teacher_memory(cfg, cluster) if with_servers and cfg.distill.teacher else None
+    teacher = teacher_memory(cfg, cluster) if with_servers and cfg.distill.has_servers else None
     if teacher is not None:
         problems += teacher[1]
     # host memory of the busiest node: its trainer workers (+ rank 0's loading or export), servers, teachers and object store

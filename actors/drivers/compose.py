@@ -392,7 +392,7 @@ def start_actors(cfg: RunConfig, model_path: str, ns: str) -> Graph:
 
     manager = control_plane("llm-manager", servers)
     # distill.teacher: the teacher's own servers and control plane, never weight-synced (raytool.distill)
-    teacher_servers = rollout_servers(teacher_run(cfg), resolve_model(cfg.distill.teacher), options, "teacher-server") if cfg.distill.teacher else {}
+    teacher_servers = rollout_servers(teacher_run(cfg), resolve_model(cfg.distill.teacher), options, "teacher-server") if cfg.distill.has_servers else {}
     teacher_manager = control_plane("teacher-manager", teacher_servers) if teacher_servers else None
     sandbox_pools = build_sandbox_pools(cfg, options)
     reward_workers = [RewardWorker.options(**options(f"reward-worker-{i}", light), **restarts).remote(cfg.reward, ns) for i in range(cfg.reward.num_workers)]

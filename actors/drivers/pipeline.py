@@ -168,7 +168,7 @@ def run(cfg: RunConfig, run_dir: str | Path | None = None, address: str | None =
     check_judge(cfg.reward, task.train + task.val)
     tokenizer = load_tokenizer(model_path)  # renders the warm-up, decodes the traces' prompts
     if cfg.distill.teacher:
-        check_teacher(cfg, tokenizer)
+        cfg = check_teacher(cfg, tokenizer)  # a teacher URL's model name settled here, for every agent worker
     check_template_kwargs(tokenizer, cfg.agent.chat_template_kwargs)
     toolset = build_toolset(cfg.agent, tokenizer, None)  # the run's tools (names and schemas; no executor in the driver)
     check_row_tools(toolset, task)
