@@ -61,8 +61,7 @@ def test_held_out_accuracy_rises_distilled_from_a_cold_started_teacher_behind_vl
     """The ReTool cold start's second stage on the CPU: the teacher is SmolLM2 after the default run's
     cold start (12 SFT warm-up steps, one GRPO step), served by vLLM's own OpenAI server and named
     by its URL; the student is SmolLM2 after 3 of those warm-up steps. Six steps of the teacher's
-    word alone, in the asynchronous mode: the student's reverse KL falls and its held-out accuracy
-    rises. `slow` (about 12 min here: two runs and a server; `pytest -m slow`); its figures are in
+    word alone, in the asynchronous mode: the student's held-out accuracy rises. `slow` (about 12 min here: two runs and a server; `pytest -m slow`); its figures are in
     docs/distillation.md. (At trainer.lr=5e-5 the same student fell, 0.34 -> 0.16: measured.)"""
     from actors.drivers.pipeline import run
     from helpers.vllm_api import vllm_api
@@ -74,8 +73,11 @@ def test_held_out_accuracy_rises_distilled_from_a_cold_started_teacher_behind_vl
                                          "eval.max_prompts=32", "eval.n=4", "async.max_staleness=1", *quiet]), tmp_path / "student")
     steps = [json.loads(line) for line in (student / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [0, 1, 2, 3, 4, 5, 6]
+    # This student starts about 0.2 nats a token from the teacher: over 16 trajectories a step its
+    # reverse KL is mostly noise (0.19, 0.32, 0.27, 0.21, 0.22, 0.19 measured); it must not grow.
+    # The degraded student above, 5 nats away, is where the fall is asserted.
     kl = [m["distill/rollout_reverse_kl"] for m in steps[1:]]
-    assert (kl[-2] + kl[-1]) / 2 < 0.8 * (kl[0] + kl[1]) / 2, kl
-    # the held-out samples answered right, both sources (20 and 12 prompts, 4 samples each): 0.47 and 0.06 -> 0.59 and 0.19 measured
+    assert (kl[-2] + kl[-1]) / 2 <= (kl[0] + kl[1]) / 2, kl
+    # the held-out samples answered right, both sources (20 and 12 prompts, 4 samples each): 0.34 and 0 -> 0.62 and 0.21 measured
     before, after = (sum(m[f"val-core/{src}/acc/mean@4"] * k for src, k in (("tool_arith", 80), ("tool_arith_unseen", 48))) for m in (steps[0], steps[-1]))
     assert after > before, (before, after)
