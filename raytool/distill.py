@@ -213,9 +213,13 @@ def detokenize(http, root: str, model: str, ids: list[int]) -> str:
     if reply.status_code == 404:
         raise ConfigError(f"config key 'distill.teacher': the teacher at {root} has no /detokenize (vLLM's server has it), so its "
                           "tokenizer cannot be checked against the student's; serve the teacher with vLLM")
-    if reply.status_code != 200 or not isinstance(reply.json().get("prompt"), str):
+    try:
+        text = reply.json()["prompt"] if reply.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        text = None
+    if not isinstance(text, str):
         raise ConfigError(f"config key 'distill.teacher': {root}/detokenize answered {reply.status_code}: {reply.text[:200]}")
-    return reply.json()["prompt"]
+    return text
 
 
 def first_other_token(theirs, tokenizer, vocab: int, chunk: int = VOCAB_CHUNK) -> tuple[int, str, str] | None:
