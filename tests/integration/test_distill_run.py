@@ -2,7 +2,9 @@
 SmolLM2-135M-Instruct with its weights perturbed (a degraded copy, made here) learns from SmolLM2
 itself as the teacher, in the asynchronous mode: the teacher's own rollout server scores every
 token the student sampled, the student's reverse KL to the teacher falls over four steps, and the
-off-policy correction applies to the distillation's advantages as to a reward's."""
+off-policy correction applies to the distillation's advantages as to a reward's. A `slow` test
+(pytest -m slow) shows a weak student's held-out accuracy rising, taught by a cold-started teacher
+served by vLLM's own server and named by its URL."""
 
 from __future__ import annotations
 
@@ -61,8 +63,9 @@ def test_held_out_accuracy_rises_distilled_from_a_cold_started_teacher_behind_vl
     """The ReTool cold start's second stage on the CPU: the teacher is SmolLM2 after the default run's
     cold start (12 SFT warm-up steps, one GRPO step), served by vLLM's own OpenAI server and named
     by its URL; the student is SmolLM2 after 3 of those warm-up steps. Six steps of the teacher's
-    word alone, in the asynchronous mode: the student's held-out accuracy rises. `slow` (about 12 min here: two runs and a server; `pytest -m slow`); its figures are in
-    docs/distillation.md. (At trainer.lr=5e-5 the same student fell, 0.34 -> 0.16: measured.)"""
+    word alone, in the asynchronous mode: the student's held-out accuracy rises. `slow` (9.5 min
+    here: two runs and a server; `pytest -m slow`); its figures are in docs/distillation.md. (At
+    trainer.lr=5e-5 the same student fell, 0.34 -> 0.16: measured.)"""
     from actors.drivers.pipeline import run
     from helpers.vllm_api import vllm_api
 
@@ -74,10 +77,11 @@ def test_held_out_accuracy_rises_distilled_from_a_cold_started_teacher_behind_vl
     steps = [json.loads(line) for line in (student / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [0, 1, 2, 3, 4, 5, 6]
     # This student starts about 0.2 nats a token from the teacher: over 16 trajectories a step its
-    # reverse KL is mostly noise (0.19, 0.32, 0.27, 0.21, 0.22, 0.19 measured); it must not grow.
-    # The degraded student above, 5 nats away, is where the fall is asserted.
+    # reverse KL is mostly noise (0.19, 0.32, 0.27, 0.21, 0.22, 0.19 and 0.27, 0.23, 0.29, 0.56,
+    # 0.16, 0.16 measured), so only a blow-up is caught here; the degraded student above, 5 nats
+    # away, is where the fall is asserted.
     kl = [m["distill/rollout_reverse_kl"] for m in steps[1:]]
-    assert (kl[-2] + kl[-1]) / 2 <= (kl[0] + kl[1]) / 2, kl
+    assert all(0.0 < k < 3 * (kl[0] + kl[1]) / 2 for k in kl), kl
     # the held-out samples answered right, both sources (20 and 12 prompts, 4 samples each): 0.34 and 0 -> 0.62 and 0.21 measured
     before, after = (sum(m[f"val-core/{src}/acc/mean@4"] * k for src, k in (("tool_arith", 80), ("tool_arith_unseen", 48))) for m in (steps[0], steps[-1]))
     assert after > before, (before, after)
