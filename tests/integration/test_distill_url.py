@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,31 @@ def test_a_teacher_url_that_cannot_teach_this_student_is_refused_naming_the_key(
     extra.add_tokens(["<student_only>"])
     with pytest.raises(ConfigError, match=r"token id 49152 is '' there and '<student_only>' here"):
         check_teacher(load_config(None, base), extra)
+
+
+def test_a_run_distils_from_the_teacher_url_as_a_user_runs_it(teacher_url, tmp_path, logprob_tolerance):
+    """`raytool train -c examples/distill_tiny.yaml distill.teacher=URL` on a local Ray instance of
+    its own (this file's tests stay out of the session cluster's unit): every trajectory scored by
+    vLLM's server (tiny-random, the student's own starting weights), no teacher server of raytool's
+    own started, the settled model name recorded."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([str(Path(sys.executable).parent / "raytool"), "train", "-c", str(Path(__file__).resolve().parents[2] / "examples" / "distill_tiny.yaml"),
+                           f"distill.teacher={teacher_url}", "trainer.total_steps=2", "data.prompts_per_step=2", "rollout.n=2",
+                           "logging.logger=[]", "logging.progress=false", "--run-dir", str(run_dir)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["rollout/trajectories"] == 4 for m in steps)
+    assert all(m["stage/teacher/service_s"] > 0 and math.isfinite(m["distill/reverse_kl"]) for m in steps)
+    # The teacher serves the student's own starting weights: the first step's reverse KL is zero but
+    # for the two engines' rounding (8e-5 measured); a token scored one place off would be nats away.
+    assert abs(steps[0]["distill/rollout_reverse_kl"]) < logprob_tolerance, steps[0]["distill/rollout_reverse_kl"]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["distill"]["teacher_model"] == "tiny-teacher"
+    assert re.search(r"on \S+: 1 rollout server, .*, 1 LLM manager$", done.stdout + done.stderr, re.M), done.stderr[-2000:]  # the student's; with a teacher model, 2 of each
