@@ -45,7 +45,7 @@ def test_a_teacher_urls_prompt_logprobs_are_read_as_vllm_writes_them():
     answer = [None, {"7": {"logprob": -1.5, "rank": 3, "decoded_token": "a"}}, {"9": {"logprob": -0.25, "rank": 1, "decoded_token": "b"}}]
     assert scores_from_answer(ids, answer) == [-1.5, -0.25]
     with pytest.raises(ValueError, match="no prompt_logprobs .got NoneType.*prompt_logprobs: 0"):
-        scores_from_answer(ids, None)  # a server that ignores the parameter (OpenAI's own API does)
+        scores_from_answer(ids, None)  # a server that ignores the parameter
     with pytest.raises(ValueError, match="2 entries for a prompt of 3 tokens"):
         scores_from_answer(ids, answer[:2])
     with pytest.raises(ValueError, match=r"prompt_logprobs\[2\] has no log-prob of token 9"):
