@@ -65,8 +65,10 @@ class AgentLoopWorker:
         self.plane = data_plane(dict(zip(servers, named(servers, namespace))), self.manager, cfg.rollout, role)
         # Ray runs an async actor's constructor in its event loop: membership follows from now on.
         self._following = asyncio.get_running_loop().create_task(follow(self.plane, self.manager))
-        self.teacher = TeacherEndpoint(cfg.distill) if cfg.distill.url is not None else None  # a teacher URL: its API routes
-        if teacher is not None:
+        self.teacher = None
+        if cfg.distill.url is not None:  # a teacher URL: its API routes
+            self.teacher = TeacherEndpoint(cfg.distill)
+        elif teacher is not None:
             teacher_manager = named(teacher[0], namespace)
             self.teacher = data_plane(dict(zip(teacher[1], named(teacher[1], namespace))), teacher_manager, cfg.rollout, f"{role} (teacher)")
             self._following_teacher = asyncio.get_running_loop().create_task(follow(self.teacher, teacher_manager))

@@ -126,6 +126,17 @@ def scores_from_answer(ids: list[int], prompt_logprobs) -> list[float]:
     return out
 
 
+def scoring_request(model: str, ids: list[int]) -> dict:
+    """The completions request that scores `ids` (one prefill, one token generated), the start's
+    check and every trajectory's call alike."""
+    return dict(model=model, prompt=list(ids), max_tokens=1, temperature=0.0, extra_body={"prompt_logprobs": 0})
+
+
+def answer_scores(ids: list[int], answer) -> list[float]:
+    """`scores_from_answer` of an `openai` completions answer (the field is vLLM's, an extra one)."""
+    return scores_from_answer(ids, getattr(answer.choices[0], "prompt_logprobs", None))
+
+
 def _api_key(d: DistillConfig) -> str:
     return os.environ.get(d.api_key_env) or "EMPTY"
 
@@ -142,17 +153,17 @@ class TeacherEndpoint:
     def __init__(self, d: DistillConfig):
         if d.url is None or d.teacher_model is None:
             raise ValueError("TeacherEndpoint wants distill.teacher a URL and distill.teacher_model settled (raytool.distill.check_teacher)")
-        self.cfg, self.url, self.model = d, d.url, d.teacher_model
+        self.cfg = d
         self._client = None  # made in the caller's event loop, on the first call
 
     async def score(self, ids: list[int], request_id: str, session: str | None = None) -> PromptScores:
+        d = self.cfg
         if self._client is None:
             import openai
 
-            self._client = openai.AsyncOpenAI(base_url=self.url, api_key=_api_key(self.cfg), timeout=self.cfg.timeout_s, max_retries=self.cfg.retries)
-        answer = await self._client.completions.create(model=self.model, prompt=list(ids), max_tokens=1, temperature=0.0,
-                                                       extra_body={"prompt_logprobs": 0}, extra_headers={"X-Request-Id": request_id})
-        return PromptScores(logprobs=scores_from_answer(ids, getattr(answer.choices[0], "prompt_logprobs", None)), server=self.url)
+            self._client = openai.AsyncOpenAI(base_url=d.url, api_key=_api_key(d), timeout=d.timeout_s, max_retries=d.retries)
+        answer = await self._client.completions.create(**scoring_request(d.teacher_model, ids), extra_headers={"X-Request-Id": request_id})
+        return PromptScores(logprobs=answer_scores(ids, answer), server=d.url)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -179,14 +190,13 @@ def check_teacher_url(cfg: RunConfig, tokenizer, source: str) -> RunConfig:
             which = f"distill.teacher_model={d.teacher_model!r}" if d.teacher_model else "distill.teacher_model (which model?)"
             raise ConfigError(f"{source}: config key 'distill.teacher_model': the teacher at {d.url} serves {sorted(listed)}: set {which} to one of them")
         budget = (cfg.data.max_prompt_tokens or 0) + cfg.agent.max_response_tokens
-        limit = getattr(listed[model], "max_model_len", None) or (listed[model].model_extra or {}).get("max_model_len")
+        limit = getattr(listed[model], "max_model_len", None)  # vLLM's, an extra field
         if isinstance(limit, int) and limit < budget:
             raise ConfigError(f"{key}: {model} at {d.url} holds {limit} tokens a sequence, fewer than the student's "
                               f"{budget} (data.max_prompt_tokens + agent.max_response_tokens): it could not score them")
         ids = tokenizer.encode(PROBE, add_special_tokens=False)
         try:
-            answer = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0.0, extra_body={"prompt_logprobs": 0})
-            scores = scores_from_answer(ids, getattr(answer.choices[0], "prompt_logprobs", None))
+            scores = answer_scores(ids, client.completions.create(**scoring_request(model, ids)))
         except ValueError as exc:
             raise ConfigError(f"{key}: {model} at {d.url} does not return prompt log-probs: {exc}") from None
         except Exception as exc:

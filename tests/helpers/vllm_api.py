@@ -7,18 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 @contextlib.contextmanager
@@ -26,7 +21,7 @@ def vllm_api(model: str, name: str, log: Path, max_model_len: int = 1024, start_
     """The server's base URL (http://127.0.0.1:PORT/v1) while it serves `model` as `name`; its
     output goes to `log`. A 1 GiB KV cache and every core for its worker (vLLM's CPU defaults size
     the cache to most of the host's memory), eager execution."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
