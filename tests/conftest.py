@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from helpers.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -172,12 +173,6 @@ def renderer(tokenizer):
     from raytool.agent.render import ChatRenderer
 
     return ChatRenderer(tokenizer)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _claim_cluster_unit(config, nodeid: str, claims: Path | None = None) -> Path | None:

@@ -15,17 +15,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from helpers.net import free_port
 from raytool.sandbox.sandbox_fusion import SandboxFusionBackend, to_exec_result
 from raytool.sandbox.server import make_app, to_response
 from raytool.types import ExecResult
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(backend: SandboxFusionBackend, code: str, **kw) -> ExecResult:

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from conftest import free_port
+from helpers.net import free_port
 
 
 @contextlib.contextmanager

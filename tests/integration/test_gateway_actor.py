@@ -7,7 +7,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import free_port
+from helpers.net import free_port
 from raytool.config import load_config
 
 pytestmark = pytest.mark.integration

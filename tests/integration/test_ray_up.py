@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.net import free_port
+
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -40,12 +42,6 @@ TOOLS = {"sshd": SSHD, "ssh": "ssh", "ssh-keygen": "ssh-keygen", "nc": "nc", "rs
 TRAIN = ["-c", "examples/tiny_cpu.yaml", "rollout.engine=hf", "trainer.total_steps=1", "trainer.sft_warmup_steps=1",
          "data.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens_per_turn=24", "agent.max_response_tokens=64",
          "eval.before_train=false", "eval.after_train=false", "trainer.save_final=false"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], log: Path, timeout: float, **kwargs) -> subprocess.CompletedProcess:
