@@ -37,6 +37,8 @@ def test_stops_its_own_process():
 
 def test_a_test_that_leaves_a_process_or_thread_running_fails_naming_it(tmp_path):
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "helpers").mkdir()
+    shutil.copy(Path(__file__).with_name("helpers") / "net.py", tmp_path / "helpers" / "net.py")  # the conftest imports it
     (tmp_path / "test_leaky.py").write_text(LEAKY)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
