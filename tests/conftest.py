@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 # (the asynchronous runs, the chaos run, the benches) run after it has finished, when they have the
 # host to themselves. The rest keep their order, after these.
 CLUSTER_FILES_FIRST = ("test_vllm_engine.py", "test_engine_crash.py", "test_eval.py", "test_faults.py", "test_end_to_end.py",
-                       "test_judge_run.py", "test_gateway_actor.py", "test_sft_to_rl.py", "test_placement.py", "test_llm_manager.py",
+                       "test_judge_run.py", "test_gateway_actor.py", "test_placement.py", "test_llm_manager.py",
                        "test_metrics.py")
 
 
@@ -93,16 +93,9 @@ def _uses_cluster(path: str) -> bool:
         return False
 
 
-# Files whose tests start heavy processes of their own (a vLLM engine core, the tinker-cookbook's
-# recipes beside the service) and time nothing: in the cluster's unit, one after another with its
-# tests, never beside them. Beside it, test_bench_load's judge kept 0.76 of its capacity, under the
-# 0.8 it asserts (2026-11-29; alone, it passes).
-IN_THE_CLUSTER_UNIT = ("tests/integration/test_tinker.py",)
-
-
 def _work_unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
-    if _uses_cluster(path) or path in IN_THE_CLUSTER_UNIT:
+    if _uses_cluster(path):
         return "ray-cluster"
     if path.startswith("tests/integration/"):
         return "own-processes"
