@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 # (the asynchronous runs, the chaos run, the benches) run after it has finished, when they have the
 # host to themselves. The rest keep their order, after these.
 CLUSTER_FILES_FIRST = ("test_vllm_engine.py", "test_engine_crash.py", "test_eval.py", "test_faults.py", "test_end_to_end.py",
-                       "test_judge_run.py", "test_gateway_actor.py", "test_placement.py", "test_llm_manager.py",
+                       "test_judge_run.py", "test_gateway_actor.py", "test_sft_to_rl.py", "test_placement.py", "test_llm_manager.py",
                        "test_metrics.py")
 
 

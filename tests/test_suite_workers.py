@@ -28,8 +28,6 @@ def test_files_on_the_ray_cluster_share_a_unit_and_the_other_integration_files_a
     # their own Ray instances: off the cluster's worker, the critical path
     assert unit("tests/integration/test_default_run.py::test_the_default_run_tells_its_story_on_the_console") == "own-processes"
     assert unit("tests/integration/test_multinode_placement.py::test_npu_requests_land_on_the_ascend_node_with_hccl_settings_and_visible_devices") == "own-processes"
-    assert unit("tests/integration/test_sft_to_rl.py::test_sft_then_export_then_rl_from_the_exported_model") == "own-processes"
-    assert unit("tests/integration/test_distill_run.py::test_the_students_reverse_kl_to_the_teacher_falls_in_the_asynchronous_mode") == "own-processes"
     assert unit("tests/integration/test_tinker.py::test_a_wrong_key_is_refused") == "own-processes"
     # host-wide process markers: the security tests never run beside each other
     assert unit("tests/sandbox_security/test_hostile_cells.py::test_a_sessions_processes_die_when_it_is_closed[root]") == "sandbox-security"
