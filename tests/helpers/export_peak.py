@@ -16,17 +16,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from proc_memory import memory
 from raytool.config import load_config
 from raytool.training import Trainer
-
-
-def memory(field: str) -> int:
-    """A /proc/self/status field (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def main(model: str, out: str, shard_bytes: int) -> None:

@@ -10,20 +10,15 @@ zero), and the KL reference's too.
 
 import json
 import os
-import resource
 import sys
 
 import torch
 import torch.distributed as dist
 
+from proc_memory import memory
 from raytool.config import load_config
 from raytool.training import Trainer
 from raytool.training.model import load_lm
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main(model: str, out: str) -> None:
@@ -31,9 +26,9 @@ def main(model: str, out: str) -> None:
     dist.init_process_group("gloo")
     cfg = load_config(None, ["trainer.compute_dtype=float32"] + sys.argv[3:])
     load_lm(model, attn_implementation=cfg.model.attn_implementation, activation_checkpointing=False, empty=True)  # imports the model's code
-    before = rss_bytes()
+    before = memory("VmRSS")
     trainer = Trainer(cfg, model, rank=rank, world_size=world)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = memory("VmHWM")
     weights = dict(trainer.named_weights())  # a collective: every rank
     reference = trainer._reference()  # with LoRA: the policy with its adapters off
     reference_weights = {} if cfg.trainer.lora_rank else {name: p.full_tensor() for name, p in reference.lm.named_parameters()}

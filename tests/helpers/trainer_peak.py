@@ -2,17 +2,17 @@
 
     python tests/helpers/trainer_peak.py MODEL OUT [key=value ...]
 
-Writes OUT (JSON): the peak resident memory of this process (bytes), for the planner's test. The
+Writes OUT (JSON): the peak resident memory of this process (bytes, VmHWM), for the planner's test. The
 batch is trainer.micro_batch_tokens tokens: sequences of 512 tokens (a 16-token prompt and a
 496-token response, every response token trained), rewards alternating so every advantage is non-zero.
 """
 
 import json
-import resource
 import sys
 
 import torch
 
+from proc_memory import memory
 from raytool.config import load_config
 from raytool.models import resolve_model
 from raytool.training import Trainer
@@ -31,7 +31,7 @@ def main(model: str, out: str) -> None:
                                 rollout_logprobs=[0.0] * 496, messages=[], ground_truth="", reward=float(k % 2)))
     trainer.rl_step(TrainBatch.whole(batch))
     with open(out, "w") as f:
-        json.dump({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)
+        json.dump({"peak": memory("VmHWM")}, f)
 
 
 if __name__ == "__main__":
