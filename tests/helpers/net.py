@@ -1,5 +1,5 @@
 """Loopback ports for the servers tests start. Imported as `helpers.net`: a module of its own, since
-`from conftest import ...` resolves to whichever conftest.py was imported first under that name
+`from conftest import ...` resolves to whichever conftest.py was imported last under that name
 (tests/sandbox_security has one too)."""
 
 from __future__ import annotations
