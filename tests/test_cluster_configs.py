@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from helpers.net import free_port
 
 # importing Ray's CLI module warns about pydantic APIs it uses; not this test's business
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -384,9 +385,7 @@ def test_node_sandbox_service_starts_once_in_the_background_and_reports_a_failed
     fake.write_text(FAKE_RAYTOOL.format(python=sys.executable))
     fake.chmod(0o755)
     (bin_dir / "python3").symlink_to(sys.executable)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     calls = tmp_path / "calls"
     env = {"HOME": str(tmp_path), "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls)}
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from raytool.config import ConfigError, load_config
 from raytool.distill import TeacherEndpoint, check_teacher
@@ -83,12 +87,6 @@ def test_a_run_distils_from_the_teacher_url_as_a_user_runs_it(teacher_url, tmp_p
     its own (this file's tests stay out of the session cluster's unit): every trajectory scored by
     vLLM's server (tiny-random, the student's own starting weights), no teacher server of raytool's
     own started, the settled model name recorded."""
-    import os
-    import subprocess
-    import sys
-
-    import yaml
-
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([str(Path(sys.executable).parent / "raytool"), "train", "-c", str(Path(__file__).resolve().parents[2] / "examples" / "distill_tiny.yaml"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.net import free_port
 from raytool.config import load_config
 
 pytestmark = pytest.mark.integration
@@ -24,9 +24,7 @@ TINY = ["model.path=tiny-random", "eval.before_train=false", "eval.after_train=f
 
 @pytest.fixture(scope="module")
 def sandbox_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "raytool.cli", "sandbox", "serve", "--port", str(port)], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"

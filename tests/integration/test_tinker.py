@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
+from helpers.net import free_port  # noqa: E402
 from raytool.config import load_config  # noqa: E402
 from raytool.models import resolve_model  # noqa: E402
 from raytool.tinker.server import serve  # noqa: E402
@@ -158,9 +158,7 @@ def test_a_vllm_sampler_holds_the_trained_weights_swapped_in_by_raytools_weight_
     """`raytool serve --tinker` with rollout.engine=vllm, in a process of its own (vLLM's engine core
     and its sockets stay out of this one): the samplers' engine takes each snapshot through its
     weight receivers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "raytool.cli", "serve", "--tinker", "--model", "tiny=tiny-random", "--port", str(port),
                              "--api-key", KEY, "--checkpoints", str(tmp_path / "checkpoints"), "rollout.engine=vllm",
                              "trainer.compute_dtype=float32", "model.dtype=float32"],
